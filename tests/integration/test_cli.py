@@ -1,0 +1,75 @@
+"""The command line as a user meets it: help, version, init, errors and exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from ledger_cdc import __version__
+from ledger_cdc.cli import cli
+from tests.conftest import Database
+
+
+def test_version_and_help() -> None:
+    r = CliRunner().invoke(cli, ["--version"])
+    assert r.exit_code == 0 and __version__ in r.output
+    r = CliRunner().invoke(cli, ["--help"])
+    assert r.exit_code == 0 and "ledger-cdc demo" in r.output and "init" in r.output
+    r = CliRunner().invoke(cli, ["init", "--help"])
+    assert "LEDGER_CDC_DSN" in r.output and "--create-slot" in r.output
+
+
+@pytest.mark.server
+def test_init_twice_then_bad_slot(empty_db: Database) -> None:
+    runner = CliRunner()
+    r = runner.invoke(cli, ["init", "--dsn", empty_db.dsn, "--create-slot"])
+    assert r.exit_code == 0, r.output
+    assert "migrations applied: 0001" in r.output and "slot agent_slot: created" in r.output
+    r = runner.invoke(cli, ["init", "--create-slot"], env={"LEDGER_CDC_DSN": empty_db.dsn})
+    assert (
+        r.exit_code == 0
+        and "already up to date" in r.output
+        and "slot agent_slot: exists" in r.output
+    )
+    r = runner.invoke(cli, ["init", "--dsn", empty_db.dsn, "--create-slot", "--slot", "Bad Name"])
+    assert r.exit_code == 4 and "invalid slot name" in r.output
+
+
+def test_connection_error_is_one_line_and_exit_4() -> None:
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ledger_cdc.cli",
+            "init",
+            "--dsn",
+            "host=127.0.0.1 port=1 connect_timeout=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 4
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert lines and lines[0].startswith("error: cannot connect")
+    assert "Traceback" not in p.stderr
+
+
+def test_missing_dsn_is_a_usage_error() -> None:
+    r = CliRunner().invoke(cli, ["init"], env={"LEDGER_CDC_DSN": None})
+    assert r.exit_code == 2 and "--dsn" in r.output
+
+
+@pytest.mark.server
+def test_demo_runs_end_to_end() -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "ledger_cdc.cli", "demo", "--sessions", "3"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "agent_events" in p.stdout and "events in 3 sessions" in p.stdout

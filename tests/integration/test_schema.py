@@ -1,0 +1,237 @@
+"""Migrations, the append-only guard, the hash chain and the least-privilege roles."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+
+import psycopg
+import pytest
+
+from ledger_cdc import Ledger
+from ledger_cdc.errors import ConfigError, MigrationError
+from ledger_cdc.schema import (
+    Migration,
+    applied_migrations,
+    create_slot,
+    init,
+    load_migrations,
+    migrate,
+)
+from tests.conftest import Database
+
+pytestmark = pytest.mark.server
+
+
+def test_init_applies_every_migration_once(empty_db: Database) -> None:
+    first = init(empty_db.dsn, slot="agent_slot")
+    versions = [m.version for m in load_migrations()]
+    assert first.applied == versions
+    assert first.publication_created and first.slot_created
+    again = init(empty_db.dsn, slot="agent_slot")
+    assert again.applied == [] and not again.publication_created and not again.slot_created
+    with empty_db.connect() as conn:
+        assert sorted(applied_migrations(conn)) == versions
+        (n,) = conn.execute("SELECT count(*) FROM ledger_migrations").fetchone()  # type: ignore[misc]
+        assert n == len(versions)
+        pub = conn.execute(
+            "SELECT tablename FROM pg_publication_tables WHERE pubname = 'agent_pub'"
+        ).fetchall()
+        assert pub == [("agent_events",)]
+        slot = conn.execute(
+            "SELECT plugin, slot_type FROM pg_replication_slots WHERE slot_name = 'agent_slot'"
+        ).fetchone()
+        assert slot == ("pgoutput", "logical")
+
+
+def test_edited_migration_is_refused(empty_db: Database) -> None:
+    init(empty_db.dsn)
+    migs = load_migrations()
+    changed = [Migration(m.version, m.name, m.text + "\n-- edited\n") for m in migs]
+    with (
+        empty_db.connect() as conn,
+        pytest.raises(MigrationError, match="changed after it was applied"),
+    ):
+        migrate(conn, changed)
+
+
+def test_failed_migration_leaves_nothing_recorded(empty_db: Database) -> None:
+    bad = [Migration(1, "broken", "CREATE TABLE x (a int); SELECT no_such_function();")]
+    with empty_db.connect() as conn:
+        with pytest.raises(MigrationError, match="0001_broken failed"):
+            migrate(conn, bad)
+        assert applied_migrations(conn) == {}
+        (x,) = conn.execute("SELECT to_regclass('x')").fetchone()  # type: ignore[misc]
+        assert x is None
+
+
+@pytest.mark.parametrize(
+    "name", ["Agent_Slot", "slot; DROP TABLE agent_events", "", "a" * 64, "sl-ot"]
+)
+def test_bad_slot_names_are_refused(empty_db: Database, name: str) -> None:
+    with pytest.raises(ConfigError, match="invalid slot name"):
+        init(empty_db.dsn, slot=name)
+
+
+@pytest.mark.parametrize("name", ["pub; DROP TABLE agent_events", "1pub", "p" * 64, 'pu"b'])
+def test_bad_publication_names_are_refused(empty_db: Database, name: str) -> None:
+    with pytest.raises(ConfigError, match="invalid publication name"):
+        init(empty_db.dsn, publication=name)
+
+
+def test_mixed_case_publication_is_quoted(empty_db: Database) -> None:
+    init(empty_db.dsn, publication="Agent_Pub")
+    with empty_db.connect() as conn:
+        assert conn.execute("SELECT 1 FROM pg_publication WHERE pubname = 'Agent_Pub'").fetchone()
+
+
+def test_existing_slot_with_another_plugin_is_an_error(db: Database) -> None:
+    with db.connect() as conn:
+        conn.execute("SELECT pg_create_logical_replication_slot('other', 'test_decoding')")
+        with pytest.raises(ConfigError, match="not a pgoutput logical slot"):
+            create_slot(conn, "other")
+
+
+def test_unreachable_database_is_one_clear_error() -> None:
+    with pytest.raises(ConfigError, match="cannot connect"):
+        init("host=127.0.0.1 port=1 dbname=x connect_timeout=2")
+
+
+def _one_event(db: Database) -> uuid.UUID:
+    sid = uuid.uuid4()
+    with Ledger(db.dsn) as ledger:
+        ledger.append(sid, "a", "task.completed", {"result": 1})
+    return sid
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "UPDATE agent_events SET agent_id = 'x'",
+        "DELETE FROM agent_events",
+        "TRUNCATE agent_events CASCADE",
+    ],
+)
+def test_append_only_guard_refuses_changes_even_to_the_owner(db: Database, statement: str) -> None:
+    _one_event(db)
+    with db.connect() as conn:
+        with pytest.raises(psycopg.Error, match="append-only ledger"):
+            conn.execute(statement)
+        # the replica role skips ordinary triggers; ours are ENABLE ALWAYS
+        conn.execute("SET session_replication_role = replica")
+        with pytest.raises(psycopg.Error, match="append-only ledger"):
+            conn.execute(statement)
+        (n,) = conn.execute("SELECT count(*) FROM agent_events").fetchone()  # type: ignore[misc]
+        assert n == 1
+
+
+def test_hash_chain_links_each_event_to_the_previous(db: Database) -> None:
+    sid = uuid.uuid4()
+    with Ledger(db.dsn) as ledger:
+        for i in range(5):
+            ledger.append(sid, "a", "task.completed", {"result": i})
+    with db.connect() as conn:
+        rows = conn.execute(
+            "SELECT position, prev_hash, hash, ledger_event_hash(prev_hash, session_id, position, "
+            "agent_id, event_type, payload, idempotency_key, created_at) = hash "
+            "FROM agent_events WHERE session_id = %s ORDER BY position",
+            (sid,),
+        ).fetchall()
+    assert [r[0] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[0][1] is None
+    for prev, cur in itertools.pairwise(rows):
+        assert cur[1] == prev[2]
+    assert all(r[3] for r in rows)
+    assert len({bytes(r[2]) for r in rows}) == 5
+
+
+def test_hash_chain_detects_an_edit_that_bypassed_the_guard(db: Database) -> None:
+    sid = uuid.uuid4()
+    with Ledger(db.dsn) as ledger:
+        for i in range(3):
+            ledger.append(sid, "a", "task.completed", {"result": i})
+    with db.connect() as conn:
+        conn.execute("ALTER TABLE agent_events DISABLE TRIGGER agent_events_append_only")
+        conn.execute(
+            "UPDATE agent_events SET payload = '{\"result\": 99}' "
+            "WHERE session_id = %s AND position = 2",
+            (sid,),
+        )
+        bad = conn.execute(
+            "SELECT position FROM agent_events WHERE session_id = %s AND "
+            "ledger_event_hash(prev_hash, session_id, position, agent_id, event_type, payload, "
+            "idempotency_key, created_at) <> hash",
+            (sid,),
+        ).fetchall()
+    assert bad == [(2,)]
+
+
+def test_gap_in_positions_is_refused(db: Database) -> None:
+    sid = uuid.uuid4()
+    with (
+        db.connect() as conn,
+        pytest.raises(psycopg.errors.CheckViolation, match="no event at position 1"),
+    ):
+        conn.execute(
+            "INSERT INTO agent_events (session_id, position, agent_id, event_type, payload) "
+            "VALUES (%s, 2, 'a', 'task.completed', '{}')",
+            (sid,),
+        )
+
+
+@pytest.fixture
+def roles(db: Database) -> Database:
+    with db.connect() as conn:
+        for name, extra in (
+            ("t_writer", "IN ROLE ledger_writer"),
+            ("t_consumer", "REPLICATION IN ROLE ledger_consumer"),
+        ):
+            if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (name,)).fetchone():
+                conn.execute(f"CREATE ROLE {name} LOGIN {extra}")
+    return db
+
+
+def test_writer_role_can_append_but_not_change(roles: Database) -> None:
+    sid = uuid.uuid4()
+    with Ledger(roles.dsn_as("t_writer")) as ledger:
+        r1 = ledger.append(sid, "a", "task.completed", {"result": 1}, expected_position=0)
+        r2 = ledger.append(sid, "a", "task.completed", {"result": 2}, idempotency_key="k")
+        assert (r1.position, r2.position) == (1, 2)
+        assert ledger.append(
+            sid, "a", "task.completed", {"result": 2}, idempotency_key="k"
+        ).duplicate
+    with psycopg.connect(roles.dsn_as("t_writer"), autocommit=True) as conn:
+        for stmt in (
+            "UPDATE agent_events SET agent_id = 'x'",
+            "DELETE FROM agent_events",
+            "TRUNCATE agent_events",
+            "SELECT agent_id FROM agent_events",
+            "INSERT INTO agent_sessions (session_id, status, last_seq, last_position, event_count, "
+            "format_version, context) VALUES (gen_random_uuid(), 'x', 0, 0, 0, 1, '{}')",
+            "SELECT * FROM agent_snapshots",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(stmt)
+
+
+def test_consumer_role_reads_ledger_and_writes_only_its_tables(roles: Database) -> None:
+    _one_event(roles)
+    with psycopg.connect(roles.dsn_as("t_consumer"), autocommit=True) as conn:
+        (n,) = conn.execute("SELECT count(*) FROM agent_events").fetchone()  # type: ignore[misc]
+        assert n == 1
+        conn.execute("INSERT INTO ledger_checkpoints (slot_name, lsn) VALUES ('s', '0/1')")
+        conn.execute("UPDATE ledger_checkpoints SET lsn = '0/2'")
+        for stmt in (
+            "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+            "VALUES (gen_random_uuid(), 'a', 'task.completed', '{}')",
+            "UPDATE agent_events SET agent_id = 'x'",
+            "DELETE FROM agent_events",
+            "INSERT INTO agent_outbox (event_seq, session_id, target, payload, idempotency_key) "
+            "VALUES (1, gen_random_uuid(), 't', '{}', 'k')",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(stmt)
+        (is_super,) = conn.execute(
+            "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
+        ).fetchone()  # type: ignore[misc]
+        assert is_super is False

@@ -1,0 +1,69 @@
+"""Event type registry and payload validation (no server)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from ledger_cdc.errors import InvalidEventError, UnknownEventTypeError
+from ledger_cdc.events import (
+    EVENT_TYPES,
+    ModelResponded,
+    ToolCall,
+    Usage,
+    decode_payload,
+    encode_payload,
+    register_event_type,
+)
+
+STANDARD = [
+    "context.loaded",
+    "model.requested",
+    "model.responded",
+    "tool.invoked",
+    "tool.observed",
+    "handoff.emitted",
+    "handoff.received",
+    "task.completed",
+    "task.failed",
+]
+
+
+def test_standard_types_are_registered() -> None:
+    assert set(STANDARD) <= set(EVENT_TYPES)
+
+
+def test_round_trip_of_a_typed_payload() -> None:
+    p = ModelResponded("r1", "m", "hi", Usage(10, 2), [ToolCall("c", "search", {"q": 1})])
+    data = encode_payload("model.responded", p)
+    assert decode_payload("model.responded", data) == p
+
+
+def test_dict_payload_is_converted_and_checked() -> None:
+    data = encode_payload("tool.observed", {"call_id": "c", "result": [1, 2]})
+    assert msgspec.json.decode(data) == {"call_id": "c", "result": [1, 2], "error": None}
+    with pytest.raises(InvalidEventError, match=r"\$.call_id"):
+        encode_payload("tool.observed", {"call_id": 3})
+
+
+def test_unknown_type() -> None:
+    with pytest.raises(UnknownEventTypeError, match="register_event_type"):
+        encode_payload("nope.never", {})
+
+
+def test_decode_rejects_payload_of_wrong_shape() -> None:
+    with pytest.raises(InvalidEventError, match=r"task\.failed payload is invalid"):
+        decode_payload("task.failed", b'{"retryable": true}')
+
+
+def test_register_rules() -> None:
+    with pytest.raises(ValueError, match="invalid event type"):
+        register_event_type("NoDots")
+    with pytest.raises(ValueError, match="standard event type"):
+        register_event_type("task.failed", dict)
+    register_event_type("unit.custom")
+    register_event_type("unit.custom")  # same pair again is fine
+    with pytest.raises(ValueError, match="already registered"):
+        register_event_type("unit.custom", Usage)
+    register_event_type("unit.custom", Usage, replace=True)
+    assert decode_payload("unit.custom", b'{"input_tokens": 3}') == Usage(3, 0)
