@@ -1,0 +1,371 @@
+"""pgoutput bytes → typed messages, with a relation cache and the stream state.
+
+:class:`Decoder` is the protocol state machine apart from any socket: feed it each XLogData
+payload with its ``wal_start`` and it returns one message Struct. It tracks what the message
+grammar cannot see by itself: whether we are inside a streamed transaction chunk (which adds an
+``xid`` to row messages) and which relations and types the server has described.
+
+Begin, Insert and Commit dominate a ledger stream, so they have hand-written decoders built on
+precompiled ``struct`` unpackers; every other message is parsed by the grammar in
+:mod:`ledger_cdc.pgoutput.spec`. Property tests check the hand-written paths against the grammar.
+Whenever a fast path meets bytes it cannot read, the grammar re-parses the message to say exactly
+which field failed and where. Nothing but :class:`~ledger_cdc.errors.DecodeError` leaves
+:meth:`Decoder.decode`.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from typing import Any
+
+import construct as c
+
+from ..errors import DecodeError
+from . import spec
+from .messages import (
+    UNCHANGED,
+    Begin,
+    BeginPrepare,
+    Binary,
+    Column,
+    Commit,
+    CommitPrepared,
+    Delete,
+    Insert,
+    LogicalMessage,
+    Message,
+    MessageType,
+    OldTupleKind,
+    Origin,
+    Prepare,
+    Relation,
+    ReplicaIdentity,
+    RollbackPrepared,
+    StreamAbort,
+    StreamCommit,
+    StreamPrepare,
+    StreamStart,
+    StreamStop,
+    Truncate,
+    Type,
+    Update,
+    pg_timestamp,
+)
+
+__all__ = ["Decoder", "decode_tuple", "from_grammar"]
+
+_BEGIN = struct.Struct(">QqI")
+_COMMIT = struct.Struct(">BQQq")
+_INSERT = struct.Struct(">IcH")
+_INSERT_STREAM = struct.Struct(">IIcH")
+_U32 = struct.Struct(">I").unpack_from
+_NAMES = {m.value: m.name.title().replace("_", " ") for m in MessageType}
+_FAST_ERRORS = (IndexError, struct.error, ValueError, OverflowError, KeyError, TypeError)
+
+
+class _Tracking(io.BytesIO):
+    """A stream that remembers where the last read started: the offset of the failing field."""
+
+    last = 0
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        self.last = self.tell()
+        return super().read(size)
+
+
+def decode_tuple(data: bytes, pos: int) -> tuple[tuple[Any, ...], int]:
+    """TupleData at ``pos`` → (values, offset after it). Raises IndexError/struct.error/ValueError
+    on malformed bytes (callers turn those into DecodeError)."""
+    (ncols,) = struct.unpack_from(">H", data, pos)
+    pos += 2
+    size = len(data)
+    values: list[Any] = []
+    append = values.append
+    for _ in range(ncols):
+        kind = data[pos]
+        pos += 1
+        if kind == 116:  # 't'
+            (ln,) = _U32(data, pos)
+            pos += 4
+            end = pos + ln
+            if end > size:
+                raise ValueError("column runs past the message end")
+            append(data[pos:end])
+            pos = end
+        elif kind == 110:  # 'n'
+            append(None)
+        elif kind == 117:  # 'u'
+            append(UNCHANGED)
+        elif kind == 98:  # 'b'
+            (ln,) = _U32(data, pos)
+            pos += 4
+            end = pos + ln
+            if end > size:
+                raise ValueError("column runs past the message end")
+            append(Binary(data[pos:end]))
+            pos = end
+        else:
+            raise ValueError(f"unknown tuple column kind {kind:#04x}")
+    return tuple(values), pos
+
+
+def _tuple_from(container: Any) -> tuple[Any, ...]:
+    out: list[Any] = []
+    for col in container.columns:
+        k = col.kind
+        if k == b"t":
+            out.append(bytes(col.data))
+        elif k == b"b":
+            out.append(Binary(col.data))
+        elif k == b"n":
+            out.append(None)
+        else:
+            out.append(UNCHANGED)
+    return tuple(out)
+
+
+def from_grammar(type_: bytes, b: Any) -> Message:
+    """A message Container parsed by the grammar → its Struct (the reference for the fast paths)."""
+    ts = pg_timestamp
+    if type_ == b"B":
+        return Begin(b.final_lsn, ts(b.commit_ts), b.xid)
+    if type_ == b"C":
+        return Commit(b.flags, b.commit_lsn, b.end_lsn, ts(b.commit_ts))
+    if type_ == b"O":
+        return Origin(b.commit_lsn, b.name)
+    if type_ == b"R":
+        cols = tuple(Column(x.flags, x.name, x.type_oid, x.type_modifier) for x in b.columns)
+        return Relation(
+            b.relation_id, b.namespace, b.name, ReplicaIdentity(b.replica_identity), cols, b.xid
+        )
+    if type_ == b"Y":
+        return Type(b.type_oid, b.namespace, b.name, b.xid)
+    if type_ == b"I":
+        return Insert(b.relation_id, _tuple_from(b.new), b.xid)
+    if type_ == b"U":
+        if b.tag == b"N":
+            return Update(b.relation_id, _tuple_from(b.new), None, None, b.xid)
+        return Update(
+            b.relation_id, _tuple_from(b.new), _tuple_from(b.old), OldTupleKind(b.tag), b.xid
+        )
+    if type_ == b"D":
+        return Delete(b.relation_id, _tuple_from(b.old), OldTupleKind(b.tag), b.xid)
+    if type_ == b"T":
+        return Truncate(tuple(b.relation_ids), b.options, b.xid)
+    if type_ == b"M":
+        return LogicalMessage(b.flags, b.lsn, b.prefix, bytes(b.content), b.xid)
+    if type_ == b"S":
+        return StreamStart(b.xid, bool(b.first_segment))
+    if type_ == b"E":
+        return StreamStop()
+    if type_ == b"c":
+        return StreamCommit(b.xid, b.flags, b.commit_lsn, b.end_lsn, ts(b.commit_ts))
+    if type_ == b"A":
+        abort_ts = None if b.abort_ts is None else ts(b.abort_ts)
+        return StreamAbort(b.xid, b.subxid, b.abort_lsn, abort_ts)
+    if type_ == b"b":
+        return BeginPrepare(b.prepare_lsn, b.end_lsn, ts(b.prepare_ts), b.xid, b.gid)
+    if type_ == b"P":
+        return Prepare(b.flags, b.prepare_lsn, b.end_lsn, ts(b.prepare_ts), b.xid, b.gid)
+    if type_ == b"K":
+        return CommitPrepared(b.flags, b.commit_lsn, b.end_lsn, ts(b.commit_ts), b.xid, b.gid)
+    if type_ == b"r":
+        return RollbackPrepared(
+            b.flags,
+            b.prepare_end_lsn,
+            b.rollback_end_lsn,
+            ts(b.prepare_ts),
+            ts(b.rollback_ts),
+            b.xid,
+            b.gid,
+        )
+    if type_ == b"p":
+        return StreamPrepare(b.flags, b.prepare_lsn, b.end_lsn, ts(b.prepare_ts), b.xid, b.gid)
+    raise ValueError(f"no message type {type_!r}")  # pragma: no cover - the grammar refuses it
+
+
+def _field_of(e: c.ConstructError) -> str | None:
+    path = getattr(e, "path", None) or ""
+    parts = [p.strip() for p in path.replace("(parsing)", "").split("->") if p.strip()]
+    parts = [p for p in parts if p != "body"]
+    return ".".join(parts) or None
+
+
+class Decoder:
+    """Stateful pgoutput decoder for one replication stream.
+
+    ``parallel``: whether the stream uses ``streaming 'parallel'`` (protocol 4), which adds the
+    abort LSN and timestamp to Stream Abort; ``None`` decides per message by its length.
+    """
+
+    def __init__(self, *, parallel: bool | None = None) -> None:
+        self.relations: dict[int, Relation] = {}
+        self.types: dict[int, Type] = {}
+        self.in_stream = False
+        self.stream_xid: int | None = None
+        self.parallel = parallel
+
+    # -- errors ---------------------------------------------------------------------------------
+
+    def _error_from_grammar(
+        self, data: bytes, wal_start: int, fallback: BaseException
+    ) -> DecodeError:
+        """Re-parse with the grammar to name the field and offset a fast path tripped on."""
+        mtype = _NAMES.get(data[:1])
+        try:
+            self._parse_grammar(data, wal_start)
+        except DecodeError as e:
+            return e
+        return DecodeError(
+            f"malformed message: {fallback}",
+            message_type=mtype,
+            offset=0,
+            lsn=wal_start,
+            data=data,
+        )
+
+    def _parse_grammar(self, data: bytes, wal_start: int) -> Message:
+        if not data:
+            raise DecodeError("empty message", lsn=wal_start, data=data, offset=0)
+        type_ = data[:1]
+        mtype = _NAMES.get(type_)
+        if mtype is None:
+            raise DecodeError(
+                f"unknown message type {type_!r}", field="type", offset=0, lsn=wal_start, data=data
+            )
+        stream = _Tracking(data)
+        parallel = self.parallel
+        if parallel is None:
+            parallel = type_ == b"A" and len(data) == 25
+        try:
+            parsed = spec.MESSAGE.parse_stream(stream, in_stream=self.in_stream, parallel=parallel)
+            return from_grammar(type_, parsed.body)
+        except c.TerminatedError:
+            raise DecodeError(
+                f"{len(data) - stream.last} unexpected bytes after the last field",
+                message_type=mtype,
+                offset=stream.last,
+                lsn=wal_start,
+                data=data,
+            ) from None
+        except c.ConstructError as e:
+            reason = str(e).splitlines()[-1].split(" (parsing)")[0]
+            raise DecodeError(
+                reason,
+                message_type=mtype,
+                field=_field_of(e),
+                offset=stream.last,
+                lsn=wal_start,
+                data=data,
+            ) from None
+        except UnicodeDecodeError as e:
+            raise DecodeError(
+                f"string is not valid UTF-8 ({e.reason})",
+                message_type=mtype,
+                offset=stream.last,
+                lsn=wal_start,
+                data=data,
+            ) from None
+        except (ValueError, OverflowError) as e:
+            raise DecodeError(
+                f"value out of range: {e}",
+                message_type=mtype,
+                offset=stream.last,
+                lsn=wal_start,
+                data=data,
+            ) from None
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    def decode(self, data: bytes, wal_start: int = 0) -> Message:
+        """Decode one message (the payload of one XLogData) received at ``wal_start``."""
+        try:
+            kind = data[0]
+        except IndexError:
+            raise DecodeError("empty message", lsn=wal_start, data=data, offset=0) from None
+        try:
+            if kind == 73:  # 'I'
+                if self.in_stream:
+                    xid, relid, tag, _ = _INSERT_STREAM.unpack_from(data, 1)
+                    start = 9
+                else:
+                    xid = None
+                    relid, tag, _ = _INSERT.unpack_from(data, 1)
+                    start = 5
+                if tag != b"N":
+                    raise ValueError("Insert without its 'N' tuple tag")
+                values, end = decode_tuple(data, start + 1)
+                if end != len(data):
+                    raise ValueError("trailing bytes")
+                rel = self.relations.get(relid)
+                if rel is None or len(rel.columns) != len(values):
+                    return self._check_row(Insert(relid, values, xid), wal_start, data)
+                return Insert(relid, values, xid)
+            if kind == 66:  # 'B'
+                if len(data) != 21:
+                    raise ValueError("Begin is 21 bytes")
+                lsn, ts, xid = _BEGIN.unpack_from(data, 1)
+                return Begin(lsn, pg_timestamp(ts), xid)
+            if kind == 67:  # 'C'
+                if len(data) != 26:
+                    raise ValueError("Commit is 26 bytes")
+                flags, lsn, end_lsn, ts = _COMMIT.unpack_from(data, 1)
+                return Commit(flags, lsn, end_lsn, pg_timestamp(ts))
+        except _FAST_ERRORS as e:
+            raise self._error_from_grammar(data, wal_start, e) from None
+        msg = self._parse_grammar(data, wal_start)
+        return self._observe(msg, wal_start, data)
+
+    def _observe(self, msg: Message, wal_start: int, data: bytes) -> Message:
+        """Update the stream state and caches from a message parsed by the grammar."""
+        if isinstance(msg, Relation):
+            self.relations[msg.relation_id] = msg
+        elif isinstance(msg, Type):
+            self.types[msg.type_oid] = msg
+        elif isinstance(msg, StreamStart):
+            if self.in_stream:
+                raise DecodeError(
+                    "Stream Start inside a stream chunk (no Stream Stop before it)",
+                    message_type="Stream Start",
+                    lsn=wal_start,
+                    data=data,
+                    offset=0,
+                )
+            self.in_stream = True
+            self.stream_xid = msg.xid
+        elif isinstance(msg, StreamStop):
+            self.in_stream = False
+            self.stream_xid = None
+        elif isinstance(msg, (Update, Delete)):
+            return self._check_row(msg, wal_start, data)
+        return msg
+
+    def _check_row(self, msg: Insert | Update | Delete, wal_start: int, data: bytes) -> Message:
+        mtype = _NAMES[data[:1]]
+        rel = self.relations.get(msg.relation_id)
+        if rel is None:
+            raise DecodeError(
+                f"relation id {msg.relation_id} was never announced by a Relation message "
+                "(the stream must be read from the start of a session)",
+                message_type=mtype,
+                field="relation_id",
+                offset=5 if self.in_stream else 1,
+                lsn=wal_start,
+                data=data,
+            )
+        tuples = [
+            t for t in (getattr(msg, "new", None), getattr(msg, "old", None)) if t is not None
+        ]
+        for values in tuples:
+            if len(values) != len(rel.columns):
+                raise DecodeError(
+                    f"tuple has {len(values)} columns but relation {rel.namespace}.{rel.name} "
+                    f"has {len(rel.columns)}",
+                    message_type=mtype,
+                    field="tuple",
+                    lsn=wal_start,
+                    data=data,
+                    offset=0,
+                )
+        return msg

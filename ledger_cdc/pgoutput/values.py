@@ -1,0 +1,103 @@
+"""Tuple values → Python values, by column type OID, with psycopg 3's loaders.
+
+Conversion is not written by hand: a psycopg ``Transformer`` per relation is given the relation's
+column OIDs and loads a row of text values in one ``load_sequence`` call (C-accelerated with
+``psycopg[binary]``). json and jsonb are decoded by msgspec. Binary-format columns (``binary
+'true'``) go through psycopg's binary loaders. Two values are not loaded: ``None`` (NULL) stays
+``None`` and :data:`~ledger_cdc.pgoutput.messages.UNCHANGED` (an unchanged TOASTed value, which the
+server did not send) stays itself — it is never confused with NULL.
+
+Types psycopg does not know (a custom enum or domain) load as ``str`` in text format and as
+``bytes`` in binary format.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import psycopg
+from psycopg.adapt import AdaptersMap, Loader, Transformer
+from psycopg.pq import Format
+from psycopg.types.json import set_json_loads
+
+from ..errors import DecodeError
+from .messages import UNCHANGED, Binary, Relation, UnchangedToast
+
+__all__ = ["RawJsonLoader", "RowLoader", "adapters_with_msgspec_json", "raw_json_adapters"]
+
+
+def adapters_with_msgspec_json() -> AdaptersMap:
+    """A copy of psycopg's global adapters whose json/jsonb loaders use msgspec."""
+    am = AdaptersMap(psycopg.adapters)
+    set_json_loads(msgspec.json.decode, am)
+    return am
+
+
+class RawJsonLoader(Loader):
+    """Leaves json/jsonb text as bytes, for callers that decode it straight into a typed Struct."""
+
+    def load(self, data: Any) -> bytes:
+        return bytes(data)
+
+
+def raw_json_adapters() -> AdaptersMap:
+    am = AdaptersMap(psycopg.adapters)
+    am.register_loader("json", RawJsonLoader)
+    am.register_loader("jsonb", RawJsonLoader)
+    return am
+
+
+_DEFAULT: AdaptersMap | None = None
+
+
+def _default_adapters() -> AdaptersMap:
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = adapters_with_msgspec_json()
+    return _DEFAULT
+
+
+class RowLoader:
+    """Loads the tuples of one relation (rebuild it when a new Relation message arrives)."""
+
+    def __init__(self, relation: Relation, adapters: AdaptersMap | None = None) -> None:
+        self.relation = relation
+        self.names = tuple(col.name for col in relation.columns)
+        self._oids = [col.type_oid for col in relation.columns]
+        self._adapters = adapters or _default_adapters()
+        self._text = Transformer(self._adapters)
+        self._text.set_loader_types(self._oids, Format.TEXT)
+        self._binary: Transformer | None = None
+
+    def load(self, values: tuple[Any, ...], wal_start: int = 0) -> tuple[Any, ...]:
+        """Raw tuple values → Python values (None and UNCHANGED kept as they are)."""
+        if len(values) != len(self._oids):
+            raise DecodeError(
+                f"tuple has {len(values)} columns, relation {self.relation.name} has "
+                f"{len(self._oids)}",
+                message_type="Tuple",
+                lsn=wal_start,
+            )
+        try:
+            if not any(v is UNCHANGED or type(v) is Binary for v in values):
+                return self._text.load_sequence(values)
+            return tuple(self._load_one(i, v) for i, v in enumerate(values))
+        except (psycopg.DataError, ValueError, UnicodeDecodeError) as e:
+            raise DecodeError(
+                f"cannot load a value of relation {self.relation.name}: {e}",
+                message_type="Tuple",
+                lsn=wal_start,
+            ) from e
+
+    def _load_one(self, i: int, v: Any) -> Any:
+        if v is None or isinstance(v, UnchangedToast):
+            return v
+        if type(v) is Binary:
+            if self._binary is None:
+                self._binary = Transformer(self._adapters)
+            return self._binary.get_loader(self._oids[i], Format.BINARY).load(bytes(v))
+        return self._text.get_loader(self._oids[i], Format.TEXT).load(v)
+
+    def as_dict(self, values: tuple[Any, ...], wal_start: int = 0) -> dict[str, Any]:
+        return dict(zip(self.names, self.load(values, wal_start), strict=True))
