@@ -213,7 +213,7 @@ def _name(typ: Any) -> str:
     return getattr(typ, "__name__", repr(typ))
 
 
-class LedgerEvent(msgspec.Struct, frozen=True):
+class LedgerEvent(msgspec.Struct, frozen=True, gc=False):
     """One committed row of ``agent_events``, with its payload decoded to its registered type
     (or left as a dict for event types this process does not know)."""
 

@@ -32,7 +32,7 @@ def capture(
         flat += [k, v]
     placeholders = ", ".join(["%s"] * len(flat))
     rows = conn.execute(
-        f"SELECT lsn::text, data FROM pg_logical_slot_get_binary_changes(%s, NULL, NULL, {placeholders})",  # noqa: S608, E501
+        f"SELECT lsn::text, data FROM pg_logical_slot_get_binary_changes(%s, NULL, NULL, {placeholders})",
         (slot, *flat),
     ).fetchall()
     return [(parse_lsn(lsn), bytes(data)) for lsn, data in rows]

@@ -42,6 +42,7 @@ from .messages import (
     Relation,
     ReplicaIdentity,
     RollbackPrepared,
+    SpecialValues,
     StreamAbort,
     StreamCommit,
     StreamPrepare,
@@ -50,18 +51,17 @@ from .messages import (
     Truncate,
     Type,
     Update,
-    pg_timestamp,
 )
 
 __all__ = ["Decoder", "decode_tuple", "from_grammar"]
 
-_BEGIN = struct.Struct(">QqI")
-_COMMIT = struct.Struct(">BQQq")
-_INSERT = struct.Struct(">IcH")
-_INSERT_STREAM = struct.Struct(">IIcH")
+# ``unpack`` (not ``unpack_from``) also checks the exact message length; "x" skips the type byte
+_BEGIN = struct.Struct(">xQqI").unpack
+_COMMIT = struct.Struct(">xBQQq").unpack
+_XID_RELID = struct.Struct(">II").unpack_from
 _U32 = struct.Struct(">I").unpack_from
 _NAMES = {m.value: m.name.title().replace("_", " ") for m in MessageType}
-_FAST_ERRORS = (IndexError, struct.error, ValueError, OverflowError, KeyError, TypeError)
+_FAST_ERRORS = (IndexError, struct.error, ValueError, KeyError, TypeError)
 
 
 class _Tracking(io.BytesIO):
@@ -75,63 +75,67 @@ class _Tracking(io.BytesIO):
 
 
 def decode_tuple(data: bytes, pos: int) -> tuple[tuple[Any, ...], int]:
-    """TupleData at ``pos`` → (values, offset after it). Raises IndexError/struct.error/ValueError
-    on malformed bytes (callers turn those into DecodeError)."""
-    (ncols,) = struct.unpack_from(">H", data, pos)
+    """TupleData at ``pos`` → (values, offset after it).
+
+    Values are a plain ``tuple`` when every column is text or NULL, a :class:`SpecialValues`
+    when any is binary or an unchanged TOAST marker. Bounds are checked once, at the end: a
+    column that runs past the message end leaves the offset past it. Raises
+    IndexError / struct.error / ValueError on malformed bytes (callers make DecodeError of them).
+    """
+    ncols = (data[pos] << 8) | data[pos + 1]
     pos += 2
-    size = len(data)
     values: list[Any] = []
     append = values.append
+    special = False
     for _ in range(ncols):
         kind = data[pos]
-        pos += 1
         if kind == 116:  # 't'
-            (ln,) = _U32(data, pos)
-            pos += 4
-            end = pos + ln
-            if end > size:
-                raise ValueError("column runs past the message end")
-            append(data[pos:end])
+            end = pos + 5 + _U32(data, pos + 1)[0]
+            append(data[pos + 5 : end])
             pos = end
         elif kind == 110:  # 'n'
             append(None)
+            pos += 1
         elif kind == 117:  # 'u'
             append(UNCHANGED)
+            pos += 1
+            special = True
         elif kind == 98:  # 'b'
-            (ln,) = _U32(data, pos)
-            pos += 4
-            end = pos + ln
-            if end > size:
-                raise ValueError("column runs past the message end")
-            append(Binary(data[pos:end]))
+            end = pos + 5 + _U32(data, pos + 1)[0]
+            append(Binary(data[pos + 5 : end]))
             pos = end
+            special = True
         else:
             raise ValueError(f"unknown tuple column kind {kind:#04x}")
-    return tuple(values), pos
+    if pos > len(data):
+        raise ValueError("a column runs past the message end")
+    return (SpecialValues(values) if special else tuple(values)), pos
 
 
 def _tuple_from(container: Any) -> tuple[Any, ...]:
     out: list[Any] = []
+    special = False
     for col in container.columns:
         k = col.kind
         if k == b"t":
             out.append(bytes(col.data))
         elif k == b"b":
             out.append(Binary(col.data))
+            special = True
         elif k == b"n":
             out.append(None)
         else:
             out.append(UNCHANGED)
-    return tuple(out)
+            special = True
+    return SpecialValues(out) if special else tuple(out)
 
 
 def from_grammar(type_: bytes, b: Any) -> Message:
     """A message Container parsed by the grammar → its Struct (the reference for the fast paths)."""
-    ts = pg_timestamp
     if type_ == b"B":
-        return Begin(b.final_lsn, ts(b.commit_ts), b.xid)
+        return Begin(b.final_lsn, b.commit_ts, b.xid)
     if type_ == b"C":
-        return Commit(b.flags, b.commit_lsn, b.end_lsn, ts(b.commit_ts))
+        return Commit(b.flags, b.commit_lsn, b.end_lsn, b.commit_ts)
     if type_ == b"O":
         return Origin(b.commit_lsn, b.name)
     if type_ == b"R":
@@ -160,28 +164,28 @@ def from_grammar(type_: bytes, b: Any) -> Message:
     if type_ == b"E":
         return StreamStop()
     if type_ == b"c":
-        return StreamCommit(b.xid, b.flags, b.commit_lsn, b.end_lsn, ts(b.commit_ts))
+        return StreamCommit(b.xid, b.flags, b.commit_lsn, b.end_lsn, b.commit_ts)
     if type_ == b"A":
-        abort_ts = None if b.abort_ts is None else ts(b.abort_ts)
+        abort_ts = None if b.abort_ts is None else b.abort_ts
         return StreamAbort(b.xid, b.subxid, b.abort_lsn, abort_ts)
     if type_ == b"b":
-        return BeginPrepare(b.prepare_lsn, b.end_lsn, ts(b.prepare_ts), b.xid, b.gid)
+        return BeginPrepare(b.prepare_lsn, b.end_lsn, b.prepare_ts, b.xid, b.gid)
     if type_ == b"P":
-        return Prepare(b.flags, b.prepare_lsn, b.end_lsn, ts(b.prepare_ts), b.xid, b.gid)
+        return Prepare(b.flags, b.prepare_lsn, b.end_lsn, b.prepare_ts, b.xid, b.gid)
     if type_ == b"K":
-        return CommitPrepared(b.flags, b.commit_lsn, b.end_lsn, ts(b.commit_ts), b.xid, b.gid)
+        return CommitPrepared(b.flags, b.commit_lsn, b.end_lsn, b.commit_ts, b.xid, b.gid)
     if type_ == b"r":
         return RollbackPrepared(
             b.flags,
             b.prepare_end_lsn,
             b.rollback_end_lsn,
-            ts(b.prepare_ts),
-            ts(b.rollback_ts),
+            b.prepare_ts,
+            b.rollback_ts,
             b.xid,
             b.gid,
         )
     if type_ == b"p":
-        return StreamPrepare(b.flags, b.prepare_lsn, b.end_lsn, ts(b.prepare_ts), b.xid, b.gid)
+        return StreamPrepare(b.flags, b.prepare_lsn, b.end_lsn, b.prepare_ts, b.xid, b.gid)
     raise ValueError(f"no message type {type_!r}")  # pragma: no cover - the grammar refuses it
 
 
@@ -201,6 +205,7 @@ class Decoder:
 
     def __init__(self, *, parallel: bool | None = None) -> None:
         self.relations: dict[int, Relation] = {}
+        self._ncols: dict[int, int] = {}
         self.types: dict[int, Type] = {}
         self.in_stream = False
         self.stream_xid: int | None = None
@@ -287,31 +292,24 @@ class Decoder:
         try:
             if kind == 73:  # 'I'
                 if self.in_stream:
-                    xid, relid, tag, _ = _INSERT_STREAM.unpack_from(data, 1)
+                    xid, relid = _XID_RELID(data, 1)
                     start = 9
                 else:
                     xid = None
-                    relid, tag, _ = _INSERT.unpack_from(data, 1)
+                    relid = _U32(data, 1)[0]
                     start = 5
-                if tag != b"N":
+                if data[start] != 78:  # 'N'
                     raise ValueError("Insert without its 'N' tuple tag")
                 values, end = decode_tuple(data, start + 1)
                 if end != len(data):
                     raise ValueError("trailing bytes")
-                rel = self.relations.get(relid)
-                if rel is None or len(rel.columns) != len(values):
+                if self._ncols.get(relid) != len(values):
                     return self._check_row(Insert(relid, values, xid), wal_start, data)
                 return Insert(relid, values, xid)
             if kind == 66:  # 'B'
-                if len(data) != 21:
-                    raise ValueError("Begin is 21 bytes")
-                lsn, ts, xid = _BEGIN.unpack_from(data, 1)
-                return Begin(lsn, pg_timestamp(ts), xid)
+                return Begin(*_BEGIN(data))
             if kind == 67:  # 'C'
-                if len(data) != 26:
-                    raise ValueError("Commit is 26 bytes")
-                flags, lsn, end_lsn, ts = _COMMIT.unpack_from(data, 1)
-                return Commit(flags, lsn, end_lsn, pg_timestamp(ts))
+                return Commit(*_COMMIT(data))
         except _FAST_ERRORS as e:
             raise self._error_from_grammar(data, wal_start, e) from None
         msg = self._parse_grammar(data, wal_start)
@@ -321,6 +319,7 @@ class Decoder:
         """Update the stream state and caches from a message parsed by the grammar."""
         if isinstance(msg, Relation):
             self.relations[msg.relation_id] = msg
+            self._ncols[msg.relation_id] = len(msg.columns)
         elif isinstance(msg, Type):
             self.types[msg.type_oid] = msg
         elif isinstance(msg, StreamStart):

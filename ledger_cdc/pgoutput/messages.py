@@ -35,6 +35,7 @@ __all__ = [
     "Relation",
     "ReplicaIdentity",
     "RollbackPrepared",
+    "SpecialValues",
     "StreamAbort",
     "StreamCommit",
     "StreamPrepare",
@@ -163,6 +164,16 @@ class UnchangedToast:
 UNCHANGED: Final = UnchangedToast()
 
 
+class SpecialValues(tuple):  # type: ignore[type-arg]
+    """Tuple values holding an :data:`UNCHANGED` marker or :class:`Binary` values.
+
+    The decoder returns a plain ``tuple`` for the common all-text row and this subclass otherwise,
+    so value loading can take its one-call fast path by checking the type alone.
+    """
+
+    __slots__ = ()
+
+
 class Binary(bytes):
     """A binary-format column value (``binary 'true'``), as opposed to text-format ``bytes``."""
 
@@ -172,28 +183,40 @@ class Binary(bytes):
         return f"Binary({bytes(self)!r})"
 
 
-ColumnValue: TypeAlias = "bytes | None | UnchangedToast"
 TupleValues: TypeAlias = tuple[Any, ...]
 
 _EPOCH: Final = dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)
 
 
 def pg_timestamp(us: int) -> dt.datetime:
-    """Microseconds since 2000-01-01 UTC → aware datetime (raises OverflowError out of range)."""
+    """Microseconds since 2000-01-01 UTC (PostgreSQL's epoch) → aware datetime.
+
+    Message timestamps (``commit_ts``, ``prepare_ts``…) are kept as these raw integers — the
+    exact wire value, cheap to decode — and each message has a ``*_time`` property for the
+    datetime. Raises OverflowError outside datetime's range.
+    """
     return _EPOCH + dt.timedelta(microseconds=us)
 
 
 class Begin(msgspec.Struct, frozen=True, gc=False, tag="begin"):
     final_lsn: int
-    commit_ts: dt.datetime
+    commit_ts: int
     xid: int
+
+    @property
+    def commit_time(self) -> dt.datetime:
+        return pg_timestamp(self.commit_ts)
 
 
 class Commit(msgspec.Struct, frozen=True, gc=False, tag="commit"):
     flags: int
     commit_lsn: int
     end_lsn: int
-    commit_ts: dt.datetime
+    commit_ts: int
+
+    @property
+    def commit_time(self) -> dt.datetime:
+        return pg_timestamp(self.commit_ts)
 
 
 class Origin(msgspec.Struct, frozen=True, gc=False, tag="origin"):
@@ -212,7 +235,7 @@ class Column(msgspec.Struct, frozen=True, gc=False):
         return bool(self.flags & ColumnFlag.KEY)
 
 
-class Relation(msgspec.Struct, frozen=True, tag="relation"):
+class Relation(msgspec.Struct, frozen=True, gc=False, tag="relation"):
     relation_id: int
     namespace: str
     name: str
@@ -228,13 +251,13 @@ class Type(msgspec.Struct, frozen=True, gc=False, tag="type"):
     xid: int | None = None
 
 
-class Insert(msgspec.Struct, frozen=True, tag="insert"):
+class Insert(msgspec.Struct, frozen=True, gc=False, tag="insert"):
     relation_id: int
     new: TupleValues
     xid: int | None = None
 
 
-class Update(msgspec.Struct, frozen=True, tag="update"):
+class Update(msgspec.Struct, frozen=True, gc=False, tag="update"):
     relation_id: int
     new: TupleValues
     old: TupleValues | None = None
@@ -242,14 +265,14 @@ class Update(msgspec.Struct, frozen=True, tag="update"):
     xid: int | None = None
 
 
-class Delete(msgspec.Struct, frozen=True, tag="delete"):
+class Delete(msgspec.Struct, frozen=True, gc=False, tag="delete"):
     relation_id: int
     old: TupleValues
     old_kind: OldTupleKind
     xid: int | None = None
 
 
-class Truncate(msgspec.Struct, frozen=True, tag="truncate"):
+class Truncate(msgspec.Struct, frozen=True, gc=False, tag="truncate"):
     relation_ids: tuple[int, ...]
     options: int
     xid: int | None = None
@@ -289,63 +312,95 @@ class StreamCommit(msgspec.Struct, frozen=True, gc=False, tag="stream_commit"):
     flags: int
     commit_lsn: int
     end_lsn: int
-    commit_ts: dt.datetime
+    commit_ts: int
+
+    @property
+    def commit_time(self) -> dt.datetime:
+        return pg_timestamp(self.commit_ts)
 
 
 class StreamAbort(msgspec.Struct, frozen=True, gc=False, tag="stream_abort"):
     xid: int
     subxid: int
     abort_lsn: int | None = None
-    abort_ts: dt.datetime | None = None
+    abort_ts: int | None = None
 
     @property
     def is_subtransaction(self) -> bool:
         return self.subxid != self.xid
 
+    @property
+    def abort_time(self) -> dt.datetime | None:
+        return None if self.abort_ts is None else pg_timestamp(self.abort_ts)
+
 
 class BeginPrepare(msgspec.Struct, frozen=True, gc=False, tag="begin_prepare"):
     prepare_lsn: int
     end_lsn: int
-    prepare_ts: dt.datetime
+    prepare_ts: int
     xid: int
     gid: str
+
+    @property
+    def prepare_time(self) -> dt.datetime:
+        return pg_timestamp(self.prepare_ts)
 
 
 class Prepare(msgspec.Struct, frozen=True, gc=False, tag="prepare"):
     flags: int
     prepare_lsn: int
     end_lsn: int
-    prepare_ts: dt.datetime
+    prepare_ts: int
     xid: int
     gid: str
+
+    @property
+    def prepare_time(self) -> dt.datetime:
+        return pg_timestamp(self.prepare_ts)
 
 
 class CommitPrepared(msgspec.Struct, frozen=True, gc=False, tag="commit_prepared"):
     flags: int
     commit_lsn: int
     end_lsn: int
-    commit_ts: dt.datetime
+    commit_ts: int
     xid: int
     gid: str
+
+    @property
+    def commit_time(self) -> dt.datetime:
+        return pg_timestamp(self.commit_ts)
 
 
 class RollbackPrepared(msgspec.Struct, frozen=True, gc=False, tag="rollback_prepared"):
     flags: int
     prepare_end_lsn: int
     rollback_end_lsn: int
-    prepare_ts: dt.datetime
-    rollback_ts: dt.datetime
+    prepare_ts: int
+    rollback_ts: int
     xid: int
     gid: str
+
+    @property
+    def prepare_time(self) -> dt.datetime:
+        return pg_timestamp(self.prepare_ts)
+
+    @property
+    def rollback_time(self) -> dt.datetime:
+        return pg_timestamp(self.rollback_ts)
 
 
 class StreamPrepare(msgspec.Struct, frozen=True, gc=False, tag="stream_prepare"):
     flags: int
     prepare_lsn: int
     end_lsn: int
-    prepare_ts: dt.datetime
+    prepare_ts: int
     xid: int
     gid: str
+
+    @property
+    def prepare_time(self) -> dt.datetime:
+        return pg_timestamp(self.prepare_ts)
 
 
 Message: TypeAlias = (

@@ -33,7 +33,7 @@ Timestamp = c.Int64sb  # microseconds since 2000-01-01 00:00 UTC
 String = c.CString("utf8")
 StreamXid = c.If(c.this._params.in_stream, Xid)
 
-# TupleData: Int16 column count, then per column a kind byte and, for 't' / 'b', Int32 length + bytes.
+# TupleData: Int16 column count, then per column a kind byte (and Int32 length + bytes for t/b).
 TUPLE_COLUMN = c.Struct(
     "kind" / c.Bytes(1),
     "data"

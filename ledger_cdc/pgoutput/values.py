@@ -17,14 +17,16 @@ from typing import Any
 
 import msgspec
 import psycopg
-from psycopg.adapt import AdaptersMap, Loader, Transformer
+from psycopg.abc import Transformer as TransformerProto
+from psycopg.adapt import AdaptersMap, Transformer
 from psycopg.pq import Format
 from psycopg.types.json import set_json_loads
+from psycopg.types.string import TextLoader
 
 from ..errors import DecodeError
-from .messages import UNCHANGED, Binary, Relation, UnchangedToast
+from .messages import Binary, Relation, UnchangedToast
 
-__all__ = ["RawJsonLoader", "RowLoader", "adapters_with_msgspec_json", "raw_json_adapters"]
+__all__ = ["RowLoader", "adapters_with_msgspec_json", "raw_json_adapters"]
 
 
 def adapters_with_msgspec_json() -> AdaptersMap:
@@ -34,17 +36,12 @@ def adapters_with_msgspec_json() -> AdaptersMap:
     return am
 
 
-class RawJsonLoader(Loader):
-    """Leaves json/jsonb text as bytes, for callers that decode it straight into a typed Struct."""
-
-    def load(self, data: Any) -> bytes:
-        return bytes(data)
-
-
 def raw_json_adapters() -> AdaptersMap:
+    """Adapters that leave json/jsonb as its text (psycopg's C text loader), for callers that
+    decode it once, straight into a typed Struct."""
     am = AdaptersMap(psycopg.adapters)
-    am.register_loader("json", RawJsonLoader)
-    am.register_loader("jsonb", RawJsonLoader)
+    am.register_loader("json", TextLoader)
+    am.register_loader("jsonb", TextLoader)
     return am
 
 
@@ -68,7 +65,7 @@ class RowLoader:
         self._adapters = adapters or _default_adapters()
         self._text = Transformer(self._adapters)
         self._text.set_loader_types(self._oids, Format.TEXT)
-        self._binary: Transformer | None = None
+        self._binary: TransformerProto | None = None
 
     def load(self, values: tuple[Any, ...], wal_start: int = 0) -> tuple[Any, ...]:
         """Raw tuple values → Python values (None and UNCHANGED kept as they are)."""
@@ -80,7 +77,7 @@ class RowLoader:
                 lsn=wal_start,
             )
         try:
-            if not any(v is UNCHANGED or type(v) is Binary for v in values):
+            if type(values) is tuple:  # all text or NULL (see SpecialValues)
                 return self._text.load_sequence(values)
             return tuple(self._load_one(i, v) for i, v in enumerate(values))
         except (psycopg.DataError, ValueError, UnicodeDecodeError) as e:

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.server
 
 def _count(db: Database, table: str = "agent_events") -> int:
     with db.connect() as conn:
-        row = conn.execute(f"SELECT count(*) FROM {table}").fetchone()  # noqa: S608
+        row = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
         assert row is not None
         return int(row[0])
 
