@@ -174,6 +174,152 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
         pg.__exit__(None, None, None)
 
 
+def _env(name: str) -> str:
+    return f"LEDGER_CDC_{name}"
+
+
+@cli.command()
+@dsn_option
+@click.option(
+    "--slot",
+    default="agent_slot",
+    show_default=True,
+    envvar=_env("SLOT"),
+    help="Logical replication slot (pgoutput) to stream [env: LEDGER_CDC_SLOT].",
+)
+@click.option(
+    "--publication",
+    default="agent_pub",
+    show_default=True,
+    envvar=_env("PUBLICATION"),
+    help="Publication of the ledger [env: LEDGER_CDC_PUBLICATION].",
+)
+@click.option(
+    "--target-dsn",
+    default=None,
+    envvar=_env("TARGET_DSN"),
+    help="Database for the projections (default: the ledger database) "
+    "[env: LEDGER_CDC_TARGET_DSN].",
+)
+@click.option(
+    "--create-slot",
+    is_flag=True,
+    envvar=_env("CREATE_SLOT"),
+    help="Create the slot if it does not exist [env: LEDGER_CDC_CREATE_SLOT].",
+)
+@click.option(
+    "--batch-size",
+    default=5000,
+    show_default=True,
+    type=click.IntRange(1),
+    envvar=_env("BATCH_SIZE"),
+    help="Flush after this many events [env: LEDGER_CDC_BATCH_SIZE].",
+)
+@click.option(
+    "--max-delay-ms",
+    default=50,
+    show_default=True,
+    type=click.IntRange(0),
+    envvar=_env("MAX_DELAY_MS"),
+    help="Flush at the latest this long after a batch's first transaction "
+    "[env: LEDGER_CDC_MAX_DELAY_MS].",
+)
+@click.option(
+    "--snapshot-every",
+    default=100,
+    show_default=True,
+    type=click.IntRange(0),
+    envvar=_env("SNAPSHOT_EVERY"),
+    help="Snapshot a session every N events (and at task end); 0: only at task end "
+    "[env: LEDGER_CDC_SNAPSHOT_EVERY].",
+)
+@click.option(
+    "--heartbeat-interval",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    envvar=_env("HEARTBEAT_INTERVAL"),
+    help="Seconds between heartbeat messages (0: off); keeps an idle slot advancing "
+    "and measures end-to-end lag [env: LEDGER_CDC_HEARTBEAT_INTERVAL].",
+)
+@click.option(
+    "--metrics-port",
+    default=None,
+    type=click.IntRange(0, 65535),
+    envvar=_env("METRICS_PORT"),
+    help="Serve Prometheus metrics on this port [env: LEDGER_CDC_METRICS_PORT].",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    envvar=_env("METRICS_HOST"),
+    help="Address for --metrics-port [env: LEDGER_CDC_METRICS_HOST].",
+)
+@click.option(
+    "--memory-limit-mb",
+    default=64,
+    show_default=True,
+    type=click.IntRange(1),
+    envvar=_env("MEMORY_LIMIT_MB"),
+    help="Buffer for in-progress streamed transactions before spilling to disk "
+    "[env: LEDGER_CDC_MEMORY_LIMIT_MB].",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["auto", "text", "json"]),
+    default="auto",
+    show_default=True,
+    envvar=_env("LOG_FORMAT"),
+    help="auto: a live status line on a terminal, text lines otherwise "
+    "[env: LEDGER_CDC_LOG_FORMAT].",
+)
+@click.pass_obj
+@handles_errors
+def consume(
+    state: State,
+    dsn: str,
+    slot: str,
+    publication: str,
+    target_dsn: str | None,
+    create_slot: bool,
+    batch_size: int,
+    max_delay_ms: int,
+    snapshot_every: int,
+    heartbeat_interval: float,
+    metrics_port: int | None,
+    metrics_host: str,
+    memory_limit_mb: int,
+    log_format: str,
+) -> None:
+    """Stream the slot into per-session projections, exactly once, in commit order.
+
+    Runs until SIGINT or SIGTERM, then finishes the current batch, commits, confirms and exits 0.
+    Reconnects by itself when the connection drops or the server restarts.
+    """
+    from .consumer import Consumer, ConsumerConfig
+    from .runner import run_consumer
+    from .schema import validate_publication_name, validate_slot_name
+
+    validate_slot_name(slot)
+    validate_publication_name(publication)
+    config = ConsumerConfig(
+        dsn=dsn,
+        slot=slot,
+        publication=publication,
+        target_dsn=target_dsn,
+        create_slot=create_slot,
+        batch_size=batch_size,
+        max_delay=max_delay_ms / 1000,
+        snapshot_every=snapshot_every,
+        heartbeat_interval=heartbeat_interval or None,
+        memory_limit=memory_limit_mb * 1024 * 1024,
+    )
+    consumer = Consumer(config)
+    consumer.install_signal_handlers()
+    run_consumer(consumer, state.console, log_format, metrics_port, metrics_host)
+
+
 def _summary(event_type: str, payload: dict[str, Any]) -> str:
     if event_type == "context.loaded":
         return f"{len(payload.get('messages', []))} messages: {payload.get('task')}"

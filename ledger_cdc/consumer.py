@@ -1,0 +1,563 @@
+"""The consumer loop: transport → decode → assemble → fold → sink → confirm.
+
+This module only wires the stages together and decides when to flush:
+
+- a batch is flushed when the stream has nothing more ready, when it holds ``batch_size``
+  events, or ``max_delay`` after its first transaction: low latency when idle, large batches
+  under load;
+- the LSN sent to the server as flushed is the end LSN of the last transaction whose
+  projections are committed, never more; with nothing in flight, the WAL end of keepalives and
+  heartbeats is confirmed too, so an idle slot keeps advancing;
+- on a lost connection, terminated walsender or restarted server it reconnects with capped
+  exponential backoff and jitter, from the stored checkpoint, dropping whatever was in flight
+  (the server sends it again; transactions at or below the checkpoint are skipped).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import signal
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from .errors import DecodeError, InvalidEventError, LedgerError, format_lsn
+from .events import LedgerEvent
+from .fold import (
+    SessionContext,
+    apply,
+    content_hash,
+    encode_context,
+    reducer_version,
+)
+from .pgoutput import Decoder, Delete, Insert, LogicalMessage, Relation, Truncate, Update
+from .schema import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, create_slot
+from .sink import Batch, DeadLetter, FencedError, PgSink, SnapshotRow
+from .stream.assemble import Assembler, Transaction
+from .stream.rows import LedgerRowDecoder
+from .stream.transport import ReplicationStream, SlotError, TransportError
+
+__all__ = ["Consumer", "ConsumerConfig", "Metrics"]
+
+log = logging.getLogger("ledger_cdc.consumer")
+
+HEARTBEAT_PREFIX = "ledger-cdc.heartbeat"
+_PG_EPOCH = 946684800.0  # 2000-01-01 in Unix seconds
+
+
+@dataclass
+class ConsumerConfig:
+    dsn: str
+    slot: str = DEFAULT_SLOT
+    publication: str = DEFAULT_PUBLICATION
+    target_dsn: str | None = None
+    create_slot: bool = False
+    batch_size: int = 5000
+    max_delay: float = 0.05
+    snapshot_every: int = 100
+    heartbeat_interval: float | None = None
+    status_interval: float = 2.0
+    proto_version: int = 2
+    streaming: bool = True
+    memory_limit: int = 64 * 1024 * 1024
+    spill_dir: str | None = None
+    reconnect_base: float = 0.1
+    reconnect_cap: float = 5.0
+    cache_sessions: int = 100_000
+    table: str = LEDGER_TABLE
+
+
+@dataclass
+class Metrics:
+    """Counters and gauges of one consumer, also served as Prometheus text."""
+
+    transactions: int = 0
+    events: int = 0
+    batches: int = 0
+    dead_letters: int = 0
+    anomalies: int = 0
+    skipped_transactions: int = 0
+    reconnects: int = 0
+    spills: int = 0
+    confirmed_lsn: int = 0
+    server_wal_end: int = 0
+    last_commit_ts: float | None = None  # Unix seconds of the last applied transaction's commit
+    last_applied_at: float | None = None
+    heartbeat_lag: float | None = None
+    started_at: float = field(default_factory=time.time)
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def lag_bytes(self) -> int:
+        return max(0, self.server_wal_end - self.confirmed_lsn)
+
+    @property
+    def lag_seconds(self) -> float | None:
+        if self.heartbeat_lag is not None:
+            return self.heartbeat_lag
+        if self.last_commit_ts is None or self.last_applied_at is None:
+            return None
+        return max(0.0, self.last_applied_at - self.last_commit_ts)
+
+    def prometheus(self, slot: str) -> str:
+        lines = []
+
+        def metric(name: str, kind: str, help_: str, value: float | None) -> None:
+            if value is None:
+                return
+            lines.append(f"# HELP ledger_cdc_{name} {help_}")
+            lines.append(f"# TYPE ledger_cdc_{name} {kind}")
+            lines.append(f'ledger_cdc_{name}{{slot="{slot}"}} {value}')
+
+        metric("transactions_total", "counter", "Transactions applied.", self.transactions)
+        metric("events_total", "counter", "Ledger events folded.", self.events)
+        metric("batches_total", "counter", "Sink transactions committed.", self.batches)
+        metric(
+            "dead_letters_total",
+            "counter",
+            "Events sent to the dead-letter table.",
+            self.dead_letters,
+        )
+        metric(
+            "anomalies_total",
+            "counter",
+            "UPDATE/DELETE/TRUNCATE seen on the ledger.",
+            self.anomalies,
+        )
+        metric(
+            "skipped_transactions_total",
+            "counter",
+            "Resent transactions skipped (at or below the checkpoint).",
+            self.skipped_transactions,
+        )
+        metric("reconnects_total", "counter", "Replication reconnects.", self.reconnects)
+        metric(
+            "spills_total", "counter", "Streamed transaction buffers spilled to disk.", self.spills
+        )
+        metric("confirmed_lsn", "gauge", "Last LSN confirmed to the server.", self.confirmed_lsn)
+        metric("lag_bytes", "gauge", "Server WAL end minus the confirmed LSN.", self.lag_bytes)
+        metric(
+            "lag_seconds",
+            "gauge",
+            "Commit-to-projection lag (heartbeat when enabled).",
+            self.lag_seconds,
+        )
+        for k, v in sorted(self.extra.items()):
+            metric(k, "gauge", k.replace("_", " ") + ".", v)
+        return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class _Anomaly:
+    kind: str
+    lsn: int
+    seq: int | None
+    session_id: uuid.UUID | None
+    row: dict[str, Any] | None
+
+
+class _Bad:
+    """A ledger insert that could not become an event (invalid payload)."""
+
+    __slots__ = ("lsn", "reason", "row", "seq", "session_id")
+
+    def __init__(
+        self,
+        lsn: int,
+        seq: int | None,
+        session_id: uuid.UUID | None,
+        reason: str,
+        row: dict[str, Any] | None,
+    ) -> None:
+        self.lsn, self.seq, self.session_id, self.reason, self.row = (
+            lsn,
+            seq,
+            session_id,
+            reason,
+            row,
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Bad, (self.lsn, self.seq, self.session_id, self.reason, self.row))
+
+
+Item = LedgerEvent | _Bad | _Anomaly
+
+
+class Consumer:
+    """Runs until :meth:`stop` (or SIGINT/SIGTERM when :meth:`install_signal_handlers` was called)."""
+
+    def __init__(
+        self,
+        config: ConsumerConfig,
+        *,
+        on_batch: Callable[[Batch, Metrics], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.on_batch = on_batch
+        self._stop = threading.Event()
+        self.sink = PgSink(config.target_dsn or config.dsn, config.slot)
+        self.stream = ReplicationStream(
+            config.dsn,
+            config.slot,
+            config.publication,
+            proto_version=config.proto_version,
+            streaming=config.streaming,
+            status_interval=config.status_interval,
+        )
+        self._cache: OrderedDict[uuid.UUID, SessionContext] = OrderedDict()
+        self._heartbeat: threading.Thread | None = None
+        self._reset_stream_state(0)
+
+    # -- control --------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: Any) -> None:
+            log.info("signal %s: finishing the current batch", signum)
+            self.stop()
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _reset_stream_state(self, checkpoint: int) -> None:
+        self.decoder = Decoder()
+        self.assembler: Assembler[Item] = Assembler(
+            skip_upto=checkpoint,
+            memory_limit=self.config.memory_limit,
+            spill_dir=self.config.spill_dir,
+        )
+        self._rows: dict[int, LedgerRowDecoder] = {}
+        self._ledger_relids: set[int] = set()
+        self._pending: list[Transaction[Item]] = []
+        self._pending_events = 0
+        self._pending_since: float | None = None
+        self._idle_lsn: int | None = None  # heartbeat LSN to checkpoint when nothing is in flight
+        self._idle_hb_at: float | None = None
+
+    # -- main loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Stream until stopped; reconnects by itself on connection failures."""
+        self._start_heartbeat()
+        attempt = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._connect()
+                    attempt = 0
+                    self._stream_loop()
+                except TransportError as e:
+                    self.metrics.reconnects += 1
+                    delay = min(self.config.reconnect_cap, self.config.reconnect_base * 2**attempt)
+                    delay *= random.uniform(0.5, 1.5)
+                    attempt = min(attempt + 1, 16)
+                    log.warning("%s; reconnecting in %.2fs", e, delay)
+                    self.stream.close()
+                    self.sink.close()
+                    self._stop.wait(delay)
+                except psycopg.OperationalError as e:
+                    self.metrics.reconnects += 1
+                    delay = min(self.config.reconnect_cap, self.config.reconnect_base * 2**attempt)
+                    attempt = min(attempt + 1, 16)
+                    log.warning(
+                        "sink database unavailable (%s); reconnecting in %.2fs",
+                        str(e).strip(),
+                        delay,
+                    )
+                    self.stream.close()
+                    self.sink.close()
+                    self._cache.clear()
+                    self._stop.wait(delay)
+        finally:
+            self.stream.close()
+            self.sink.close()
+
+    def _connect(self) -> None:
+        checkpoint = self.sink.load_checkpoint() or 0
+        self._reset_stream_state(checkpoint)
+        self._cache.clear()  # the projections may have moved on without us (fencing)
+        try:
+            self.stream.start(checkpoint)
+        except SlotError:
+            if not self.config.create_slot:
+                raise
+            with psycopg.connect(self.config.dsn, autocommit=True) as conn:
+                create_slot(conn, self.config.slot)
+            log.info("created slot %s", self.config.slot)
+            self.stream.start(checkpoint)
+        self.metrics.confirmed_lsn = self.stream.confirmed
+        log.info("streaming slot %s from %s", self.config.slot, format_lsn(checkpoint))
+
+    def _stream_loop(self) -> None:
+        stream = self.stream
+        while True:
+            msg = stream.read()
+            if msg is not None:
+                self._on_message(msg.payload, msg.data_start)
+                if msg.wal_end > self.metrics.server_wal_end:
+                    self.metrics.server_wal_end = msg.wal_end
+                if self._pending_events >= self.config.batch_size or (
+                    self._pending_since is not None
+                    and time.monotonic() - self._pending_since > self.config.max_delay
+                ):
+                    self._flush()
+                if self._stop.is_set():
+                    self._flush()  # finish the batch in hand, commit, confirm
+                    return
+                continue
+            # nothing ready: flush what we have, confirm an idle position, then wait
+            if self._pending or self._idle_lsn is not None:
+                self._flush()
+            self.metrics.server_wal_end = max(self.metrics.server_wal_end, stream.wal_end)
+            if (
+                not self.assembler.in_flight
+                and not self._pending
+                and stream.wal_end > stream.confirmed
+            ):
+                stream.confirm(stream.wal_end)
+                self.metrics.confirmed_lsn = stream.confirmed
+            if self._stop.is_set():
+                return
+            stream.wait(0.1 if self._pending_since is None else self.config.max_delay)
+
+    # -- per message ----------------------------------------------------------------------------
+
+    def _on_message(self, payload: bytes, lsn: int) -> None:
+        msg = self.decoder.decode(payload, lsn)
+        kind = type(msg)
+        item: Item | None = None
+        if kind is Insert:
+            assert isinstance(msg, Insert)
+            rows = self._rows.get(msg.relation_id)
+            if rows is None:
+                return
+            try:
+                item = rows.event(msg.new, lsn)
+            except (InvalidEventError, DecodeError) as e:
+                item = self._bad(rows, msg.new, lsn, str(e))
+        elif kind is Relation:
+            assert isinstance(msg, Relation)
+            if msg.name == self.config.table:
+                self._rows[msg.relation_id] = LedgerRowDecoder(msg)
+                self._ledger_relids.add(msg.relation_id)
+            else:
+                self._rows.pop(msg.relation_id, None)
+            return
+        elif kind is Update or kind is Delete:
+            assert isinstance(msg, (Update, Delete))
+            if msg.relation_id in self._ledger_relids:
+                item = self._anomaly("update" if kind is Update else "delete", msg, lsn)
+        elif kind is Truncate:
+            assert isinstance(msg, Truncate)
+            if self._ledger_relids.intersection(msg.relation_ids):
+                item = _Anomaly("truncate", lsn, None, None, None)
+        elif kind is LogicalMessage:
+            assert isinstance(msg, LogicalMessage)
+            if not msg.transactional and msg.prefix == HEARTBEAT_PREFIX:
+                self._on_heartbeat(msg, lsn)
+            return
+        txns = self.assembler.feed(msg, item, len(payload), lsn)
+        if txns:
+            self._pending.extend(txns)
+            for t in txns:
+                self._pending_events += len(t.items)
+            if self._pending_since is None:
+                self._pending_since = time.monotonic()
+        self.metrics.skipped_transactions = self.assembler.skipped
+        self.metrics.spills = self.assembler.spills
+
+    def _bad(self, rows: LedgerRowDecoder, values: tuple[Any, ...], lsn: int, reason: str) -> _Bad:
+        try:
+            loaded = dict(zip(rows._loader.names, rows.load(values, lsn), strict=True))
+        except LedgerError:
+            loaded = {}
+        seq = loaded.get("seq")
+        sid = loaded.get("session_id")
+        row = {k: v if isinstance(v, (int, str, type(None))) else str(v) for k, v in loaded.items()}
+        return _Bad(
+            lsn,
+            seq if isinstance(seq, int) else None,
+            sid if isinstance(sid, uuid.UUID) else None,
+            reason,
+            row,
+        )
+
+    def _anomaly(self, kind: str, msg: Update | Delete, lsn: int) -> _Anomaly:
+        rows = self._rows.get(msg.relation_id)
+        values = msg.old if msg.old is not None else getattr(msg, "new", None)
+        row: dict[str, Any] | None = None
+        seq = sid = None
+        if rows is not None and values is not None:
+            try:
+                loaded = dict(zip(rows._loader.names, rows.load(values, lsn), strict=True))
+                seq, sid = loaded.get("seq"), loaded.get("session_id")
+                row = {
+                    k: v if isinstance(v, (int, str, type(None))) else str(v)
+                    for k, v in loaded.items()
+                }
+            except LedgerError:
+                pass
+        return _Anomaly(kind, lsn, seq, sid, row)
+
+    def _on_heartbeat(self, msg: LogicalMessage, lsn: int) -> None:
+        try:
+            body = json.loads(msg.content)
+        except ValueError:
+            return
+        if body.get("slot") != self.config.slot:
+            return
+        sent = float(body.get("ts", 0))
+        self.metrics.heartbeat_lag = max(0.0, time.time() - sent)
+        if not self.assembler.in_flight:
+            self._idle_lsn = lsn
+            self._idle_hb_at = sent
+
+    # -- flushing -------------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        txns, self._pending = self._pending, []
+        self._pending_events = 0
+        self._pending_since = None
+        end_lsn = txns[-1].end_lsn if txns else 0
+        hb_at = None
+        if self._idle_lsn is not None and not self.assembler.in_flight:
+            if self._idle_lsn > end_lsn:
+                end_lsn = self._idle_lsn
+            hb_at = self._idle_hb_at
+        self._idle_lsn = self._idle_hb_at = None
+        if end_lsn <= (self.sink.checkpoint or 0):
+            return
+        batch = self._fold(txns, end_lsn)
+        batch.heartbeat_at = hb_at
+        with self.stream.keepalive_during():
+            try:
+                self.sink.commit(batch)
+            except FencedError:
+                self._stop.set()
+                raise
+            except BaseException:
+                self._cache.clear()  # the in-memory contexts ran ahead of the database
+                raise
+        self.stream.confirm(end_lsn)
+        m = self.metrics
+        m.confirmed_lsn = end_lsn
+        m.batches += 1
+        m.transactions += batch.transactions
+        m.events += batch.events
+        m.dead_letters += len(batch.dead_letters)
+        if txns:
+            m.last_commit_ts = _PG_EPOCH + txns[-1].commit_ts / 1e6
+            m.last_applied_at = time.time()
+        if self.on_batch is not None:
+            self.on_batch(batch, m)
+
+    def _fold(self, txns: list[Transaction[Item]], end_lsn: int) -> Batch:
+        batch = Batch(end_lsn=end_lsn)
+        every = self.config.snapshot_every
+        version = reducer_version()
+        needed = {it.session_id for t in txns for it in t.items if isinstance(it, LedgerEvent)}
+        missing = [s for s in needed if s not in self._cache]
+        if missing:
+            for sid, loaded in self.sink.load_contexts(missing).items():
+                self._cache[sid] = loaded
+        changed: dict[uuid.UUID, tuple[SessionContext, int]] = {}
+        for txn in txns:
+            before: dict[uuid.UUID, tuple[int, str]] = {}
+            for it in txn.items:
+                if isinstance(it, LedgerEvent):
+                    found = self._cache.get(it.session_id)
+                    if found is None:
+                        found = self._cache[it.session_id] = SessionContext(it.session_id)
+                    ctx = found
+                    if it.position <= ctx.last_position:
+                        continue  # already folded (a projection ahead of a lost checkpoint)
+                    if it.session_id not in before:
+                        before[it.session_id] = (ctx.event_count, ctx.status)
+                    apply(ctx, it)
+                    changed[it.session_id] = (ctx, txn.commit_lsn)
+                    batch.events += 1
+                elif isinstance(it, _Bad):
+                    batch.dead_letters.append(
+                        DeadLetter(
+                            it.seq, it.session_id, it.lsn, "invalid_payload", it.reason, it.row
+                        )
+                    )
+                else:
+                    self.metrics.anomalies += 1
+                    log.error(
+                        "ledger %s seen at %s (seq %s): the append-only guard was bypassed; "
+                        "not folded",
+                        it.kind.upper(),
+                        format_lsn(it.lsn),
+                        it.seq,
+                    )
+                    batch.dead_letters.append(
+                        DeadLetter(
+                            it.seq,
+                            it.session_id,
+                            it.lsn,
+                            it.kind,
+                            f"{it.kind.upper()} on the append-only ledger",
+                            it.row,
+                        )
+                    )
+            # snapshots are cut here, between transactions, never inside one
+            for sid, (count_before, status_before) in before.items():
+                ctx = self._cache[sid]
+                due = every > 0 and ctx.event_count // every != count_before // every
+                ended = ctx.status != status_before and ctx.status in ("completed", "failed")
+                if due or ended:
+                    data = encode_context(ctx)
+                    batch.snapshots.append(
+                        SnapshotRow(
+                            sid, ctx.last_seq, ctx.last_position, version, content_hash(ctx), data
+                        )
+                    )
+            batch.transactions += 1
+        for sid, (ctx, commit_lsn) in changed.items():
+            batch.sessions[sid] = (ctx, encode_context(ctx), commit_lsn)
+        while len(self._cache) > self.config.cache_sessions:
+            self._cache.popitem(last=False)
+        return batch
+
+    # -- heartbeat ------------------------------------------------------------------------------
+
+    def _start_heartbeat(self) -> None:
+        interval = self.config.heartbeat_interval
+        if not interval:
+            return
+
+        def beat() -> None:
+            conn: psycopg.Connection[Any] | None = None
+            while not self._stop.wait(interval):
+                try:
+                    if conn is None or conn.closed:
+                        conn = psycopg.connect(self.config.dsn, autocommit=True, connect_timeout=5)
+                    body = json.dumps({"slot": self.config.slot, "ts": time.time()})
+                    conn.execute(
+                        "SELECT pg_logical_emit_message(false, %s, %s)", (HEARTBEAT_PREFIX, body)
+                    )
+                except psycopg.Error as e:
+                    log.debug("heartbeat failed: %s", e)
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+            if conn is not None:
+                conn.close()
+
+        self._heartbeat = threading.Thread(target=beat, name="ledger-cdc-heartbeat", daemon=True)
+        self._heartbeat.start()

@@ -1,0 +1,359 @@
+"""Reducers: the only place event semantics live.
+
+A :class:`SessionContext` is everything the orchestrator needs to know about a session after a
+crash: the context window (``context.loaded``, then model replies and tool results appended), the
+tool calls in flight (invoked, never observed) and the completed ones memoised by call id, the
+model calls likewise, handoffs, token usage, status and the position reached.
+
+The reducers are pure functions of (context, event): no clock, no I/O, no globals consulted. For
+speed they update the context they are handed — :func:`fold` and :class:`Folder` only ever hand
+them a context nobody else holds (a fresh one, or a copy of a snapshot), so folding a log in one
+pass and folding it from any snapshot onward give equal contexts. Unknown event types are kept in
+the log and ignored here; applications add projection reducers of their own with
+:func:`register_reducer`, whose state lives in ``context.extra[name]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from .events import (
+    ContextLoaded,
+    HandoffEmitted,
+    HandoffReceived,
+    LedgerEvent,
+    Message,
+    ModelRequested,
+    ModelResponded,
+    TaskCompleted,
+    TaskFailed,
+    ToolCall,
+    ToolInvoked,
+    ToolObserved,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "REDUCER_VERSION",
+    "CompletedModel",
+    "CompletedTool",
+    "Handoff",
+    "PendingModel",
+    "PendingTool",
+    "SessionContext",
+    "TokenUsage",
+    "apply",
+    "copy_context",
+    "decode_context",
+    "encode_context",
+    "fold",
+    "reducer_version",
+    "register_reducer",
+]
+
+FORMAT_VERSION = 1
+"""Version of the stored context format (snapshots of another version are not used)."""
+REDUCER_VERSION = "core-1"
+"""Version of the built-in reducers' semantics (bump when a reducer changes its output)."""
+
+
+class PendingTool(msgspec.Struct):
+    call_id: str
+    tool: str
+    arguments: dict[str, Any]
+    idempotency_key: str | None
+    invoked_seq: int
+    attempts: int = 1
+
+
+class CompletedTool(msgspec.Struct):
+    call_id: str
+    tool: str
+    arguments: dict[str, Any]
+    idempotency_key: str | None
+    result: Any
+    error: str | None
+    invoked_seq: int
+    observed_seq: int
+
+
+class PendingModel(msgspec.Struct):
+    request_id: str
+    model: str
+    prompt_hash: str | None
+    idempotency_key: str | None
+    requested_seq: int
+
+
+class CompletedModel(msgspec.Struct):
+    request_id: str
+    model: str
+    prompt_hash: str | None
+    content: str
+    input_tokens: int
+    output_tokens: int
+    tool_calls: list[ToolCall]
+    stop_reason: str | None
+    requested_seq: int | None
+    responded_seq: int
+
+
+class Handoff(msgspec.Struct):
+    handoff_id: str
+    agent: str  # to (emitted) / from (received)
+    seq: int
+    message: str = ""
+
+
+class TokenUsage(msgspec.Struct):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    model_calls: int = 0
+
+
+class SessionContext(msgspec.Struct):
+    """The folded state of one session (see the module docstring)."""
+
+    session_id: uuid.UUID
+    status: str = "running"  # running | completed | failed
+    task: str | None = None
+    messages: list[Message] = []
+    pending_tools: dict[str, PendingTool] = {}
+    completed_tools: dict[str, CompletedTool] = {}
+    pending_models: dict[str, PendingModel] = {}
+    completed_models: dict[str, CompletedModel] = {}
+    handoffs_emitted: list[Handoff] = []
+    handoffs_received: list[Handoff] = []
+    usage: TokenUsage = msgspec.field(default_factory=TokenUsage)
+    agents: list[str] = []
+    result: Any = None
+    error: str | None = None
+    retryable: bool | None = None
+    event_count: int = 0
+    last_seq: int = 0
+    last_position: int = 0
+    ignored_events: int = 0
+    extra: dict[str, Any] = {}
+
+
+Reducer = Callable[[SessionContext, LedgerEvent], None]
+
+
+def _context_loaded(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: ContextLoaded = ev.payload
+    ctx.messages = list(p.messages)
+    if p.task is not None:
+        ctx.task = p.task
+
+
+def _model_requested(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: ModelRequested = ev.payload
+    ctx.pending_models[p.request_id] = PendingModel(
+        p.request_id, p.model, p.prompt_hash, p.idempotency_key, ev.seq
+    )
+
+
+def _model_responded(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: ModelResponded = ev.payload
+    req = ctx.pending_models.pop(p.request_id, None)
+    ctx.completed_models[p.request_id] = CompletedModel(
+        p.request_id,
+        p.model,
+        req.prompt_hash if req else None,
+        p.content,
+        p.usage.input_tokens,
+        p.usage.output_tokens,
+        list(p.tool_calls),
+        p.stop_reason,
+        req.requested_seq if req else None,
+        ev.seq,
+    )
+    u = ctx.usage
+    u.input_tokens += p.usage.input_tokens
+    u.output_tokens += p.usage.output_tokens
+    u.model_calls += 1
+    if p.content:
+        ctx.messages.append(Message("assistant", p.content))
+
+
+def _tool_invoked(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: ToolInvoked = ev.payload
+    key = p.idempotency_key or ev.idempotency_key
+    prior = ctx.pending_tools.get(p.call_id)
+    ctx.pending_tools[p.call_id] = PendingTool(
+        p.call_id,
+        p.tool,
+        dict(p.arguments),
+        key,
+        prior.invoked_seq if prior else ev.seq,
+        prior.attempts + 1 if prior else 1,
+    )
+
+
+def _tool_observed(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: ToolObserved = ev.payload
+    inv = ctx.pending_tools.pop(p.call_id, None)
+    ctx.completed_tools[p.call_id] = CompletedTool(
+        p.call_id,
+        inv.tool if inv else "",
+        inv.arguments if inv else {},
+        inv.idempotency_key if inv else None,
+        p.result,
+        p.error,
+        inv.invoked_seq if inv else ev.seq,
+        ev.seq,
+    )
+    content = p.error if p.error is not None else _text(p.result)
+    ctx.messages.append(Message("tool", content, tool_call_id=p.call_id))
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return msgspec.json.encode(value).decode()
+
+
+def _handoff_emitted(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: HandoffEmitted = ev.payload
+    ctx.handoffs_emitted.append(Handoff(p.handoff_id, p.to_agent, ev.seq, p.message))
+
+
+def _handoff_received(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: HandoffReceived = ev.payload
+    ctx.handoffs_received.append(Handoff(p.handoff_id, p.from_agent, ev.seq))
+
+
+def _task_completed(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: TaskCompleted = ev.payload
+    ctx.status = "completed"
+    ctx.result = p.result
+    ctx.error = None
+
+
+def _task_failed(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: TaskFailed = ev.payload
+    ctx.status = "failed"
+    ctx.error = p.error
+    ctx.retryable = p.retryable
+
+
+REDUCERS: dict[str, Reducer] = {
+    "context.loaded": _context_loaded,
+    "model.requested": _model_requested,
+    "model.responded": _model_responded,
+    "tool.invoked": _tool_invoked,
+    "tool.observed": _tool_observed,
+    "handoff.emitted": _handoff_emitted,
+    "handoff.received": _handoff_received,
+    "task.completed": _task_completed,
+    "task.failed": _task_failed,
+}
+
+
+@dataclass(frozen=True)
+class _Custom:
+    name: str
+    event_types: frozenset[str] | None
+    fn: Callable[[Any, LedgerEvent], Any]
+    version: str
+    initial: Callable[[], Any]
+
+
+_CUSTOM: dict[str, _Custom] = {}
+
+
+def register_reducer(
+    name: str,
+    fn: Callable[[Any, LedgerEvent], Any],
+    *,
+    event_types: Iterable[str] | None = None,
+    version: str = "1",
+    initial: Callable[[], Any] = dict,
+) -> None:
+    """Add a projection reducer: ``state = fn(state, event)`` for each event of ``event_types``
+    (all types if None). Its state is kept in ``context.extra[name]`` and must be msgspec
+    JSON-encodable. ``fn`` must be pure, like the built-in reducers; change ``version`` whenever
+    its output changes, so snapshots folded by the old version are not reused."""
+    types = frozenset(event_types) if event_types is not None else None
+    _CUSTOM[name] = _Custom(name, types, fn, version, initial)
+
+
+def unregister_reducer(name: str) -> None:
+    _CUSTOM.pop(name, None)
+
+
+def reducer_version() -> str:
+    """The version string snapshots record: built-in reducers plus every registered one."""
+    parts = [REDUCER_VERSION] + [
+        f"{c.name}-{c.version}" for c in sorted(_CUSTOM.values(), key=lambda c: c.name)
+    ]
+    return "+".join(parts)
+
+
+def apply(ctx: SessionContext, ev: LedgerEvent) -> SessionContext:
+    """Fold one event into ``ctx`` (which the caller hands over) and return it."""
+    fn = REDUCERS.get(ev.event_type)
+    if fn is not None and not isinstance(ev.payload, dict):
+        fn(ctx, ev)
+    else:
+        ctx.ignored_events += 1
+    for custom in _CUSTOM.values():
+        if custom.event_types is None or ev.event_type in custom.event_types:
+            state = ctx.extra.get(custom.name)
+            if state is None:
+                state = custom.initial()
+            ctx.extra[custom.name] = custom.fn(state, ev)
+    if ev.agent_id not in ctx.agents:
+        ctx.agents.append(ev.agent_id)
+    ctx.event_count += 1
+    ctx.last_seq = ev.seq
+    ctx.last_position = ev.position
+    return ctx
+
+
+def fold(
+    events: Iterable[LedgerEvent],
+    ctx: SessionContext | None = None,
+    session_id: uuid.UUID | None = None,
+) -> SessionContext:
+    """Fold events (of one session, in position order) from ``ctx`` (not modified) or from zero."""
+    if ctx is not None:
+        cur = copy_context(ctx)
+    elif session_id is not None:
+        cur = SessionContext(session_id)
+    else:
+        cur = None
+    for ev in events:
+        if cur is None:
+            cur = SessionContext(ev.session_id)
+        apply(cur, ev)
+    if cur is None:
+        raise ValueError("fold of no events needs ctx or session_id")
+    return cur
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(SessionContext)
+
+
+def encode_context(ctx: SessionContext) -> bytes:
+    """Canonical JSON of a context (stable key order: Struct field order, dicts as folded)."""
+    return _encoder.encode(ctx)
+
+
+def decode_context(data: bytes | str) -> SessionContext:
+    return _decoder.decode(data)
+
+
+def copy_context(ctx: SessionContext) -> SessionContext:
+    return _decoder.decode(_encoder.encode(ctx))
+
+
+def content_hash(ctx: SessionContext) -> bytes:
+    return hashlib.sha256(encode_context(ctx)).digest()

@@ -1,0 +1,197 @@
+"""Where folded state becomes durable: projections, snapshots, dead letters and the checkpoint.
+
+One PostgreSQL transaction per batch writes the changed session projections, the snapshots that
+came due, the dead letters and the checkpoint row ``(slot, end_lsn)``. Because the checkpoint is in
+the same transaction as the projections it covers, a crash at any moment leaves both before or
+both after the batch (exactly-once effect). The checkpoint write is fenced: it only succeeds if
+the stored LSN is still the one this consumer read, so a consumer that lost its slot to another
+can never overwrite newer projections.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from .errors import LedgerError, format_lsn, parse_lsn
+from .fold import FORMAT_VERSION, SessionContext, decode_context
+
+__all__ = ["Batch", "DeadLetter", "FencedError", "PgSink", "SnapshotRow"]
+
+
+class FencedError(LedgerError):
+    """The checkpoint moved under us: another consumer owns the slot now."""
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    seq: int | None
+    session_id: uuid.UUID | None
+    lsn: int
+    kind: str  # invalid_payload | update | delete | truncate | undecodable
+    reason: str
+    row: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotRow:
+    session_id: uuid.UUID
+    upto_seq: int
+    upto_position: int
+    reducer_version: str
+    content_hash: bytes
+    context: bytes  # canonical JSON
+
+
+@dataclass
+class Batch:
+    """What one sink transaction writes."""
+
+    end_lsn: int
+    sessions: dict[uuid.UUID, tuple[SessionContext, bytes, int]] = field(default_factory=dict)
+    snapshots: list[SnapshotRow] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    heartbeat_at: float | None = None
+    transactions: int = 0
+    events: int = 0
+
+
+_UPSERT_SESSION = """
+INSERT INTO agent_sessions (session_id, status, last_seq, last_position, event_count,
+                            format_version, context, commit_lsn, updated_at)
+VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb, %s::pg_lsn, now())
+ON CONFLICT (session_id) DO UPDATE SET
+    status = EXCLUDED.status, last_seq = EXCLUDED.last_seq,
+    last_position = EXCLUDED.last_position, event_count = EXCLUDED.event_count,
+    format_version = EXCLUDED.format_version, context = EXCLUDED.context,
+    commit_lsn = EXCLUDED.commit_lsn, updated_at = now()
+"""
+_INSERT_SNAPSHOT = """
+INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version,
+                             reducer_version, content_hash, context)
+VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb)
+ON CONFLICT (session_id, upto_seq) DO NOTHING
+"""
+_INSERT_DEAD = """
+INSERT INTO ledger_dead_letters (slot_name, seq, session_id, lsn, kind, reason, row_data)
+VALUES (%s, %s, %s, %s::pg_lsn, %s, %s, %s::jsonb)
+ON CONFLICT DO NOTHING
+"""
+_CHECKPOINT = """
+INSERT INTO ledger_checkpoints AS c (slot_name, lsn, heartbeat_at, updated_at)
+VALUES (%(slot)s, %(lsn)s::pg_lsn, to_timestamp(%(hb)s), now())
+ON CONFLICT (slot_name) DO UPDATE SET
+    lsn = EXCLUDED.lsn, updated_at = now(),
+    heartbeat_at = coalesce(EXCLUDED.heartbeat_at, c.heartbeat_at)
+WHERE c.lsn IS NOT DISTINCT FROM %(prev)s::pg_lsn
+RETURNING 1
+"""
+
+
+class PgSink:
+    """Projections in a PostgreSQL database (the source database, or ``--target-dsn``)."""
+
+    def __init__(self, dsn: str, slot: str) -> None:
+        self.dsn = dsn
+        self.slot = slot
+        self._conn: psycopg.Connection[Any] | None = None
+        self.checkpoint: int | None = None
+
+    @property
+    def conn(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.dsn, autocommit=True)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def load_checkpoint(self) -> int | None:
+        row = self.conn.execute(
+            "SELECT lsn::text FROM ledger_checkpoints WHERE slot_name = %s", (self.slot,)
+        ).fetchone()
+        self.checkpoint = parse_lsn(row[0]) if row else None
+        return self.checkpoint
+
+    def load_contexts(self, session_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, SessionContext]:
+        ids = list(session_ids)
+        if not ids:
+            return {}
+        rows = self.conn.execute(
+            "SELECT session_id, format_version, context::text FROM agent_sessions "
+            "WHERE session_id = ANY(%s)",
+            (ids,),
+        ).fetchall()
+        out: dict[uuid.UUID, SessionContext] = {}
+        for sid, version, text in rows:
+            if version == FORMAT_VERSION:
+                out[sid] = decode_context(text)
+        return out
+
+    def commit(self, batch: Batch) -> None:
+        """Write the batch in one transaction; raises FencedError if the checkpoint moved."""
+        conn = self.conn
+        lsn_text = format_lsn(batch.end_lsn)
+        with conn.transaction():
+            with conn.cursor() as cur:
+                if batch.sessions:
+                    cur.executemany(
+                        _UPSERT_SESSION,
+                        [
+                            (
+                                sid,
+                                ctx.status,
+                                ctx.last_seq,
+                                ctx.last_position,
+                                ctx.event_count,
+                                FORMAT_VERSION,
+                                data.decode(),
+                                format_lsn(commit_lsn),
+                            )
+                            for sid, (ctx, data, commit_lsn) in batch.sessions.items()
+                        ],
+                    )
+                if batch.snapshots:
+                    cur.executemany(
+                        _INSERT_SNAPSHOT,
+                        [
+                            (
+                                s.session_id,
+                                s.upto_seq,
+                                s.upto_position,
+                                FORMAT_VERSION,
+                                s.reducer_version,
+                                s.content_hash,
+                                s.context.decode(),
+                            )
+                            for s in batch.snapshots
+                        ],
+                    )
+                if batch.dead_letters:
+                    cur.executemany(
+                        _INSERT_DEAD, [_dead_params(self.slot, d) for d in batch.dead_letters]
+                    )
+            prev = None if self.checkpoint is None else format_lsn(self.checkpoint)
+            row = conn.execute(
+                _CHECKPOINT,
+                {"slot": self.slot, "lsn": lsn_text, "hb": batch.heartbeat_at, "prev": prev},
+            ).fetchone()
+            if row is None:
+                raise FencedError(
+                    f"checkpoint of slot {self.slot} is no longer {prev}: another consumer "
+                    "advanced it; this one stops without writing"
+                )
+        self.checkpoint = batch.end_lsn
+
+
+def _dead_params(slot: str, d: DeadLetter) -> Sequence[Any]:
+    import msgspec
+
+    row = None if d.row is None else msgspec.json.encode(d.row).decode()
+    return (slot, d.seq, d.session_id, format_lsn(d.lsn), d.kind, d.reason, row)

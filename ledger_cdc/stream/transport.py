@@ -1,0 +1,242 @@
+"""The replication connection: START_REPLICATION, reading XLogData, keepalives and feedback.
+
+Built on psycopg2's ``LogicalReplicationConnection``, which answers keepalives that request a
+reply inside ``read_message`` and sends status updates every ``status_interval``. On top of it:
+
+- the flush position we report is only ever what the caller confirmed (:meth:`confirm`): an LSN
+  whose effects are durable, never just "received";
+- :meth:`keepalive_during` runs a block (a long sink commit) while a helper thread keeps sending
+  feedback, so ``wal_sender_timeout`` never fires while we are busy applying;
+- the walsender's session is pinned to ISO dates and UTC, so text values are what the loaders
+  expect whatever the server's defaults;
+- driver errors are translated here into :class:`TransportError` (retryable: connection lost,
+  walsender terminated, server restarting, slot momentarily active) or :class:`SlotError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg2
+import psycopg2.errors
+import psycopg2.extensions
+import psycopg2.extras
+
+from ..errors import ConfigError, LedgerError, format_lsn
+
+__all__ = ["ReplicationStream", "SlotError", "SlotLostError", "TransportError", "XLogData"]
+
+_SESSION_OPTIONS = (
+    "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3"
+)
+
+
+class TransportError(LedgerError):
+    """The replication connection failed in a way a reconnect can cure."""
+
+
+class SlotError(ConfigError):
+    """The slot is missing or not usable (wrong plugin, wrong database)."""
+
+
+class SlotLostError(LedgerError):
+    """The slot was invalidated (WAL it needed was removed): resynchronise from the table."""
+
+
+@dataclass(frozen=True, slots=True)
+class XLogData:
+    data_start: int
+    wal_end: int
+    send_time: float
+    payload: bytes
+
+
+class ReplicationStream:
+    """One START_REPLICATION session on a pgoutput slot."""
+
+    def __init__(
+        self,
+        dsn: str,
+        slot: str,
+        publication: str,
+        *,
+        proto_version: int = 2,
+        streaming: bool = True,
+        messages: bool = True,
+        binary: bool = False,
+        two_phase: bool = False,
+        status_interval: float = 2.0,
+    ) -> None:
+        self.dsn = dsn
+        self.slot = slot
+        self.options: dict[str, str] = {
+            "proto_version": str(proto_version),
+            "publication_names": publication,
+        }
+        if messages:
+            self.options["messages"] = "true"
+        if streaming and proto_version >= 2:
+            self.options["streaming"] = "on"
+        if binary:
+            self.options["binary"] = "true"
+        if two_phase and proto_version >= 3:
+            self.options["two_phase"] = "on"
+        self.status_interval = status_interval
+        self._conn: Any = None
+        self._cur: Any = None
+        self._lock = threading.Lock()
+        self.confirmed = 0
+        self.server_version = 0
+
+    # -- connection -----------------------------------------------------------------------------
+
+    def start(self, start_lsn: int) -> None:
+        """Connect and START_REPLICATION at ``start_lsn`` (0: where the slot stands)."""
+        self.close()
+        try:
+            conn = psycopg2.connect(
+                self.dsn,
+                connection_factory=psycopg2.extras.LogicalReplicationConnection,
+                options=_SESSION_OPTIONS,
+                connect_timeout=10,
+                keepalives=1,
+                keepalives_idle=10,
+                keepalives_interval=5,
+                keepalives_count=3,
+            )
+        except psycopg2.OperationalError as e:
+            raise TransportError(f"cannot open a replication connection: {_first_line(e)}") from e
+        try:
+            cur = conn.cursor()
+            cur.start_replication(
+                slot_name=self.slot,
+                decode=False,
+                start_lsn=start_lsn,
+                options=self.options,
+                status_interval=self.status_interval,  # type: ignore[arg-type]
+            )
+        except psycopg2.errors.UndefinedObject as e:
+            conn.close()
+            raise SlotError(
+                f"replication slot {self.slot!r} does not exist; create it with --create-slot "
+                "or `ledger-cdc slot create`"
+            ) from e
+        except psycopg2.errors.ObjectInUse as e:
+            conn.close()
+            raise TransportError(
+                f"slot {self.slot!r} is in use by another process: {_first_line(e)}"
+            ) from e
+        except psycopg2.errors.ObjectNotInPrerequisiteState as e:
+            conn.close()
+            msg = _first_line(e)
+            if "invalidated" in msg or "can no longer" in msg or "has been invalidated" in msg:
+                raise SlotLostError(f"slot {self.slot!r} was invalidated: {msg}") from e
+            raise SlotError(f"slot {self.slot!r} cannot be used: {msg}") from e
+        except psycopg2.errors.FeatureNotSupported as e:
+            conn.close()
+            raise SlotError(f"slot {self.slot!r}: {_first_line(e)}") from e
+        except psycopg2.Error as e:
+            conn.close()
+            raise TransportError(f"START_REPLICATION failed: {_first_line(e)}") from e
+        self._conn, self._cur = conn, cur
+        self.server_version = conn.server_version
+        self.confirmed = max(self.confirmed, start_lsn)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+        self._conn = self._cur = None
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    def fileno(self) -> int:
+        return int(self._conn.fileno())
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def read(self) -> XLogData | None:
+        """The next XLogData if one is ready, else None (keepalives are handled inside)."""
+        try:
+            with self._lock:
+                msg = self._cur.read_message()
+        except (psycopg2.Error, AttributeError) as e:
+            self.close()
+            raise TransportError(f"replication stream lost: {_first_line(e)}") from e
+        if msg is None:
+            return None
+        return XLogData(msg.data_start, msg.wal_end, msg.send_time.timestamp(), bytes(msg.payload))
+
+    def wait(self, timeout: float) -> None:
+        """Block until the socket is readable or ``timeout`` passes."""
+        if self._conn is None:
+            time.sleep(timeout)
+            return
+        try:
+            select.select([self._conn], [], [], timeout)
+        except (OSError, ValueError) as e:
+            self.close()
+            raise TransportError(f"replication stream lost: {e}") from e
+
+    @property
+    def wal_end(self) -> int:
+        """The server's WAL end as of the last message or keepalive."""
+        return int(self._cur.wal_end) if self._cur is not None else 0
+
+    # -- feedback -------------------------------------------------------------------------------
+
+    def confirm(self, lsn: int, *, force: bool = True) -> None:
+        """Report ``lsn`` as written and flushed: its effects are durable on our side."""
+        if lsn < self.confirmed:
+            return
+        self.confirmed = lsn
+        self._feedback(force)
+
+    def _feedback(self, force: bool) -> None:
+        if self._cur is None:
+            return
+        try:
+            with self._lock:
+                self._cur.send_feedback(
+                    write_lsn=self.confirmed,
+                    flush_lsn=self.confirmed,
+                    apply_lsn=self.confirmed,
+                    force=force,
+                )
+        except psycopg2.Error as e:
+            self.close()
+            raise TransportError(f"cannot send feedback: {_first_line(e)}") from e
+
+    @contextlib.contextmanager
+    def keepalive_during(self) -> Iterator[None]:
+        """Keep sending status updates from a helper thread while the caller is busy."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.status_interval / 2):
+                with contextlib.suppress(TransportError):
+                    self._feedback(True)
+
+        t = threading.Thread(target=beat, name="ledger-cdc-keepalive", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
+
+    def describe(self) -> str:
+        return f"slot {self.slot} confirmed {format_lsn(self.confirmed)}"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
