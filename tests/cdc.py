@@ -1,0 +1,173 @@
+"""Helpers for consumer tests: a real ``ledger-cdc consume`` process, writers, and the equality
+that matters (projections and snapshots == a fold of the whole table from zero)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from ledger_cdc.errors import InvalidEventError
+from ledger_cdc.fold import SessionContext, decode_context, fold
+from ledger_cdc.replay import fold_all, load_events
+from ledger_cdc.writer import Ledger
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ConsumerProcess:
+    """``ledger-cdc consume`` as a child process (so it can be SIGKILLed for real)."""
+
+    def __init__(self, dsn: str, *args: str, log: Path | None = None) -> None:
+        self.dsn = dsn
+        self.args = args
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ConsumerProcess:
+        out = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ledger_cdc.cli", "consume", "--dsn", self.dsn,
+             "--log-format", "text", *self.args],
+            stdout=out, stderr=out, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        return self
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def terminate(self, timeout: float = 60) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def __enter__(self) -> ConsumerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.alive():
+            self.kill()
+
+
+def stored_projections(conn: psycopg.Connection[Any]) -> dict[uuid.UUID, SessionContext]:
+    return {
+        sid: decode_context(text)
+        for sid, text in conn.execute("SELECT session_id, context::text FROM agent_sessions")
+    }
+
+
+def valid_event_count(conn: psycopg.Connection[Any]) -> int:
+    return sum(1 for e in load_events(conn) if not isinstance(e, InvalidEventError))
+
+
+def wait_caught_up(dsn: str, timeout: float = 60.0) -> None:
+    """Until every valid event in the table is folded into a projection."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        want = valid_event_count(conn)
+        while time.monotonic() < deadline:
+            row = conn.execute("SELECT coalesce(sum(event_count), 0) FROM agent_sessions").fetchone()
+            assert row is not None
+            if int(row[0]) >= want:
+                return
+            time.sleep(0.1)
+    raise AssertionError(f"consumer did not catch up within {timeout}s (want {want} events)")
+
+
+def assert_projections_equal_refold(dsn: str) -> int:
+    """Projections and every snapshot equal a fold of agent_events from zero. Returns events."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        expected = fold_all(conn)
+        got = stored_projections(conn)
+        assert set(got) == set(expected), (len(got), len(expected))
+        for sid, ctx in expected.items():
+            assert got[sid] == ctx, f"session {sid} differs from a refold"
+        # every snapshot equals a fold of its session's events up to its position
+        events: dict[uuid.UUID, list[Any]] = {}
+        for ev in load_events(conn):
+            if not isinstance(ev, InvalidEventError):
+                events.setdefault(ev.session_id, []).append(ev)
+        for sid, upto_pos, text in conn.execute(
+            "SELECT session_id, upto_position, context::text FROM agent_snapshots"
+        ):
+            prefix = [e for e in events[sid] if e.position <= upto_pos]
+            assert decode_context(text) == fold(prefix, session_id=sid), f"snapshot {sid}@{upto_pos}"
+        return sum(len(v) for v in events.values())
+
+
+class Writers:
+    """N threads appending agent turns (multi-event transactions) until stopped."""
+
+    def __init__(self, dsn: str, n: int = 8, sessions: int = 40, seed: int = 1) -> None:
+        self.dsn = dsn
+        self.n = n
+        self.sessions = [uuid.UUID(int=random.Random(seed * 1000 + i).getrandbits(128), version=4) for i in range(sessions)]
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+        self.turns = 0
+        self._lock = threading.Lock()
+
+    def _work(self, w: int) -> None:
+        rng = random.Random(w)
+        try:
+            with Ledger(self.dsn) as ledger:
+                while not self._stop.is_set():
+                    sid = rng.choice(self.sessions)
+                    turn_events(ledger, sid, f"w{w}", rng)
+                    with self._lock:
+                        self.turns += 1
+        except BaseException as e:
+            self.errors.append(e)
+
+    def start(self) -> Writers:
+        self._threads = [threading.Thread(target=self._work, args=(w,), daemon=True) for w in range(self.n)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+        if self.errors:
+            raise self.errors[0]
+
+
+def turn_events(ledger: Ledger, sid: uuid.UUID, agent: str, rng: random.Random) -> None:
+    """One agent turn: a model call and its tool calls in one transaction, then the results."""
+    call = f"{agent}-{rng.getrandbits(40):x}"
+    with ledger.transaction() as tx:
+        tx.append(sid, agent, "model.requested", {"request_id": call, "model": "m", "prompt_hash": "h"})
+        tx.append(sid, agent, "model.responded", {
+            "request_id": call, "model": "m", "content": "ok",
+            "usage": {"input_tokens": rng.randint(1, 500), "output_tokens": rng.randint(1, 50)},
+        })
+        tx.append(sid, agent, "tool.invoked", {"call_id": call, "tool": "search", "arguments": {"q": call}},
+                  idempotency_key=call)
+    if rng.random() < 0.8:
+        ledger.append(sid, agent, "tool.observed", {"call_id": call, "result": {"n": rng.randint(0, 9)}})
+
+
+def until(pred: Callable[[], bool], timeout: float = 30.0, every: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout}s")

@@ -1,0 +1,259 @@
+"""``ledger-cdc consume`` against real servers: commit order, exactly-once, streamed, two-phase,
+schema change, poison payloads, guard bypass, idle heartbeat, clean shutdown."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from ledger_cdc.consumer import Consumer, ConsumerConfig
+from ledger_cdc.errors import parse_lsn
+from ledger_cdc.schema import create_slot
+from ledger_cdc.writer import Ledger
+from tests.cdc import (
+    ConsumerProcess,
+    Writers,
+    assert_projections_equal_refold,
+    stored_projections,
+    turn_events,
+    until,
+    wait_caught_up,
+)
+from tests.conftest import Database
+
+pytestmark = pytest.mark.server
+
+
+class InThread:
+    """A Consumer in a thread of the test process (for tests that look inside it)."""
+
+    def __init__(self, dsn: str, **kw: Any) -> None:
+        self.consumer = Consumer(ConsumerConfig(dsn=dsn, create_slot=True, **kw))
+        self.thread = threading.Thread(target=self.consumer.run, daemon=True)
+        self.order: list[int] = []
+
+    def __enter__(self) -> Consumer:
+        # the slot exists before any test write: rows written before it are not in the stream
+        with psycopg.connect(self.consumer.config.dsn, autocommit=True) as conn:
+            create_slot(conn, self.consumer.config.slot)
+        self.thread.start()
+        return self.consumer
+
+    def __exit__(self, *exc: object) -> None:
+        self.consumer.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+def test_commit_order_beats_a_seq_poller(db: Database) -> None:
+    """A transaction holding a lower seq commits after a higher one: the consumer folds in commit
+    order and misses nothing; a `seq > last` poller skips the late row for good."""
+    a, b = uuid.uuid4(), uuid.uuid4()
+    folded: list[tuple[int, uuid.UUID]] = []
+
+    with db.connect() as setup:
+        create_slot(setup, "agent_slot")
+    with InThread(db.dsn) as consumer:
+        consumer.on_batch = lambda batch, m: folded.extend(
+            (ctx.last_seq, sid) for sid, (ctx, _, _) in batch.sessions.items()
+        )
+        late = psycopg.connect(db.dsn)  # not autocommit: holds its transaction open
+        early_ledger = Ledger(db.dsn)
+        try:
+            with late.transaction():
+                from ledger_cdc.writer import append
+
+                r_late = append(late, a, "x", "task.completed", {"result": "late"})
+                r_early = early_ledger.append(b, "x", "task.completed", {"result": "early"})
+                assert r_late.seq < r_early.seq
+                # the poller runs now: it sees the early row only, and moves its cursor past it
+                with db.connect() as poller:
+                    seen = poller.execute("SELECT seq FROM agent_events WHERE seq > 0 ORDER BY seq").fetchall()
+                    last = max(s for (s,) in seen)
+                    assert [s for (s,) in seen] == [r_early.seq]
+                time.sleep(0.3)
+            # the late transaction commits now
+            with db.connect() as poller:
+                missed = poller.execute("SELECT seq FROM agent_events WHERE seq > %s", (last,)).fetchall()
+            assert missed == [], "the poller never sees the late row"
+            wait_caught_up(db.dsn)
+        finally:
+            late.close()
+            early_ledger.close()
+    assert [sid for _, sid in folded] == [b, a]  # commit order, not seq order
+    with db.connect() as conn:
+        got = stored_projections(conn)
+    assert got[a].result == "late" and got[b].result == "early"
+    assert_projections_equal_refold(db.dsn)
+
+
+def test_concurrent_writers_exactly_once_with_snapshots(db: Database) -> None:
+    with InThread(db.dsn, snapshot_every=7, batch_size=50) as consumer:
+        w = Writers(db.dsn, n=8, sessions=20).start()
+        time.sleep(3)
+        w.stop()
+        wait_caught_up(db.dsn)
+        assert consumer.metrics.batches > 1
+    n = assert_projections_equal_refold(db.dsn)
+    assert n > 100
+    with db.connect() as conn:
+        (snaps,) = conn.execute("SELECT count(*) FROM agent_snapshots").fetchone()  # type: ignore[misc]
+        assert snaps > 0
+        # snapshots are cut at transaction boundaries: never inside a model.requested→tool.invoked turn
+        bad = conn.execute(
+            "SELECT s.session_id, s.upto_position FROM agent_snapshots s JOIN agent_events e "
+            "ON e.session_id = s.session_id AND e.position = s.upto_position "
+            "WHERE e.event_type IN ('model.requested', 'model.responded')"
+        ).fetchall()
+        assert bad == []
+
+
+def test_sigterm_finishes_the_batch_and_exits_zero(db: Database, tmp_path: Path) -> None:
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+    proc = ConsumerProcess(db.dsn, log=tmp_path / "c.log").start()
+    try:
+        w = Writers(db.dsn, n=4, sessions=10).start()
+        time.sleep(2)
+        assert proc.terminate() == 0
+        w.stop()
+    finally:
+        if proc.alive():
+            proc.kill()
+    with db.connect() as conn:
+        (ck,) = conn.execute("SELECT lsn::text FROM ledger_checkpoints").fetchone()  # type: ignore[misc]
+        (confirmed,) = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots").fetchone()  # type: ignore[misc]
+        assert parse_lsn(confirmed) >= parse_lsn(ck) > 0
+    # whatever was committed is consistent, and a restart completes the rest
+    with ConsumerProcess(db.dsn):
+        wait_caught_up(db.dsn)
+    assert_projections_equal_refold(db.dsn)
+
+
+def _streamed_work(dsn: str) -> None:
+    sid_c, sid_a = uuid.uuid4(), uuid.uuid4()
+    with Ledger(dsn) as ledger:
+        with ledger.transaction() as tx:  # much larger than logical_decoding_work_mem (64kB)
+            for i in range(800):
+                tx.append(sid_c, "big", "tool.invoked", {"call_id": f"c{i}", "tool": "t", "arguments": {"pad": "x" * 200}})
+        with pytest.raises(RuntimeError), ledger.transaction() as tx:
+            for i in range(800):
+                tx.append(sid_a, "big", "tool.invoked", {"call_id": f"a{i}", "tool": "t", "arguments": {"pad": "y" * 200}})
+            raise RuntimeError("abort the big one")
+        ledger.append(sid_c, "big", "task.completed", {"result": "done"})
+
+
+def test_large_streamed_transactions_committed_and_aborted(db: Database) -> None:
+    with InThread(db.dsn, memory_limit=64 * 1024) as consumer:  # small: forces spilling to disk
+        _streamed_work(db.dsn)
+        wait_caught_up(db.dsn)
+        assert consumer.metrics.spills > 0
+    assert_projections_equal_refold(db.dsn)
+    with db.connect() as conn:
+        rows = conn.execute("SELECT event_count, status FROM agent_sessions").fetchall()
+    assert rows == [(801, "completed")]
+
+
+def test_two_phase_commit_and_rollback(db: Database) -> None:
+    sid = uuid.uuid4()
+    with InThread(db.dsn):
+        with db.connect() as conn:
+            conn.execute("BEGIN")
+            conn.execute(
+                "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                "VALUES (%s, 'a', 'task.failed', '{\"error\": \"rolled back\"}')", (sid,)
+            )
+            conn.execute("PREPARE TRANSACTION 'roll'")
+            conn.execute("ROLLBACK PREPARED 'roll'")
+            conn.execute("BEGIN")
+            conn.execute(
+                "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                "VALUES (%s, 'a', 'task.completed', '{\"result\": \"committed\"}')", (sid,)
+            )
+            conn.execute("PREPARE TRANSACTION 'keep'")
+            time.sleep(0.5)
+            assert stored_projections(conn) == {}  # prepared is not committed
+            conn.execute("COMMIT PREPARED 'keep'")
+        wait_caught_up(db.dsn)
+    with db.connect() as conn:
+        (ctx,) = stored_projections(conn).values()
+    assert ctx.status == "completed" and ctx.result == "committed" and ctx.event_count == 1
+    assert_projections_equal_refold(db.dsn)
+
+
+def test_alter_table_mid_stream(db: Database) -> None:
+    sid = uuid.uuid4()
+    with InThread(db.dsn), Ledger(db.dsn) as ledger:
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
+        wait_caught_up(db.dsn)
+        with db.connect() as conn:
+            conn.execute("ALTER TABLE agent_events ADD COLUMN tenant text DEFAULT 'acme'")
+            conn.execute("ALTER PUBLICATION agent_pub SET TABLE agent_events "
+                         "(seq, session_id, position, agent_id, event_type, payload, idempotency_key, created_at, tenant)")
+        ledger.append(sid, "a", "tool.observed", {"call_id": "1", "result": 5})
+        wait_caught_up(db.dsn)
+    with db.connect() as conn:
+        (ctx,) = stored_projections(conn).values()
+    assert ctx.completed_tools["1"].result == 5 and ctx.event_count == 2
+
+
+def test_poison_payload_goes_to_dead_letters_and_stream_goes_on(db: Database) -> None:
+    sid = uuid.uuid4()
+    with InThread(db.dsn) as consumer, Ledger(db.dsn) as ledger:
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
+        with db.connect() as conn:  # bypasses the writer's validation
+            conn.execute(
+                "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                "VALUES (%s, 'a', 'tool.observed', '{\"call_id\": 42}')", (sid,)
+            )
+        ledger.append(sid, "a", "tool.observed", {"call_id": "1", "result": "fine"})
+        wait_caught_up(db.dsn)
+        until(lambda: consumer.metrics.dead_letters == 1)
+    with db.connect() as conn:
+        dead = conn.execute("SELECT seq, session_id, kind, reason FROM ledger_dead_letters").fetchall()
+        (ctx,) = stored_projections(conn).values()
+    assert len(dead) == 1 and dead[0][1] == sid and dead[0][2] == "invalid_payload"
+    assert "call_id" in dead[0][3] and dead[0][0] is not None
+    assert ctx.completed_tools["1"].result == "fine" and ctx.event_count == 2
+
+
+def test_guard_bypass_is_reported_and_not_folded(db: Database, caplog: pytest.LogCaptureFixture) -> None:
+    sid = uuid.uuid4()
+    with InThread(db.dsn) as consumer, Ledger(db.dsn) as ledger:
+        ledger.append(sid, "a", "task.completed", {"result": 1})
+        wait_caught_up(db.dsn)
+        with db.connect() as conn:
+            conn.execute("ALTER TABLE agent_events DISABLE TRIGGER agent_events_append_only")
+            conn.execute("UPDATE agent_events SET payload = '{\"result\": 2}'")
+            conn.execute("DELETE FROM agent_events")
+        until(lambda: consumer.metrics.anomalies == 2)
+    with db.connect() as conn:
+        kinds = sorted(k for (k,) in conn.execute("SELECT kind FROM ledger_dead_letters"))
+        (ctx,) = stored_projections(conn).values()
+    assert kinds == ["delete", "update"]
+    assert ctx.result == 1  # never folded
+    assert any("append-only guard was bypassed" in r.message for r in caplog.records)
+
+
+def test_idle_slot_advances_with_heartbeat(db: Database) -> None:
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+        (start,) = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots").fetchone()  # type: ignore[misc]
+    with InThread(db.dsn, heartbeat_interval=0.3, status_interval=1.0) as consumer:
+        until(lambda: consumer.metrics.heartbeat_lag is not None, 20)
+
+        def advanced() -> bool:
+            with db.connect() as c:
+                (lsn,) = c.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots").fetchone()  # type: ignore[misc]
+                (ck,) = c.execute("SELECT coalesce(max(heartbeat_at::text), '') FROM ledger_checkpoints").fetchone()  # type: ignore[misc]
+            return parse_lsn(lsn) > parse_lsn(start) + 100 and ck != ""
+
+        until(advanced, 20)
+        assert consumer.metrics.events == 0
