@@ -209,7 +209,7 @@ def _env(name: str) -> str:
 )
 @click.option(
     "--batch-size",
-    default=5000,
+    default=20000,
     show_default=True,
     type=click.IntRange(1),
     envvar=_env("BATCH_SIZE"),

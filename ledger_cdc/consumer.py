@@ -15,8 +15,10 @@ This module only wires the stages together and decides when to flush:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import random
 import signal
 import threading
@@ -60,7 +62,7 @@ class ConsumerConfig:
     publication: str = DEFAULT_PUBLICATION
     target_dsn: str | None = None
     create_slot: bool = False
-    batch_size: int = 5000
+    batch_size: int = 20000
     max_delay: float = 0.05
     snapshot_every: int = 100
     heartbeat_interval: float | None = None
@@ -192,6 +194,90 @@ class _Bad:
 Item = LedgerEvent | _Bad | _Anomaly
 
 
+class _SinkWorker:
+    """Commits batches on a thread of its own (group commit): while one batch is being written,
+    the stream loop goes on reading and folding the next, so batches grow with the sink's
+    latency under load and stay single transactions when idle. One batch at a time, in order."""
+
+    def __init__(self, sink: PgSink) -> None:
+        self.sink = sink
+        self._batch: Batch | None = None
+        self._error: BaseException | None = None
+        self._finished: Batch | None = None
+        self._cond = threading.Condition()
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._rfd, False)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="ledger-cdc-sink", daemon=True)
+        self._thread.start()
+
+    @property
+    def wakeup_fd(self) -> int:
+        return self._rfd
+
+    @property
+    def busy(self) -> bool:
+        return self._batch is not None
+
+    @property
+    def done(self) -> bool:
+        return self._finished is not None or self._error is not None
+
+    def submit(self, batch: Batch) -> None:
+        with self._cond:
+            assert self._batch is None
+            self._batch = batch
+            self._cond.notify_all()
+
+    def wait(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._batch is None)
+
+    def take(self) -> Batch | None:
+        """The batch committed since the last call (re-raising the sink's error, if any)."""
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._rfd, 512)
+        with self._cond:
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
+            done, self._finished = self._finished, None
+            return done
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._batch is not None or self._closed)
+                if self._closed:
+                    return
+                batch = self._batch
+            assert batch is not None
+            try:
+                self.sink.commit(batch)
+                batch.committed_at = time.time()
+                error = None
+            except BaseException as e:  # handed to the stream loop
+                error = e
+            with self._cond:
+                if error is None:
+                    self._finished = batch
+                else:
+                    self._error = error
+                self._batch = None
+                self._cond.notify_all()
+            with contextlib.suppress(OSError):
+                os.write(self._wfd, b"x")
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(60)
+        for fd in (self._rfd, self._wfd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 class Consumer:
     """Runs until :meth:`stop` (or SIGINT/SIGTERM when :meth:`install_signal_handlers` was called)."""
 
@@ -216,6 +302,7 @@ class Consumer:
         )
         self._cache: OrderedDict[uuid.UUID, SessionContext] = OrderedDict()
         self._heartbeat: threading.Thread | None = None
+        self._worker = _SinkWorker(self.sink)
         self._reset_stream_state(0)
 
     # -- control --------------------------------------------------------------------------------
@@ -240,6 +327,8 @@ class Consumer:
             memory_limit=self.config.memory_limit,
             spill_dir=self.config.spill_dir,
         )
+        self._decode = self.decoder.decode
+        self._feed = self.assembler.feed
         self._rows: dict[int, LedgerRowDecoder] = {}
         self._ledger_relids: set[int] = set()
         self._pending: list[Transaction[Item]] = []
@@ -247,6 +336,7 @@ class Consumer:
         self._pending_since: float | None = None
         self._idle_lsn: int | None = None  # heartbeat LSN to checkpoint when nothing is in flight
         self._idle_hb_at: float | None = None
+        self._submitted_lsn = checkpoint
 
     # -- main loop ------------------------------------------------------------------------------
 
@@ -266,8 +356,7 @@ class Consumer:
                     delay *= random.uniform(0.5, 1.5)
                     attempt = min(attempt + 1, 16)
                     log.warning("%s; reconnecting in %.2fs", e, delay)
-                    self.stream.close()
-                    self.sink.close()
+                    self._recover()
                     self._stop.wait(delay)
                 except psycopg.OperationalError as e:
                     self.metrics.reconnects += 1
@@ -283,8 +372,21 @@ class Consumer:
                     self._cache.clear()
                     self._stop.wait(delay)
         finally:
+            self._worker.wait()
+            with contextlib.suppress(Exception):
+                self._worker.take()
+            self._worker.close()
             self.stream.close()
             self.sink.close()
+
+    def _recover(self) -> None:
+        """After a failure: let the sink finish what it has, forget what it had not."""
+        self._worker.wait()
+        with contextlib.suppress(Exception):
+            self._worker.take()
+        self.stream.close()
+        self.sink.close()
+        self._cache.clear()
 
     def _connect(self) -> None:
         checkpoint = self.sink.load_checkpoint() or 0
@@ -304,51 +406,73 @@ class Consumer:
 
     def _stream_loop(self) -> None:
         stream = self.stream
+        worker = self._worker
+        read = stream.read
+        on_message = self._on_message
+        stopping = self._stop.is_set
+        batch_size = self.config.batch_size
+        max_delay = self.config.max_delay
+        metrics = self.metrics
         while True:
-            msg = stream.read()
+            if worker.done:
+                self._settle()
+            msg = read()
             if msg is not None:
-                self._on_message(msg.payload, msg.data_start)
-                if msg.wal_end > self.metrics.server_wal_end:
-                    self.metrics.server_wal_end = msg.wal_end
-                if self._pending_events >= self.config.batch_size or (
+                on_message(msg.payload, msg.data_start)
+                metrics.server_wal_end = msg.wal_end
+                if self._pending_events >= batch_size:
+                    self._flush(wait=True)  # the batch is full: wait for the sink if it is busy
+                elif (
                     self._pending_since is not None
-                    and time.monotonic() - self._pending_since > self.config.max_delay
+                    and not worker.busy
+                    and time.monotonic() - self._pending_since > max_delay
                 ):
                     self._flush()
-                if self._stop.is_set():
-                    self._flush()  # finish the batch in hand, commit, confirm
+                if stopping():
+                    self._drain()  # finish the batch in hand, commit, confirm
                     return
                 continue
-            # nothing ready: flush what we have, confirm an idle position, then wait
-            if self._pending or self._idle_lsn is not None:
+            # nothing ready: hand what we have to the sink (if it is free), confirm an idle
+            # position, then wait for the socket or for the sink to finish
+            if (self._pending or self._idle_lsn is not None) and not worker.busy:
                 self._flush()
             self.metrics.server_wal_end = max(self.metrics.server_wal_end, stream.wal_end)
             if (
-                not self.assembler.in_flight
+                not worker.busy
+                and not self.assembler.in_flight
                 and not self._pending
                 and stream.wal_end > stream.confirmed
             ):
                 stream.confirm(stream.wal_end)
                 self.metrics.confirmed_lsn = stream.confirmed
             if self._stop.is_set():
+                self._drain()
                 return
-            stream.wait(0.1 if self._pending_since is None else self.config.max_delay)
+            timeout = self.config.max_delay if self._pending_since is not None else 0.1
+            stream.wait(timeout, worker.wakeup_fd)
+
+    def _drain(self) -> None:
+        self._worker.wait()
+        self._settle()
+        if self._pending or self._idle_lsn is not None:
+            self._flush(wait=True)
+            self._worker.wait()
+            self._settle()
 
     # -- per message ----------------------------------------------------------------------------
 
     def _on_message(self, payload: bytes, lsn: int) -> None:
-        msg = self.decoder.decode(payload, lsn)
+        msg = self._decode(payload, lsn)
         kind = type(msg)
         item: Item | None = None
         if kind is Insert:
-            assert isinstance(msg, Insert)
-            rows = self._rows.get(msg.relation_id)
+            rows = self._rows.get(msg.relation_id)  # type: ignore[union-attr]
             if rows is None:
                 return
             try:
-                item = rows.event(msg.new, lsn)
+                item = rows.event(msg.new, lsn)  # type: ignore[union-attr]
             except (InvalidEventError, DecodeError) as e:
-                item = self._bad(rows, msg.new, lsn, str(e))
+                item = self._bad(rows, msg.new, lsn, str(e))  # type: ignore[union-attr]
         elif kind is Relation:
             assert isinstance(msg, Relation)
             if msg.name == self.config.table:
@@ -370,15 +494,13 @@ class Consumer:
             if not msg.transactional and msg.prefix == HEARTBEAT_PREFIX:
                 self._on_heartbeat(msg, lsn)
             return
-        txns = self.assembler.feed(msg, item, len(payload), lsn)
+        txns = self._feed(msg, item, len(payload), lsn)
         if txns:
             self._pending.extend(txns)
             for t in txns:
                 self._pending_events += len(t.items)
             if self._pending_since is None:
                 self._pending_since = time.monotonic()
-        self.metrics.skipped_transactions = self.assembler.skipped
-        self.metrics.spills = self.assembler.spills
 
     def _bad(self, rows: LedgerRowDecoder, values: tuple[Any, ...], lsn: int, reason: str) -> _Bad:
         try:
@@ -428,7 +550,15 @@ class Consumer:
 
     # -- flushing -------------------------------------------------------------------------------
 
-    def _flush(self) -> None:
+    def _flush(self, *, wait: bool = False) -> None:
+        """Fold the pending transactions and hand the batch to the sink worker."""
+        worker = self._worker
+        if worker.busy:
+            if not wait:
+                return
+            with self.stream.keepalive_during():
+                worker.wait()
+        self._settle()
         txns, self._pending = self._pending, []
         self._pending_events = 0
         self._pending_since = None
@@ -439,29 +569,30 @@ class Consumer:
                 end_lsn = self._idle_lsn
             hb_at = self._idle_hb_at
         self._idle_lsn = self._idle_hb_at = None
-        if end_lsn <= (self.sink.checkpoint or 0):
+        if end_lsn <= self._submitted_lsn:
             return
         batch = self._fold(txns, end_lsn)
         batch.heartbeat_at = hb_at
-        with self.stream.keepalive_during():
-            try:
-                self.sink.commit(batch)
-            except FencedError:
-                self._stop.set()
-                raise
-            except BaseException:
-                self._cache.clear()  # the in-memory contexts ran ahead of the database
-                raise
-        self.stream.confirm(end_lsn)
+        self._submitted_lsn = end_lsn
+        worker.submit(batch)
+
+    def _settle(self) -> None:
+        """If the sink finished a batch: confirm its LSN (raise what it raised)."""
+        batch = self._worker.take()
+        if batch is None:
+            return
+        self.stream.confirm(batch.end_lsn)
         m = self.metrics
-        m.confirmed_lsn = end_lsn
+        m.confirmed_lsn = batch.end_lsn
+        m.skipped_transactions = self.assembler.skipped
+        m.spills = self.assembler.spills
         m.batches += 1
         m.transactions += batch.transactions
         m.events += batch.events
         m.dead_letters += len(batch.dead_letters)
-        if txns:
-            m.last_commit_ts = _PG_EPOCH + txns[-1].commit_ts / 1e6
-            m.last_applied_at = time.time()
+        if batch.last_commit_ts is not None:
+            m.last_commit_ts = _PG_EPOCH + batch.last_commit_ts / 1e6
+            m.last_applied_at = batch.committed_at
         if self.on_batch is not None:
             self.on_batch(batch, m)
 
@@ -530,6 +661,9 @@ class Consumer:
             batch.transactions += 1
         for sid, (ctx, commit_lsn) in changed.items():
             batch.sessions[sid] = (ctx, encode_context(ctx), commit_lsn)
+        if txns:
+            batch.last_commit_ts = txns[-1].commit_ts
+            batch.commit_times = [t.commit_ts for t in txns]
         while len(self._cache) > self.config.cache_sessions:
             self._cache.popitem(last=False)
         return batch

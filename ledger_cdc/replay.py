@@ -54,7 +54,7 @@ def load_events(
         f"SELECT {_COLUMNS} FROM agent_events WHERE {' AND '.join(where)} "  # noqa: S608 - fixed text
         "ORDER BY session_id, position"
     )
-    with conn.cursor(name=None) as cur:
+    with conn.cursor() as cur:
         cur.execute(query.encode(), params)
         for row in cur:
             try:

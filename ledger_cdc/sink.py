@@ -58,22 +58,45 @@ class Batch:
     heartbeat_at: float | None = None
     transactions: int = 0
     events: int = 0
+    last_commit_ts: int | None = None  # of the last transaction, µs since 2000-01-01
+    commit_times: list[int] = field(default_factory=list)  # each transaction's commit_ts
+    committed_at: float | None = None  # Unix time the sink transaction committed
 
 
-_UPSERT_SESSION = """
+# Rows go in by COPY (one C-level call per row) into session-local staging tables, then one
+# statement per table moves them: far less client work than one INSERT per row.
+_STAGING = """
+CREATE TEMP TABLE IF NOT EXISTS stage_sessions (
+    session_id uuid, status text, last_seq bigint, last_position bigint, event_count bigint,
+    format_version int, context text, commit_lsn text) ON COMMIT DELETE ROWS;
+CREATE TEMP TABLE IF NOT EXISTS stage_snapshots (
+    session_id uuid, upto_seq bigint, upto_position bigint, format_version int,
+    reducer_version text, content_hash bytea, context text) ON COMMIT DELETE ROWS;
+"""
+_COPY_SESSIONS = (
+    "COPY stage_sessions (session_id, status, last_seq, last_position, event_count, "
+    "format_version, context, commit_lsn) FROM STDIN"
+)
+_COPY_SNAPSHOTS = (
+    "COPY stage_snapshots (session_id, upto_seq, upto_position, format_version, "
+    "reducer_version, content_hash, context) FROM STDIN"
+)
+_MERGE_SESSIONS = """
 INSERT INTO agent_sessions (session_id, status, last_seq, last_position, event_count,
                             format_version, context, commit_lsn, updated_at)
-VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb, %s::pg_lsn, now())
+SELECT session_id, status, last_seq, last_position, event_count, format_version,
+       context::jsonb, commit_lsn::pg_lsn, now() FROM stage_sessions
 ON CONFLICT (session_id) DO UPDATE SET
     status = EXCLUDED.status, last_seq = EXCLUDED.last_seq,
     last_position = EXCLUDED.last_position, event_count = EXCLUDED.event_count,
     format_version = EXCLUDED.format_version, context = EXCLUDED.context,
     commit_lsn = EXCLUDED.commit_lsn, updated_at = now()
 """
-_INSERT_SNAPSHOT = """
+_MERGE_SNAPSHOTS = """
 INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version,
                              reducer_version, content_hash, context)
-VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb)
+SELECT session_id, upto_seq, upto_position, format_version, reducer_version, content_hash,
+       context::jsonb FROM stage_snapshots
 ON CONFLICT (session_id, upto_seq) DO NOTHING
 """
 _INSERT_DEAD = """
@@ -99,12 +122,14 @@ class PgSink:
         self.dsn = dsn
         self.slot = slot
         self._conn: psycopg.Connection[Any] | None = None
+        self._staged = False
         self.checkpoint: int | None = None
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self.dsn, autocommit=True)
+            self._staged = False
         return self._conn
 
     def close(self) -> None:
@@ -138,45 +163,44 @@ class PgSink:
         """Write the batch in one transaction; raises FencedError if the checkpoint moved."""
         conn = self.conn
         lsn_text = format_lsn(batch.end_lsn)
+        if not self._staged:
+            conn.execute(_STAGING)
+            self._staged = True
         with conn.transaction():
             with conn.cursor() as cur:
                 if batch.sessions:
-                    cur.executemany(
-                        _UPSERT_SESSION,
-                        [
-                            (
-                                sid,
-                                ctx.status,
-                                ctx.last_seq,
-                                ctx.last_position,
-                                ctx.event_count,
-                                FORMAT_VERSION,
-                                data.decode(),
-                                format_lsn(commit_lsn),
+                    with cur.copy(_COPY_SESSIONS) as copy:
+                        for sid, (ctx, data, commit_lsn) in batch.sessions.items():
+                            copy.write_row(
+                                (
+                                    sid,
+                                    ctx.status,
+                                    ctx.last_seq,
+                                    ctx.last_position,
+                                    ctx.event_count,
+                                    FORMAT_VERSION,
+                                    data.decode(),
+                                    format_lsn(commit_lsn),
+                                )
                             )
-                            for sid, (ctx, data, commit_lsn) in batch.sessions.items()
-                        ],
-                    )
+                    cur.execute(_MERGE_SESSIONS)
                 if batch.snapshots:
-                    cur.executemany(
-                        _INSERT_SNAPSHOT,
-                        [
-                            (
-                                s.session_id,
-                                s.upto_seq,
-                                s.upto_position,
-                                FORMAT_VERSION,
-                                s.reducer_version,
-                                s.content_hash,
-                                s.context.decode(),
+                    with cur.copy(_COPY_SNAPSHOTS) as copy:
+                        for snap in batch.snapshots:
+                            copy.write_row(
+                                (
+                                    snap.session_id,
+                                    snap.upto_seq,
+                                    snap.upto_position,
+                                    FORMAT_VERSION,
+                                    snap.reducer_version,
+                                    snap.content_hash,
+                                    snap.context.decode(),
+                                )
                             )
-                            for s in batch.snapshots
-                        ],
-                    )
+                    cur.execute(_MERGE_SNAPSHOTS)
                 if batch.dead_letters:
-                    cur.executemany(
-                        _INSERT_DEAD, [_dead_params(self.slot, d) for d in batch.dead_letters]
-                    )
+                    cur.executemany(_INSERT_DEAD, [_dead_params(self.slot, d) for d in batch.dead_letters])
             prev = None if self.checkpoint is None else format_lsn(self.checkpoint)
             row = conn.execute(
                 _CHECKPOINT,

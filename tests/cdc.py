@@ -113,8 +113,9 @@ def assert_projections_equal_refold(dsn: str) -> int:
 class Writers:
     """N threads appending agent turns (multi-event transactions) until stopped."""
 
-    def __init__(self, dsn: str, n: int = 8, sessions: int = 40, seed: int = 1) -> None:
+    def __init__(self, dsn: str, n: int = 8, sessions: int = 40, seed: int = 1, pace: float = 0.0) -> None:
         self.dsn = dsn
+        self.pace = pace
         self.n = n
         self.sessions = [uuid.UUID(int=random.Random(seed * 1000 + i).getrandbits(128), version=4) for i in range(sessions)]
         self._stop = threading.Event()
@@ -132,6 +133,8 @@ class Writers:
                     turn_events(ledger, sid, f"w{w}", rng)
                     with self._lock:
                         self.turns += 1
+                    if self.pace:
+                        self._stop.wait(self.pace)
         except BaseException as e:
             self.errors.append(e)
 

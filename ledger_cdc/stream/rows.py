@@ -10,7 +10,6 @@ Relation without the ledger's required columns is refused.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -36,12 +35,6 @@ _OPTIONAL = ("idempotency_key", "hash", "prev_hash")
 _ADAPTERS = raw_json_adapters()
 
 
-def _pick_optional(indexes: list[int]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
-    if all(i >= 0 for i in indexes):
-        return operator.itemgetter(*indexes)
-    return lambda row: tuple(None if i < 0 else row[i] for i in indexes)
-
-
 class LedgerRowDecoder:
     """Decodes the tuples of one ``agent_events`` Relation (rebuild on a new Relation)."""
 
@@ -59,9 +52,10 @@ class LedgerRowDecoder:
         self._ncols = len(names)
         self._load_sequence = self._loader._text.load_sequence
         self._pick = operator.itemgetter(*(names.index(n) for n in REQUIRED_COLUMNS))
-        # absent optional columns read as None: point them past the row at a padding None
-        opt = [names.index(n) if n in names else -1 for n in _OPTIONAL]
-        self._pick_opt = _pick_optional(opt)
+        # absent optional columns read as None (hash / prev_hash are not streamed by default)
+        self._key_i, self._hash_i, self._prev_i = (
+            names.index(n) if n in names else None for n in _OPTIONAL
+        )
         self._decoders: dict[str, msgspec.json.Decoder[Any]] = {}
 
     def load(self, values: tuple[Any, ...], wal_start: int = 0) -> tuple[Any, ...]:
@@ -86,8 +80,19 @@ class LedgerRowDecoder:
             value = dec.decode(payload)
         except msgspec.DecodeError as e:
             raise InvalidEventError(f"event seq {seq} ({etype}): payload is invalid: {e}") from e
-        key, hash_, prev = self._pick_opt(row)
-        return LedgerEvent(seq, sid, pos, agent, etype, value, created, key, hash_, prev)
+        k, h, p = self._key_i, self._hash_i, self._prev_i
+        return LedgerEvent(
+            seq,
+            sid,
+            pos,
+            agent,
+            etype,
+            value,
+            created,
+            None if k is None else row[k],
+            None if h is None else row[h],
+            None if p is None else row[p],
+        )
 
     def _decoder_for(self, event_type: str) -> msgspec.json.Decoder[Any]:
         # unknown types are kept as plain JSON: folded by nobody by default, never dropped

@@ -20,8 +20,7 @@ import select
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg2
 import psycopg2.errors
@@ -49,11 +48,11 @@ class SlotLostError(LedgerError):
     """The slot was invalidated (WAL it needed was removed): resynchronise from the table."""
 
 
-@dataclass(frozen=True, slots=True)
-class XLogData:
+class XLogData(Protocol):
+    """One XLogData message as psycopg2 hands it over (``decode=False``: payload is bytes)."""
+
     data_start: int
     wal_end: int
-    send_time: float
     payload: bytes
 
 
@@ -171,17 +170,16 @@ class ReplicationStream:
         except (psycopg2.Error, AttributeError) as e:
             self.close()
             raise TransportError(f"replication stream lost: {_first_line(e)}") from e
-        if msg is None:
-            return None
-        return XLogData(msg.data_start, msg.wal_end, msg.send_time.timestamp(), bytes(msg.payload))
+        return msg  # type: ignore[no-any-return]
 
-    def wait(self, timeout: float) -> None:
-        """Block until the socket is readable or ``timeout`` passes."""
+    def wait(self, timeout: float, *also: int) -> None:
+        """Block until the socket (or one of the ``also`` descriptors) is readable, or
+        ``timeout`` passes."""
         if self._conn is None:
             time.sleep(timeout)
             return
         try:
-            select.select([self._conn], [], [], timeout)
+            select.select([self._conn, *also], [], [], timeout)
         except (OSError, ValueError) as e:
             self.close()
             raise TransportError(f"replication stream lost: {e}") from e

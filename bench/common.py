@@ -1,0 +1,76 @@
+"""Shared pieces of the benchmarks: a backlog writer, process CPU / RSS readings, percentiles."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WRITE_PROC = """
+CREATE OR REPLACE PROCEDURE bench_write(n int, sessions int) LANGUAGE plpgsql AS $$
+BEGIN
+    FOR i IN 1..n LOOP
+        INSERT INTO agent_events (session_id, agent_id, event_type, payload)
+        VALUES (('00000000-0000-4000-8000-' || lpad((i % sessions)::text, 12, '0'))::uuid,
+                'agent-' || (i % 7), 'tool.invoked',
+                jsonb_build_object('call_id', 'call-' || i, 'tool', 'search', 'arguments',
+                                   jsonb_build_object('q', 'quarterly numbers', 'k', i)));
+        COMMIT;
+    END LOOP;
+END $$;
+"""
+
+# pgbench: each client writes its own sessions, so no two clients race for a session position
+PGBENCH_SCRIPT = """\\set s random(0, 124)
+INSERT INTO agent_events (session_id, agent_id, event_type, payload) VALUES (('00000000-0000-4000-8000-' || lpad((:client_id * 125 + :s)::text, 12, '0'))::uuid, 'bench', 'tool.invoked', '{"call_id": "x", "tool": "search", "arguments": {"q": "quarterly numbers"}}');
+"""
+
+
+def write_backlog(dsn: str, n: int, sessions: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(WRITE_PROC)
+        done = 0
+        while done < n:
+            step = min(20000, n - done)
+            conn.execute("CALL bench_write(%s, %s)", (step, sessions))
+            done += step
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+
+
+def proc_peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+def wait_until(pred: object, timeout: float, every: float = 0.05) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():  # type: ignore[operator]
+            return time.monotonic() - t0
+        time.sleep(every)
+    raise TimeoutError(f"not done within {timeout}s")
+
+
+def run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, check=True, **kw)  # type: ignore[call-overload]

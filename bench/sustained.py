@@ -1,0 +1,188 @@
+"""Sustained load: commit→projection latency of the consumer, next to the two patterns it
+replaces (a 1-second ``seq > last`` poller and a LISTEN/NOTIFY tail), on the same load.
+
+Writers are pgbench clients inserting single-event transactions (each client its own sessions):
+"full" is 8 clients as fast as the machine goes, "200/s" is rate-limited. For each load:
+
+  phase 1: ledger-cdc (its own process) + the 1 s poller, concurrently
+  phase 2: ledger-cdc + a LISTEN/NOTIFY tail (an AFTER INSERT trigger calling pg_notify)
+
+Latency of ledger-cdc = when the sink transaction holding the event committed − the event's
+commit timestamp in the WAL. Poller / NOTIFY latency = when the row reached the reader − its
+``created_at``. The poller's missed events are rows it never returned (their seq was below its
+cursor when they committed). After the writers stop, the time for the consumer to drain to zero.
+
+    sh scripts/dev.sh bench sustained [--seconds 10] [--pg-major 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+from common import PGBENCH_SCRIPT, ROOT, percentile, wait_until
+
+from ledger_cdc.consumer import Consumer, ConsumerConfig
+from ledger_cdc.embedded import EmbeddedPostgres
+from ledger_cdc.schema import create_slot, init
+
+PG_EPOCH = 946684800.0
+NOTIFY = """
+CREATE OR REPLACE FUNCTION bench_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN PERFORM pg_notify('ledger', NEW.seq::text); RETURN NEW; END $$;
+CREATE TRIGGER bench_notify AFTER INSERT ON agent_events FOR EACH ROW EXECUTE FUNCTION bench_notify();
+"""
+
+
+def consumer_role(dsn: str, out: str) -> None:
+    lat: list[float] = []
+
+    def on_batch(batch: object, m: object) -> None:
+        done = batch.committed_at  # type: ignore[attr-defined]
+        lat.extend(done - (PG_EPOCH + ts / 1e6) for ts in batch.commit_times)  # type: ignore[attr-defined]
+
+    c = Consumer(ConsumerConfig(dsn=dsn), on_batch=on_batch)
+    signal.signal(signal.SIGTERM, lambda *_: c.stop())
+    c.run()
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    Path(out).write_text(json.dumps({
+        "latencies": lat, "cpu": ru.ru_utime + ru.ru_stime, "maxrss_mb": ru.ru_maxrss / 1024,
+        "events": c.metrics.events,
+    }))
+
+
+class Poller(threading.Thread):
+    def __init__(self, dsn: str) -> None:
+        super().__init__(daemon=True)
+        self.dsn, self.stop, self.lat, self.seen = dsn, threading.Event(), [], set()
+
+    def run(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            (last,) = conn.execute("SELECT coalesce(max(seq), 0) FROM agent_events").fetchone()  # type: ignore[misc]
+            while not self.stop.wait(1.0):
+                rows = conn.execute(
+                    "SELECT seq, extract(epoch FROM created_at) FROM agent_events WHERE seq > %s ORDER BY seq",
+                    (last,),
+                ).fetchall()
+                now = time.time()
+                for seq, created in rows:
+                    self.seen.add(seq)
+                    self.lat.append(now - float(created))
+                if rows:
+                    last = rows[-1][0]
+
+
+class Listener(threading.Thread):
+    def __init__(self, dsn: str) -> None:
+        super().__init__(daemon=True)
+        self.dsn, self.stop, self.lat = dsn, threading.Event(), []
+        self.seqs: list[tuple[int, float]] = []
+
+    def run(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            conn.execute("LISTEN ledger")
+            while not self.stop.is_set():
+                for n in conn.notifies(timeout=0.2):
+                    self.seqs.append((int(n.payload), time.time()))
+
+
+def one_phase(pg: EmbeddedPostgres, dsn: str, clients: int, rate: int | None, seconds: int, reader: str) -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "insert.sql"
+        script.write_text(PGBENCH_SCRIPT)
+        os.chmod(tmp, 0o755)
+        os.chmod(script, 0o644)
+        out = Path(tmp) / "consumer.json"
+        cons = subprocess.Popen([sys.executable, __file__, "--role", "consumer", "--dsn", dsn, "--out", str(out)], cwd=ROOT)
+        time.sleep(1.0)
+        side: Poller | Listener = Poller(dsn) if reader == "poller" else Listener(dsn)
+        side.start()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            (before,) = conn.execute("SELECT coalesce(max(seq), 0) FROM agent_events").fetchone()  # type: ignore[misc]
+        argv = [pg.bin("pgbench"), "-n", "-f", str(script), "-c", str(clients), "-j", str(min(clients, 2)),
+                "-T", str(seconds), "-h", "127.0.0.1", "-p", str(pg.port), "-U", "postgres", pg.url().rsplit("/", 1)[1]]
+        if rate:
+            argv[1:1] = ["-R", str(rate)]
+        res = subprocess.run(argv, capture_output=True, text=True, check=True)
+        tps = next((line for line in res.stdout.splitlines() if line.startswith("tps")), "tps = ?")
+        t_stop = time.monotonic()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            (total,) = conn.execute("SELECT count(*) FROM agent_events").fetchone()  # type: ignore[misc]
+
+            def drained() -> bool:
+                row = conn.execute("SELECT coalesce(sum(event_count), 0) FROM agent_sessions").fetchone()
+                return row is not None and int(row[0]) >= total
+
+            wait_until(drained, 300, 0.01)
+            drain = time.monotonic() - t_stop
+            time.sleep(1.5)
+            side.stop.set()
+            side.join(5)
+            if isinstance(side, Listener):
+                created = dict(conn.execute(
+                    "SELECT seq, extract(epoch FROM created_at)::float8 FROM agent_events WHERE seq > %s", (before,)
+                ).fetchall())
+                side_lat = [t - created[s] for s, t in side.seqs if s in created]
+                missed = len(created) - len({s for s, _ in side.seqs})
+            else:
+                new = {s for (s,) in conn.execute("SELECT seq FROM agent_events WHERE seq > %s", (before,))}
+                side_lat = side.lat
+                missed = len(new - side.seen)
+        cons.send_signal(signal.SIGTERM)
+        cons.wait(60)
+        c = json.loads(out.read_text())
+    lat = c["latencies"]
+    return {
+        "tps": tps.split("(")[0].strip(), "events": c["events"], "p50": percentile(lat, 50) * 1000,
+        "p99": percentile(lat, 99) * 1000, "drain": drain, "cpu_per_1000": c["cpu"] / max(1, c["events"]) * 1000,
+        "rss": c["maxrss_mb"], "side_p50": percentile(side_lat, 50) * 1000, "side_p99": percentile(side_lat, 99) * 1000,
+        "missed": missed,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="sustained-load latency benchmark")
+    ap.add_argument("--role", default="main")
+    ap.add_argument("--dsn")
+    ap.add_argument("--out")
+    ap.add_argument("--seconds", type=int, default=10)
+    ap.add_argument("--pg-major", type=int, default=None)
+    args = ap.parse_args()
+    if args.role == "consumer":
+        consumer_role(args.dsn, args.out)
+        return
+    with EmbeddedPostgres(major=args.pg_major, fsync=True) as pg:
+        dsn = pg.dsn()
+        init(dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            create_slot(conn, "agent_slot")
+        print(f"PostgreSQL {pg.major}, fsync on, {args.seconds}s per phase")
+        for label, clients, rate in (("full load, 8 clients", 8, None), ("200 txn/s", 2, 200)):
+            a = one_phase(pg, dsn, clients, rate, args.seconds, "poller")
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(NOTIFY)
+            b = one_phase(pg, dsn, clients, rate, args.seconds, "listen")
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("DROP TRIGGER bench_notify ON agent_events")
+            print(f"{label}: writers {a['tps']} (with the NOTIFY trigger: {b['tps']})")
+            print(f"  ledger-cdc       p50 {a['p50']:7.1f} ms  p99 {a['p99']:7.1f} ms  drain after stop "
+                  f"{a['drain']:.2f}s  CPU {a['cpu_per_1000']:.3f} s/1000 events  peak RSS {a['rss']:.0f} MB")
+            print(f"  1 s poller       p50 {a['side_p50']:7.1f} ms  p99 {a['side_p99']:7.1f} ms  "
+                  f"missed {a['missed']} events for good")
+            print(f"  LISTEN/NOTIFY    p50 {b['side_p50']:7.1f} ms  p99 {b['side_p99']:7.1f} ms  "
+                  f"(ledger-cdc beside it: p50 {b['p50']:.1f} ms, p99 {b['p99']:.1f} ms)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Faults with real processes and signals: the consumer SIGKILLed in a loop, the server restarted
+in immediate mode, the walsender terminated, the TCP connection cut by a loopback proxy. After
+each, projections and snapshots equal a fold of the whole table from zero."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import select
+import socket
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from ledger_cdc.schema import create_slot
+from tests.cdc import ConsumerProcess, Writers, assert_projections_equal_refold, until, wait_caught_up
+from tests.conftest import Database, Server
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+
+def _slot(db: Database) -> None:
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+
+
+def test_crash_loop_sigkill(db: Database, tmp_path: Path) -> None:
+    _slot(db)
+    rng = random.Random(20261202)
+    writers = Writers(db.dsn, n=8, sessions=30, pace=0.03).start()
+    kills = 0
+    try:
+        while kills < 20:
+            proc = ConsumerProcess(db.dsn, "--batch-size", str(rng.choice([1, 10, 200])),
+                                   "--snapshot-every", "5", log=tmp_path / "consumer.log").start()
+            time.sleep(rng.uniform(0.4, 1.6))  # startup takes ~0.3 s: some kills land mid-batch
+            proc.kill()
+            kills += 1
+    finally:
+        writers.stop()
+    assert writers.turns > 100
+    with ConsumerProcess(db.dsn, "--snapshot-every", "5", log=tmp_path / "consumer.log"):
+        wait_caught_up(db.dsn, 120)
+    n = assert_projections_equal_refold(db.dsn)
+    assert n >= writers.turns * 3
+
+
+def _running_consumer(db: Database, tmp_path: Path, dsn: str | None = None) -> ConsumerProcess:
+    _slot(db)
+    return ConsumerProcess(dsn or db.dsn, "--snapshot-every", "10", log=tmp_path / "consumer.log").start()
+
+
+def test_server_immediate_restart_mid_stream(server: Server, db: Database, tmp_path: Path) -> None:
+    with _running_consumer(db, tmp_path):
+        writers = Writers(db.dsn, n=4, sessions=10).start()
+        time.sleep(1.5)
+        writers._stop.set()
+        for t in writers._threads:
+            t.join(60)
+        server.pg.restart("immediate")  # a crash: no shutdown checkpoint
+        writers = Writers(db.dsn, n=4, sessions=10, seed=2).start()
+        time.sleep(1.5)
+        writers.stop()
+        wait_caught_up(db.dsn, 120)
+    assert_projections_equal_refold(db.dsn)
+
+
+def test_walsender_terminated(db: Database, tmp_path: Path) -> None:
+    with _running_consumer(db, tmp_path):
+        writers = Writers(db.dsn, n=4, sessions=10).start()
+        for _ in range(3):
+            time.sleep(0.8)
+            with db.connect() as conn:
+                until(lambda c=conn: c.execute(
+                    "SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'agent_slot'"
+                ).fetchone() not in (None, (None,)), 30)
+                conn.execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                    "WHERE slot_name = 'agent_slot'"
+                )
+        writers.stop()
+        wait_caught_up(db.dsn, 120)
+    assert_projections_equal_refold(db.dsn)
+
+
+class CuttableProxy:
+    """A TCP proxy on loopback whose connections can be cut at once."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.cuts = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                r, _, _ = select.select([self.listener], [], [], 0.2)
+                if not r:
+                    continue
+                client, _ = self.listener.accept()
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                return
+            with self._lock:
+                self.conns += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        socks = [a, b]
+        try:
+            while not self._stop.is_set():
+                r, _, _ = select.select(socks, [], [], 0.2)
+                for s in r:
+                    data = s.recv(65536)
+                    if not data:
+                        return
+                    (b if s is a else a).sendall(data)
+        except OSError:
+            return
+        finally:
+            for s in socks:
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def cut(self) -> None:
+        with self._lock:
+            conns, self.conns = self.conns, []
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+        self.cuts += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self.cut()
+        self.listener.close()
+
+
+def test_tcp_connection_cut(server: Server, db: Database, tmp_path: Path) -> None:
+    proxy = CuttableProxy(server.pg.port)
+    try:
+        via_proxy = f"host=127.0.0.1 port={proxy.port} dbname={db.name} user=postgres"
+        with _running_consumer(db, tmp_path, via_proxy):
+            writers = Writers(db.dsn, n=4, sessions=10).start()
+            for _ in range(3):
+                time.sleep(1.0)
+                proxy.cut()
+            writers.stop()
+            wait_caught_up(db.dsn, 120)
+        log = (tmp_path / "consumer.log").read_text()
+        assert "reconnecting" in log
+    finally:
+        proxy.close()
+    assert_projections_equal_refold(db.dsn)
+    with psycopg.connect(db.dsn) as conn:
+        (n,) = conn.execute("SELECT count(*) FROM ledger_dead_letters").fetchone()  # type: ignore[misc]
+    assert n == 0
