@@ -4,6 +4,7 @@ Exit codes (every command):
   0  success
   1  the command ran and found a problem it reports (e.g. differences, unhealthy slot)
   2  usage error (bad option or argument)
+  3  the replication slot is missing or was invalidated (lag, consume --on-slot-lost exit)
   4  configuration or connection error (bad DSN, bad name, missing binaries)
   5  any other ledger-cdc error
 An error is printed as one red line on stderr, with a hint where there is one.
@@ -12,6 +13,8 @@ An error is printed as one red line on stderr, with a hint where there is one.
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import wraps
@@ -27,6 +30,7 @@ from .errors import ConfigError, LedgerError
 F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_PROBLEM = 1
+EXIT_SLOT = 3
 EXIT_CONFIG = 4
 EXIT_ERROR = 5
 
@@ -38,9 +42,16 @@ class State:
 
 
 def _fail(e: LedgerError) -> None:
+    from .stream.transport import SlotLostError
+
     err = Console(stderr=True, highlight=False)
     err.print(f"[bold red]error:[/] {e}", soft_wrap=True)
-    code = EXIT_CONFIG if isinstance(e, ConfigError) else EXIT_ERROR
+    if isinstance(e, SlotLostError):
+        code = EXIT_SLOT
+    elif isinstance(e, ConfigError):
+        code = EXIT_CONFIG
+    else:
+        code = EXIT_ERROR
     sys.exit(code)
 
 
@@ -133,8 +144,10 @@ def init(state: State, dsn: str, publication: str, slot: str, create_slot: bool)
 @click.pass_obj
 @handles_errors
 def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: bool) -> None:
-    """Start a throwaway PostgreSQL, init the ledger and let simulated agents write to it."""
-    from .demo import ledger_rows, run_agents
+    """Start a throwaway PostgreSQL, init the ledger, let simulated agents write to it while
+    the consumer folds the slot into projections, and show both."""
+    from .demo import ledger_rows, projections, run_agents, verify_against_refold
+    from .errors import format_lsn
     from .embedded import EmbeddedPostgres
     from .schema import init as do_init
 
@@ -147,15 +160,23 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
             f"[green]PostgreSQL {pg.major}[/] on 127.0.0.1:{pg.port} ([dim]{pg.install.bindir}[/])"
         )
         dsn = pg.dsn()
-        res = do_init(dsn, slot="agent_slot")
+        res = do_init(dsn, slot="agent_slot")  # the slot before any write: nothing is missed
         con.print(
             f"ledger initialised: migrations {', '.join(f'{v:04d}' for v in res.applied)}, "
             "publication agent_pub, slot agent_slot"
         )
-        with con.status(f"running {sessions} simulated agents…"):
+        from .consumer import Consumer, ConsumerConfig
+
+        consumer = Consumer(ConsumerConfig(dsn=dsn, snapshot_every=5, heartbeat_interval=1.0))
+        runner = threading.Thread(target=consumer.run, name="demo-consumer", daemon=True)
+        runner.start()
+        with con.status(f"running {sessions} simulated agents, consumer streaming agent_slot…"):
             report = run_agents(dsn, sessions=sessions, seed=seed)
-        rows = ledger_rows(dsn)
-        table = Table(title="agent_events (append-only ledger)", show_lines=False)
+            deadline = time.monotonic() + 60
+            while consumer.metrics.events < report.events and time.monotonic() < deadline:
+                time.sleep(0.05)
+        rows = ledger_rows(dsn, limit=60)
+        table = Table(title="agent_events (append-only ledger, first rows)", show_lines=False)
         for col in ("seq", "session", "pos", "agent", "event_type", "summary", "hash"):
             table.add_column(col, overflow="fold" if col == "summary" else "ellipsis")
         for seq, sid, pos, agent, etype, payload, h in rows:
@@ -167,6 +188,42 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
             f"[bold]{report.events}[/] events in [bold]{len(report.sessions)}[/] sessions, "
             f"[bold]{report.outbox}[/] outbox rows; every agent turn committed as one transaction."
         )
+        proj = Table(title="agent_sessions (projections folded from the slot, in commit order)")
+        for col in (
+            "session",
+            "status",
+            "events",
+            "pending tools",
+            "completed tools",
+            "tokens in/out",
+            "handoffs",
+            "last seq",
+        ):
+            proj.add_column(col)
+        for ctx in projections(dsn):
+            proj.add_row(
+                str(ctx.session_id)[:8],
+                {"completed": "[green]completed[/]", "failed": "[red]failed[/]"}.get(
+                    ctx.status, ctx.status
+                ),
+                str(ctx.event_count),
+                str(len(ctx.pending_tools)),
+                str(len(ctx.completed_tools)),
+                f"{ctx.usage.input_tokens}/{ctx.usage.output_tokens}",
+                str(len(ctx.handoffs_emitted)),
+                str(ctx.last_seq),
+            )
+        con.print(proj)
+        same, snaps = verify_against_refold(dsn)
+        m = consumer.metrics
+        con.print(
+            f"consumer: {m.transactions} transactions in {m.batches} batches, confirmed "
+            f"{format_lsn(m.confirmed_lsn)}; {snaps} snapshots; projections "
+            + ("[green]equal[/]" if same else "[red]differ from[/]")
+            + " a refold of the ledger from zero"
+        )
+        consumer.stop()
+        runner.join(30)
         if keep:
             con.print(f"cluster kept at: [cyan]{dsn}[/]  (press Enter to stop)")
             sys.stdin.readline()
@@ -266,6 +323,23 @@ def _env(name: str) -> str:
     "[env: LEDGER_CDC_MEMORY_LIMIT_MB].",
 )
 @click.option(
+    "--on-slot-lost",
+    type=click.Choice(["resync", "exit"]),
+    default="resync",
+    show_default=True,
+    envvar=_env("ON_SLOT_LOST"),
+    help="When the server invalidates the slot: rebuild it from the ledger table, or exit "
+    "with code 3 so you are paged [env: LEDGER_CDC_ON_SLOT_LOST].",
+)
+@click.option(
+    "--health-interval",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    envvar=_env("HEALTH_INTERVAL"),
+    help="Seconds between slot health checks (0: off) [env: LEDGER_CDC_HEALTH_INTERVAL].",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["auto", "text", "json"]),
     default="auto",
@@ -290,15 +364,22 @@ def consume(
     metrics_port: int | None,
     metrics_host: str,
     memory_limit_mb: int,
+    on_slot_lost: str,
+    health_interval: float,
     log_format: str,
 ) -> None:
     """Stream the slot into per-session projections, exactly once, in commit order.
+
+    With --create-slot and no slot yet, the slot is created with an exported snapshot and the
+    ledger's existing rows are folded from that snapshot first (a bootstrap, with a progress
+    bar), so nothing written before, during or after it is lost or applied twice. The same
+    handoff rebuilds a slot the server invalidated (--on-slot-lost resync).
 
     Runs until SIGINT or SIGTERM, then finishes the current batch, commits, confirms and exits 0.
     Reconnects by itself when the connection drops or the server restarts.
     """
     from .consumer import Consumer, ConsumerConfig
-    from .runner import run_consumer
+    from .runner import bootstrap_progress, run_consumer
     from .schema import validate_publication_name, validate_slot_name
 
     validate_slot_name(slot)
@@ -314,10 +395,282 @@ def consume(
         snapshot_every=snapshot_every,
         heartbeat_interval=heartbeat_interval or None,
         memory_limit=memory_limit_mb * 1024 * 1024,
+        on_slot_lost=on_slot_lost,
+        health_interval=health_interval,
+        progress=bootstrap_progress(state.console, log_format),
     )
     consumer = Consumer(config)
     consumer.install_signal_handlers()
     run_consumer(consumer, state.console, log_format, metrics_port, metrics_host)
+
+
+# -- lag ------------------------------------------------------------------------------------------
+
+
+def _human_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _human_seconds(s: float | None) -> str:
+    if s is None:
+        return "—"
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+@cli.command()
+@dsn_option
+@click.option(
+    "--slot",
+    default=None,
+    envvar=_env("SLOT"),
+    help="Only this slot (default: every logical slot).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (a JSON list).")
+@click.option("--watch", is_flag=True, help="Refresh until interrupted.")
+@click.option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(0.1),
+    help="Seconds between --watch refreshes.",
+)
+@click.option(
+    "--sample-seconds",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="How long to sample the WAL generation rate for the forecast.",
+)
+@click.option(
+    "--warn-share",
+    default=0.5,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    help="Warning at this share of max_slot_wal_keep_size retained.",
+)
+@click.option(
+    "--crit-share",
+    default=0.8,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    help="Critical at this share of max_slot_wal_keep_size retained.",
+)
+@click.option(
+    "--warn-bytes",
+    default=256 * 1024 * 1024,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Warning when confirmed_flush_lsn trails the WAL end by this many bytes.",
+)
+@click.option(
+    "--crit-bytes",
+    default=1024 * 1024 * 1024,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Critical when it trails by this many bytes.",
+)
+@click.option(
+    "--warn-seconds",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Warning when the consumer is this many seconds behind.",
+)
+@click.option(
+    "--crit-seconds",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Critical when it is this many seconds behind.",
+)
+@click.pass_obj
+@handles_errors
+def lag(
+    state: State,
+    dsn: str,
+    slot: str | None,
+    as_json: bool,
+    watch: bool,
+    interval: float,
+    sample_seconds: float,
+    warn_share: float,
+    crit_share: float,
+    warn_bytes: int,
+    crit_bytes: int,
+    warn_seconds: float,
+    crit_seconds: float,
+) -> None:
+    """Slot health: WAL retained, lag, keep-size share and the time left before invalidation.
+
+    \b
+    Exit code: 0 healthy, 1 warning, 2 critical, 3 slot missing or lost
+    (with several slots: the worst). Needs no superuser: the consumer role is enough.
+    """
+    import json as jsonlib
+
+    import psycopg
+
+    from .health import Thresholds, check_slots
+    from .schema import validate_slot_name
+
+    if slot is not None:
+        validate_slot_name(slot)
+    th = Thresholds(warn_share, crit_share, warn_bytes, crit_bytes, warn_seconds, crit_seconds)
+    try:
+        conn = psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+    except psycopg.OperationalError as e:
+        raise ConfigError(f"cannot connect: {str(e).strip()}") from e
+    with conn:
+        while True:
+            slots = check_slots(conn, slot, thresholds=th, sample_seconds=sample_seconds)
+            if as_json:
+                click.echo(jsonlib.dumps([h.as_json() for h in slots], indent=2))
+            else:
+                if watch:
+                    state.console.clear()
+                state.console.print(_lag_table(slots))
+            code = max((h.status for h in slots), default=0)
+            if not watch:
+                sys.exit(code)
+            time.sleep(interval)
+
+
+def _lag_table(slots: list[Any]) -> Table:
+    colour = {0: "green", 1: "yellow", 2: "red", 3: "bold red"}
+    t = Table(title="logical replication slots")
+    for col in (
+        "slot",
+        "status",
+        "active",
+        "wal_status",
+        "retained",
+        "keep size",
+        "share",
+        "safe_wal_size",
+        "lag",
+        "checkpoint behind",
+        "time left",
+        "why",
+    ):
+        t.add_column(col, overflow="fold")
+    for h in slots:
+        t.add_row(
+            h.slot,
+            f"[{colour[h.status]}]{h.status_name}[/]",
+            "—" if not h.exists else (f"pid {h.active_pid}" if h.active else "no"),
+            h.wal_status or "—",
+            _human_bytes(h.retained_bytes),
+            "unbounded"
+            if h.exists and h.max_slot_wal_keep_size is None
+            else _human_bytes(h.max_slot_wal_keep_size),
+            "—" if h.keep_size_share is None else f"{h.keep_size_share:.0%}",
+            _human_bytes(h.safe_wal_size),
+            f"{_human_bytes(h.lag_bytes)} / {_human_seconds(h.lag_seconds)}",
+            _human_bytes(h.checkpoint_behind_slot_bytes),
+            _human_seconds(h.seconds_to_invalidation),
+            "; ".join(h.reasons) or "—",
+        )
+    if not slots:
+        t.caption = "no logical slots"
+    return t
+
+
+# -- slot management ---------------------------------------------------------------------------
+
+
+@cli.group()
+def slot() -> None:
+    """Create, drop and list logical replication slots."""
+
+
+@slot.command("create")
+@dsn_option
+@click.argument("name", default="agent_slot")
+@click.option(
+    "--two-phase", is_flag=True, help="Decode prepared transactions at PREPARE (protocol 3)."
+)
+@click.pass_obj
+@handles_errors
+def slot_create(state: State, dsn: str, name: str, two_phase: bool) -> None:
+    """Create a pgoutput slot NAME (default agent_slot). Refuses an existing slot of another kind."""
+    import psycopg
+
+    from .schema import create_slot
+
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            made = create_slot(conn, name, two_phase=two_phase)
+    except psycopg.OperationalError as e:
+        raise ConfigError(f"cannot connect: {str(e).strip()}") from e
+    state.console.print(f"slot {name}: {'created' if made else 'exists (pgoutput)'}")
+
+
+@slot.command("drop")
+@dsn_option
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Terminate the walsender of an active slot first.")
+@click.pass_obj
+@handles_errors
+def slot_drop(state: State, dsn: str, name: str, force: bool) -> None:
+    """Drop slot NAME. An active slot (a consumer is streaming it) is refused without --force."""
+    from .schema import drop_slot
+
+    if not drop_slot(dsn, name, force=force):
+        raise ConfigError(f"slot {name!r} does not exist")
+    state.console.print(f"slot {name}: dropped")
+
+
+@slot.command("list")
+@dsn_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+@handles_errors
+def slot_list(state: State, dsn: str, as_json: bool) -> None:
+    """List replication slots with their plugin, database, state and positions."""
+    import json as jsonlib
+
+    import psycopg
+
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT slot_name, slot_type, plugin, database, active, active_pid, wal_status, "
+                "restart_lsn::text, confirmed_flush_lsn::text, two_phase FROM pg_replication_slots "
+                "ORDER BY slot_name"
+            ).fetchall()
+    except psycopg.OperationalError as e:
+        raise ConfigError(f"cannot connect: {str(e).strip()}") from e
+    keys = (
+        "slot",
+        "type",
+        "plugin",
+        "database",
+        "active",
+        "active_pid",
+        "wal_status",
+        "restart_lsn",
+        "confirmed_flush_lsn",
+        "two_phase",
+    )
+    if as_json:
+        click.echo(jsonlib.dumps([dict(zip(keys, r, strict=True)) for r in rows], indent=2))
+        return
+    t = Table(title="replication slots")
+    for k in keys:
+        t.add_column(k)
+    for r in rows:
+        t.add_row(*("—" if v is None else str(v) for v in r))
+    state.console.print(t)
 
 
 def _summary(event_type: str, payload: dict[str, Any]) -> str:

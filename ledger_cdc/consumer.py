@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from .errors import DecodeError, InvalidEventError, LedgerError, format_lsn
 from .events import LedgerEvent
@@ -42,10 +43,13 @@ from .fold import (
 )
 from .pgoutput import Decoder, Delete, Insert, LogicalMessage, Relation, Truncate, Update
 from .schema import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, create_slot
-from .sink import Batch, DeadLetter, FencedError, PgSink, SnapshotRow
+from .health import LOST, Thresholds, check_slots
+from .replay import load_events
+from .schema import drop_slot
+from .sink import BOOTSTRAPPING, Batch, DeadLetter, FencedError, PgSink, SnapshotRow
 from .stream.assemble import Assembler, Transaction
 from .stream.rows import LedgerRowDecoder
-from .stream.transport import ReplicationStream, SlotError, TransportError
+from .stream.transport import ReplicationStream, SlotError, SlotLostError, TransportError
 
 __all__ = ["Consumer", "ConsumerConfig", "Metrics"]
 
@@ -75,6 +79,10 @@ class ConsumerConfig:
     reconnect_cap: float = 5.0
     cache_sessions: int = 100_000
     table: str = LEDGER_TABLE
+    on_slot_lost: str = "resync"  # or "exit"
+    health_interval: float = 10.0
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    progress: Callable[[int, int], None] | None = None  # bootstrap progress (done, total)
 
 
 @dataclass
@@ -278,6 +286,18 @@ class _SinkWorker:
                 os.close(fd)
 
 
+def count_unfolded(conn: psycopg.Connection[Any], positions: dict[uuid.UUID, int]) -> int:
+    """How many ledger rows lie past their session's projection (for the progress bar)."""
+    rows = conn.execute(
+        "SELECT session_id, count(*), max(position) FROM agent_events GROUP BY 1"
+    ).fetchall()
+    total = 0
+    for sid, n, top in rows:
+        done = positions.get(sid, 0)
+        total += int(n) if done == 0 else max(0, int(top) - done)
+    return total
+
+
 class Consumer:
     """Runs until :meth:`stop` (or SIGINT/SIGTERM when :meth:`install_signal_handlers` was called)."""
 
@@ -303,6 +323,7 @@ class Consumer:
         self._cache: OrderedDict[uuid.UUID, SessionContext] = OrderedDict()
         self._heartbeat: threading.Thread | None = None
         self._worker = _SinkWorker(self.sink)
+        self._lost = threading.Event()
         self._reset_stream_state(0)
 
     # -- control --------------------------------------------------------------------------------
@@ -343,6 +364,7 @@ class Consumer:
     def run(self) -> None:
         """Stream until stopped; reconnects by itself on connection failures."""
         self._start_heartbeat()
+        self._start_guard()
         attempt = 0
         try:
             while not self._stop.is_set():
@@ -350,6 +372,9 @@ class Consumer:
                     self._connect()
                     attempt = 0
                     self._stream_loop()
+                except SlotLostError as e:
+                    self._recover()
+                    self._slot_lost(e)
                 except TransportError as e:
                     self.metrics.reconnects += 1
                     delay = min(self.config.reconnect_cap, self.config.reconnect_base * 2**attempt)
@@ -390,19 +415,89 @@ class Consumer:
 
     def _connect(self) -> None:
         checkpoint = self.sink.load_checkpoint() or 0
-        self._reset_stream_state(checkpoint)
         self._cache.clear()  # the projections may have moved on without us (fencing)
+        if self.sink.epoch == BOOTSTRAPPING:
+            log.warning(
+                "a bootstrap of slot %s was interrupted; starting it again", self.config.slot
+            )
+            self._bootstrap(drop=True)
+            return
+        self._reset_stream_state(checkpoint)
         try:
             self.stream.start(checkpoint)
         except SlotError:
             if not self.config.create_slot:
                 raise
-            with psycopg.connect(self.config.dsn, autocommit=True) as conn:
-                create_slot(conn, self.config.slot)
-            log.info("created slot %s", self.config.slot)
-            self.stream.start(checkpoint)
+            log.info(
+                "slot %s does not exist: creating it and folding the ledger's history",
+                self.config.slot,
+            )
+            self._bootstrap(drop=False)
+            return
+        except SlotLostError as e:
+            self._slot_lost(e)
+            return
         self.metrics.confirmed_lsn = self.stream.confirmed
         log.info("streaming slot %s from %s", self.config.slot, format_lsn(checkpoint))
+
+    def _slot_lost(self, e: SlotLostError) -> None:
+        self.metrics.extra["slot_resyncs_total"] = (
+            self.metrics.extra.get("slot_resyncs_total", 0) + 1
+        )
+        if self.config.on_slot_lost == "exit":
+            log.error("%s; exiting (--on-slot-lost exit)", e)
+            raise e
+        log.error("%s; resynchronising from the ledger table", e)
+        self._bootstrap(drop=True)
+
+    def _bootstrap(self, *, drop: bool) -> None:
+        """Create the slot with an exported snapshot, fold what the projections lack from the
+        table as of that snapshot, then stream from the slot's consistent point: no gap (the
+        stream has everything committed after the snapshot) and no double (what the snapshot
+        holds is not in the stream; what a projection already folded is skipped by position)."""
+        cfg = self.config
+        self.sink.mark_bootstrap()  # a crash from here on makes the next start redo all of it
+        if drop:
+            drop_slot(cfg.dsn, cfg.slot, force=True)
+        consistent, snapshot = self.stream.create_slot_exported()
+        positions = self.sink.positions()
+        folded = 0
+        with psycopg.connect(cfg.dsn) as src:
+            src.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            src.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+            total = count_unfolded(src, positions)
+            if cfg.progress:
+                cfg.progress(0, total)
+            txn: Transaction[Item] = Transaction(0, consistent, consistent, 0, [])
+            for ev in load_events(src):
+                if isinstance(ev, InvalidEventError):
+                    continue  # the consumer has no row for it either; verify reports it
+                if ev.position <= positions.get(ev.session_id, 0):
+                    continue
+                txn.items.append(ev)
+                folded += 1
+                if cfg.progress and folded % 5000 == 0:
+                    cfg.progress(folded, total)
+            src.rollback()
+        # the snapshot is no longer needed: everything after it comes from the stream
+        self._reset_stream_state(consistent)
+        self._cache.clear()
+        batch = self._fold([txn], consistent)
+        batch.epoch = 0
+        self.sink.commit(batch)
+        if cfg.progress:
+            cfg.progress(folded, folded)
+        self._submitted_lsn = consistent
+        self.stream.start(consistent, reuse=True)
+        self.stream.confirm(consistent)
+        self.metrics.confirmed_lsn = consistent
+        self.metrics.events += batch.events
+        log.info(
+            "slot %s created at %s; %d events folded from the table",
+            cfg.slot,
+            format_lsn(consistent),
+            folded,
+        )
 
     def _stream_loop(self) -> None:
         stream = self.stream
@@ -413,9 +508,13 @@ class Consumer:
         batch_size = self.config.batch_size
         max_delay = self.config.max_delay
         metrics = self.metrics
+        lost = self._lost
         while True:
             if worker.done:
                 self._settle()
+            if lost.is_set():
+                lost.clear()
+                raise SlotLostError(f"slot {self.config.slot} was invalidated (wal_status lost)")
             msg = read()
             if msg is not None:
                 on_message(msg.payload, msg.data_start)
@@ -667,6 +766,78 @@ class Consumer:
         while len(self._cache) > self.config.cache_sessions:
             self._cache.popitem(last=False)
         return batch
+
+    # -- slot guard -----------------------------------------------------------------------------
+
+    def _start_guard(self) -> None:
+        interval = self.config.health_interval
+        if not interval:
+            return
+        threading.Thread(
+            target=self._guard, args=(interval,), name="ledger-cdc-guard", daemon=True
+        ).start()
+
+    def _guard(self, interval: float) -> None:
+        """Check the slot on an interval: gauges, a warning before the keep-size bound, an error
+        at the critical share, and the resync when the server reports the slot lost."""
+        conn: psycopg.Connection[Any] | None = None
+        last_status = 0
+        last_log = 0.0
+        prev: tuple[float, int] | None = None
+        while not self._stop.wait(interval):
+            try:
+                if conn is None or conn.closed:
+                    conn = psycopg.connect(self.config.dsn, autocommit=True, connect_timeout=5)
+                (h,) = check_slots(
+                    conn, self.config.slot, thresholds=self.config.thresholds, sample_seconds=0
+                )
+            except (psycopg.Error, ValueError) as e:
+                log.debug("slot check failed: %s", e)
+                if conn is not None:
+                    conn.close()
+                conn = None
+                continue
+            now = time.monotonic()
+            if h.current_wal_lsn:
+                from .errors import parse_lsn
+
+                cur = parse_lsn(h.current_wal_lsn)
+                if prev is not None and now > prev[0]:
+                    h.wal_rate_bytes_per_s = max(0.0, (cur - prev[1]) / (now - prev[0]))
+                    if h.safe_wal_size is not None and h.wal_rate_bytes_per_s:
+                        h.seconds_to_invalidation = h.safe_wal_size / h.wal_rate_bytes_per_s
+                prev = (now, cur)
+            self._gauges(h)
+            if h.status != last_status or (h.status >= 1 and now - last_log > 60):
+                last_log = now
+                if h.status >= 2:
+                    log.error("slot %s %s: %s", h.slot, h.status_name, "; ".join(h.reasons))
+                elif h.status == 1:
+                    log.warning("slot %s warning: %s", h.slot, "; ".join(h.reasons))
+                elif last_status:
+                    log.info("slot %s healthy again", h.slot)
+                last_status = h.status
+            if h.status == LOST and h.exists:
+                self._lost.set()
+        if conn is not None:
+            conn.close()
+
+    def _gauges(self, h: Any) -> None:
+        x = self.metrics.extra
+        x["slot_status"] = h.status
+        for key, value in (
+            ("slot_retained_bytes", h.retained_bytes),
+            ("slot_safe_wal_size_bytes", h.safe_wal_size),
+            ("slot_keep_size_share", h.keep_size_share),
+            ("slot_lag_bytes", h.lag_bytes),
+            ("slot_seconds_to_invalidation", h.seconds_to_invalidation),
+            ("wal_rate_bytes_per_second", h.wal_rate_bytes_per_s),
+            ("max_slot_wal_keep_size_bytes", h.max_slot_wal_keep_size),
+        ):
+            if value is None:
+                x.pop(key, None)
+            else:
+                x[key] = float(value)
 
     # -- heartbeat ------------------------------------------------------------------------------
 

@@ -31,6 +31,8 @@ from .events import (
     ToolObserved,
     Usage,
 )
+from .fold import SessionContext, decode_context
+from .replay import fold_all
 from .writer import Ledger, OutboxItem
 
 __all__ = ["DemoReport", "run_agents"]
@@ -161,3 +163,22 @@ def ledger_rows(dsn: str, limit: int = 400) -> list[tuple[Any, ...]]:
             "FROM agent_events ORDER BY session_id, position LIMIT %s",
             (limit,),
         ).fetchall()
+
+
+def projections(dsn: str) -> list[SessionContext]:
+    with psycopg.connect(dsn) as conn:
+        return [
+            decode_context(text)
+            for (text,) in conn.execute(
+                "SELECT context::text FROM agent_sessions ORDER BY session_id"
+            )
+        ]
+
+
+def verify_against_refold(dsn: str) -> tuple[bool, int]:
+    """(projections equal a fold of the table from zero, number of snapshots)."""
+    with psycopg.connect(dsn) as conn:
+        expected = fold_all(conn)
+        got = {c.session_id: c for c in projections(dsn)}
+        row = conn.execute("SELECT count(*) FROM agent_snapshots").fetchone()
+    return expected == got, int(row[0]) if row else 0

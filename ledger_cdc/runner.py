@@ -7,6 +7,8 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -39,6 +41,35 @@ def status_text(m: Metrics, rate_txn: float, rate_ev: float) -> str:
         f"{'' if lag_s is None else f' / {lag_s:.2f} s'}  confirmed {format_lsn(m.confirmed_lsn)}"
         f"  total {m.events:,} events  dead letters {m.dead_letters}  reconnects {m.reconnects}"
     )
+
+
+def bootstrap_progress(console: Console, log_format: str) -> Callable[[int, int], None]:
+    """A progress callback for the bootstrap fold: a rich bar on a terminal, log lines otherwise."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    interactive = log_format == "auto" and console.is_terminal
+    state: dict[str, Any] = {}
+
+    def report(done: int, total: int) -> None:
+        if interactive:
+            if "bar" not in state:
+                bar = Progress(
+                    "folding the ledger's history",
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TimeRemainingColumn(),
+                    console=console,
+                    transient=True,
+                )
+                bar.start()
+                state["bar"], state["task"] = bar, bar.add_task("fold", total=total)
+            state["bar"].update(state["task"], completed=done, total=max(total, done))
+            if done >= total:
+                state.pop("bar").stop()
+        else:
+            logging.getLogger("ledger_cdc").info("bootstrap: %d / %d events folded", done, total)
+
+    return report
 
 
 def run_consumer(

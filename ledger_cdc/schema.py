@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -29,6 +30,7 @@ __all__ = [
     "applied_migrations",
     "create_publication",
     "create_slot",
+    "drop_slot",
     "init",
     "load_migrations",
     "migrate",
@@ -255,3 +257,34 @@ def init(
 
 def _redact(dsn: str) -> str:
     return re.sub(r"(password\s*=\s*)\S+|(:)[^:@/]+(@)", r"\1\2***\3", dsn)
+
+
+def drop_slot(dsn: str, name: str, *, force: bool = False) -> bool:
+    """Drop a slot; an active one only with ``force`` (its walsender is terminated first).
+    Returns False if there was no such slot."""
+    validate_slot_name(name)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(50):
+            row = conn.execute(
+                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (name,)
+            ).fetchone()
+            if row is None:
+                return False
+            if row[0] is not None:
+                if not force:
+                    raise ConfigError(
+                        f"slot {name!r} is active (walsender pid {row[0]}): stop its consumer "
+                        "first, or pass --force to terminate it"
+                    )
+                conn.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+                time.sleep(0.1)
+                continue
+            try:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (name,))
+            except psycopg.errors.UndefinedObject:
+                return False
+            except psycopg.errors.ObjectInUse:
+                time.sleep(0.1)
+                continue
+            return True
+    raise ConfigError(f"slot {name!r} stayed active; could not drop it")

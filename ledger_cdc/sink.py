@@ -20,7 +20,7 @@ import psycopg
 from .errors import LedgerError, format_lsn, parse_lsn
 from .fold import FORMAT_VERSION, SessionContext, decode_context
 
-__all__ = ["Batch", "DeadLetter", "FencedError", "PgSink", "SnapshotRow"]
+__all__ = ["BOOTSTRAPPING", "Batch", "DeadLetter", "FencedError", "PgSink", "SnapshotRow"]
 
 
 class FencedError(LedgerError):
@@ -61,6 +61,7 @@ class Batch:
     last_commit_ts: int | None = None  # of the last transaction, µs since 2000-01-01
     commit_times: list[int] = field(default_factory=list)  # each transaction's commit_ts
     committed_at: float | None = None  # Unix time the sink transaction committed
+    epoch: int | None = None  # set the checkpoint's epoch (None: leave it)
 
 
 # Rows go in by COPY (one C-level call per row) into session-local staging tables, then one
@@ -105,14 +106,17 @@ VALUES (%s, %s, %s, %s::pg_lsn, %s, %s, %s::jsonb)
 ON CONFLICT DO NOTHING
 """
 _CHECKPOINT = """
-INSERT INTO ledger_checkpoints AS c (slot_name, lsn, heartbeat_at, updated_at)
-VALUES (%(slot)s, %(lsn)s::pg_lsn, to_timestamp(%(hb)s), now())
+INSERT INTO ledger_checkpoints AS c (slot_name, lsn, epoch, heartbeat_at, updated_at)
+VALUES (%(slot)s, %(lsn)s::pg_lsn, coalesce(%(epoch)s, 0), to_timestamp(%(hb)s), now())
 ON CONFLICT (slot_name) DO UPDATE SET
     lsn = EXCLUDED.lsn, updated_at = now(),
+    epoch = coalesce(%(epoch)s, c.epoch),
     heartbeat_at = coalesce(EXCLUDED.heartbeat_at, c.heartbeat_at)
 WHERE c.lsn IS NOT DISTINCT FROM %(prev)s::pg_lsn
 RETURNING 1
 """
+BOOTSTRAPPING = -1
+"""Checkpoint epoch while a bootstrap / resync is under way: a restart must redo it."""
 
 
 class PgSink:
@@ -124,6 +128,7 @@ class PgSink:
         self._conn: psycopg.Connection[Any] | None = None
         self._staged = False
         self.checkpoint: int | None = None
+        self.epoch: int | None = None
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -139,10 +144,25 @@ class PgSink:
 
     def load_checkpoint(self) -> int | None:
         row = self.conn.execute(
-            "SELECT lsn::text FROM ledger_checkpoints WHERE slot_name = %s", (self.slot,)
+            "SELECT lsn::text, epoch FROM ledger_checkpoints WHERE slot_name = %s", (self.slot,)
         ).fetchone()
         self.checkpoint = parse_lsn(row[0]) if row else None
+        self.epoch = int(row[1]) if row else None
         return self.checkpoint
+
+    def mark_bootstrap(self) -> None:
+        """Record that the slot is being (re)built from the table (see BOOTSTRAPPING)."""
+        self.commit(Batch(end_lsn=0, epoch=BOOTSTRAPPING))
+        self.epoch = BOOTSTRAPPING
+
+    def positions(self) -> dict[uuid.UUID, int]:
+        """How far each session's projection has folded (its last position)."""
+        return {
+            sid: int(pos)
+            for sid, pos in self.conn.execute(
+                "SELECT session_id, last_position FROM agent_sessions"
+            )
+        }
 
     def load_contexts(self, session_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, SessionContext]:
         ids = list(session_ids)
@@ -200,11 +220,19 @@ class PgSink:
                             )
                     cur.execute(_MERGE_SNAPSHOTS)
                 if batch.dead_letters:
-                    cur.executemany(_INSERT_DEAD, [_dead_params(self.slot, d) for d in batch.dead_letters])
+                    cur.executemany(
+                        _INSERT_DEAD, [_dead_params(self.slot, d) for d in batch.dead_letters]
+                    )
             prev = None if self.checkpoint is None else format_lsn(self.checkpoint)
             row = conn.execute(
                 _CHECKPOINT,
-                {"slot": self.slot, "lsn": lsn_text, "hb": batch.heartbeat_at, "prev": prev},
+                {
+                    "slot": self.slot,
+                    "lsn": lsn_text,
+                    "hb": batch.heartbeat_at,
+                    "prev": prev,
+                    "epoch": batch.epoch,
+                },
             ).fetchone()
             if row is None:
                 raise FencedError(
@@ -212,6 +240,8 @@ class PgSink:
                     "advanced it; this one stops without writing"
                 )
         self.checkpoint = batch.end_lsn
+        if batch.epoch is not None:
+            self.epoch = batch.epoch
 
 
 def _dead_params(slot: str, d: DeadLetter) -> Sequence[Any]:

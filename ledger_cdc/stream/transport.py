@@ -95,11 +95,9 @@ class ReplicationStream:
 
     # -- connection -----------------------------------------------------------------------------
 
-    def start(self, start_lsn: int) -> None:
-        """Connect and START_REPLICATION at ``start_lsn`` (0: where the slot stands)."""
-        self.close()
+    def _open(self) -> Any:
         try:
-            conn = psycopg2.connect(
+            return psycopg2.connect(
                 self.dsn,
                 connection_factory=psycopg2.extras.LogicalReplicationConnection,
                 options=_SESSION_OPTIONS,
@@ -111,14 +109,44 @@ class ReplicationStream:
             )
         except psycopg2.OperationalError as e:
             raise TransportError(f"cannot open a replication connection: {_first_line(e)}") from e
+
+    def create_slot_exported(self) -> tuple[int, str]:
+        """CREATE_REPLICATION_SLOT … EXPORT_SNAPSHOT on a connection kept open for
+        :meth:`start` (``reuse=True``): returns (consistent point, snapshot name). The snapshot is
+        valid until the next command on this connection, i.e. until streaming starts."""
+        self.close()
+        conn = self._open()
         try:
             cur = conn.cursor()
+            # the slot name is validated ([a-z0-9_]{1,63}) and this command takes no parameters
+            cur.execute(f'CREATE_REPLICATION_SLOT "{self.slot}" LOGICAL pgoutput EXPORT_SNAPSHOT')
+            _, consistent_point, snapshot_name, _ = cur.fetchone()
+        except psycopg2.errors.DuplicateObject as e:
+            conn.close()
+            raise SlotError(f"slot {self.slot!r} already exists") from e
+        except psycopg2.Error as e:
+            conn.close()
+            raise TransportError(f"cannot create slot {self.slot!r}: {_first_line(e)}") from e
+        self._conn, self._cur = conn, cur
+        hi, lo = str(consistent_point).split("/")
+        return (int(hi, 16) << 32) | int(lo, 16), str(snapshot_name)
+
+    def start(self, start_lsn: int, *, reuse: bool = False) -> None:
+        """START_REPLICATION at ``start_lsn`` (0: where the slot stands), on a new connection or
+        (``reuse``) on the one :meth:`create_slot_exported` left open."""
+        if reuse and self._conn is not None:
+            conn, cur = self._conn, self._cur
+        else:
+            self.close()
+            conn = self._open()
+            cur = conn.cursor()
+        try:
             cur.start_replication(
                 slot_name=self.slot,
                 decode=False,
                 start_lsn=start_lsn,
                 options=self.options,
-                status_interval=self.status_interval,  # type: ignore[arg-type]
+                status_interval=self.status_interval,
             )
         except psycopg2.errors.UndefinedObject as e:
             conn.close()
@@ -145,7 +173,7 @@ class ReplicationStream:
             raise TransportError(f"START_REPLICATION failed: {_first_line(e)}") from e
         self._conn, self._cur = conn, cur
         self.server_version = conn.server_version
-        self.confirmed = max(self.confirmed, start_lsn)
+        self.confirmed = start_lsn
 
     def close(self) -> None:
         if self._conn is not None:

@@ -257,3 +257,55 @@ def test_idle_slot_advances_with_heartbeat(db: Database) -> None:
 
         until(advanced, 20)
         assert consumer.metrics.events == 0
+
+
+def test_metrics_endpoint_and_separate_target_database(db: Database, server: Any, tmp_path: Path) -> None:
+    import urllib.request
+
+    from psycopg import sql
+
+    from ledger_cdc.schema import migrate
+
+    target = f"{db.name}_proj"
+    with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(target)))
+    try:
+        target_dsn = server.dsn(target)
+        with psycopg.connect(target_dsn, autocommit=True) as conn:
+            migrate(conn)
+        with db.connect() as conn:
+            create_slot(conn, "agent_slot")
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with ConsumerProcess(db.dsn, "--target-dsn", target_dsn, "--metrics-port", str(port),
+                             log=tmp_path / "c.log"), Ledger(db.dsn) as ledger:
+            sid = uuid.uuid4()
+            for i in range(5):
+                ledger.append(sid, "a", "tool.invoked", {"call_id": str(i), "tool": "t"})
+
+            def folded() -> bool:
+                with psycopg.connect(target_dsn) as c:
+                    row = c.execute("SELECT coalesce(sum(event_count), 0) FROM agent_sessions").fetchone()
+                    return row is not None and int(row[0]) == 5
+
+            until(folded, 30)
+            body = ""
+
+            def scraped() -> bool:
+                nonlocal body
+                try:
+                    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                except OSError:
+                    return False
+                return 'ledger_cdc_events_total{slot="agent_slot"} 5' in body
+
+            until(scraped, 30)
+            assert "# TYPE ledger_cdc_lag_bytes gauge" in body and "ledger_cdc_confirmed_lsn" in body
+        with db.connect() as conn:
+            assert conn.execute("SELECT count(*) FROM agent_sessions").fetchone() == (0,)
+    finally:
+        with psycopg.connect(server.dsn(), autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(target)))

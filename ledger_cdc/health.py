@@ -1,0 +1,247 @@
+"""Slot health: the figures behind ``ledger-cdc lag``, the consumer's guard and its metrics.
+
+A logical slot that stalls holds WAL until the disk fills; with ``max_slot_wal_keep_size`` set
+the server invalidates it instead. For each slot this reads what the server reports
+(``pg_replication_slots``: ``wal_status``, ``safe_wal_size``, ``restart_lsn``,
+``confirmed_flush_lsn``, the invalidation reason on PostgreSQL 17+), what our consumer stored
+(``ledger_checkpoints``), and the WAL generation rate sampled over a short interval, and derives
+the figure an operator needs: the time left before invalidation at the current rate.
+
+Statuses and exit codes: 0 healthy, 1 warning, 2 critical, 3 slot missing or lost. An unbounded
+``max_slot_wal_keep_size`` (-1) is a warning by itself: then a stalled slot can fill the disk.
+Works with the consumer role (no superuser): everything read here is readable by any role.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psycopg
+
+from .errors import format_lsn, parse_lsn
+
+__all__ = [
+    "HEALTHY",
+    "CRITICAL",
+    "LOST",
+    "WARNING",
+    "SlotHealth",
+    "Thresholds",
+    "check_slots",
+    "wal_rate",
+]
+
+HEALTHY, WARNING, CRITICAL, LOST = 0, 1, 2, 3
+_MATERIAL_LAG = 1024 * 1024
+STATUS_NAMES = {HEALTHY: "healthy", WARNING: "warning", CRITICAL: "critical", LOST: "lost"}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    warn_share: float = 0.5
+    crit_share: float = 0.8
+    warn_bytes: int = 256 * 1024 * 1024
+    crit_bytes: int = 1024 * 1024 * 1024
+    warn_seconds: float = 60.0
+    crit_seconds: float = 300.0
+
+
+@dataclass
+class SlotHealth:
+    slot: str
+    exists: bool
+    plugin: str | None = None
+    database: str | None = None
+    active: bool = False
+    active_pid: int | None = None
+    wal_status: str | None = None
+    safe_wal_size: int | None = None
+    restart_lsn: str | None = None
+    confirmed_flush_lsn: str | None = None
+    current_wal_lsn: str | None = None
+    retained_bytes: int | None = None
+    lag_bytes: int | None = None
+    lag_seconds: float | None = None
+    max_slot_wal_keep_size: int | None = None  # bytes; None when unbounded (-1)
+    keep_size_share: float | None = None
+    checkpoint_lsn: str | None = None
+    checkpoint_behind_slot_bytes: int | None = None
+    checkpoint_age_seconds: float | None = None
+    heartbeat_age_seconds: float | None = None
+    invalidation_reason: str | None = None
+    wal_rate_bytes_per_s: float | None = None
+    seconds_to_invalidation: float | None = None
+    status: int = HEALTHY
+    status_name: str = "healthy"
+    reasons: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_SLOTS = """
+SELECT slot_name, plugin, slot_type, database, active, active_pid, wal_status,
+       safe_wal_size, restart_lsn::text, confirmed_flush_lsn::text,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::int8,
+       pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::int8,
+       {reason}
+FROM pg_replication_slots
+WHERE slot_type = 'logical' {where}
+ORDER BY slot_name
+"""
+
+
+def _keep_size(conn: psycopg.Connection[Any]) -> int | None:
+    row = conn.execute(
+        "SELECT setting::int8, unit FROM pg_settings WHERE name = 'max_slot_wal_keep_size'"
+    ).fetchone()
+    if row is None or int(row[0]) < 0:
+        return None
+    value, unit = int(row[0]), row[1]
+    return value * (1024 * 1024 if unit == "MB" else 1)
+
+
+def current_wal_lsn(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    assert row is not None
+    return parse_lsn(row[0])
+
+
+def wal_rate(conn: psycopg.Connection[Any], seconds: float) -> float:
+    """WAL bytes per second written by the server, sampled over ``seconds``."""
+    a, t0 = current_wal_lsn(conn), time.monotonic()
+    time.sleep(seconds)
+    b, t1 = current_wal_lsn(conn), time.monotonic()
+    return max(0.0, (b - a) / max(1e-6, t1 - t0))
+
+
+def _checkpoints(
+    conn: psycopg.Connection[Any],
+) -> dict[str, tuple[str, float | None, float | None]]:
+    exists = conn.execute("SELECT to_regclass('ledger_checkpoints') IS NOT NULL").fetchone()
+    if not exists or not exists[0]:
+        return {}
+    try:
+        rows = conn.execute(
+            "SELECT slot_name, lsn::text, extract(epoch FROM now() - updated_at)::float8, "
+            "extract(epoch FROM now() - heartbeat_at)::float8 FROM ledger_checkpoints"
+        ).fetchall()
+    except psycopg.errors.InsufficientPrivilege:
+        return {}
+    return {r[0]: (r[1], r[2], r[3]) for r in rows}
+
+
+def check_slots(
+    conn: psycopg.Connection[Any],
+    slot: str | None = None,
+    *,
+    thresholds: Thresholds | None = None,
+    sample_seconds: float = 1.0,
+) -> list[SlotHealth]:
+    """Health of every logical slot (or of ``slot``, reported as missing if it does not exist)."""
+    th = thresholds or Thresholds()
+    version = conn.info.server_version
+    reason = "invalidation_reason" if version >= 170000 else "NULL::text"
+    where = "AND slot_name = %s" if slot else ""
+    rate = wal_rate(conn, sample_seconds) if sample_seconds > 0 else None
+    rows = conn.execute(
+        _SLOTS.format(reason=reason, where=where).encode(), (slot,) if slot else ()
+    ).fetchall()
+    current = format_lsn(current_wal_lsn(conn))
+    keep = _keep_size(conn)
+    checkpoints = _checkpoints(conn)
+    out: list[SlotHealth] = []
+    if slot and not rows:
+        h = SlotHealth(slot=slot, exists=False, current_wal_lsn=current, status=LOST)
+        h.reasons.append("slot does not exist")
+        h.status_name = STATUS_NAMES[LOST]
+        return [h]
+    for r in rows:
+        (
+            name,
+            plugin,
+            _,
+            database,
+            active,
+            pid,
+            wal_status,
+            safe,
+            restart,
+            confirmed,
+            retained,
+            lag,
+            why,
+        ) = r
+        h = SlotHealth(
+            slot=name,
+            exists=True,
+            plugin=plugin,
+            database=database,
+            active=bool(active),
+            active_pid=pid,
+            wal_status=wal_status,
+            safe_wal_size=None if safe is None else int(safe),
+            restart_lsn=restart,
+            confirmed_flush_lsn=confirmed,
+            current_wal_lsn=current,
+            retained_bytes=None if retained is None else int(retained),
+            lag_bytes=None if lag is None else max(0, int(lag)),
+            max_slot_wal_keep_size=keep,
+            invalidation_reason=why,
+            wal_rate_bytes_per_s=rate,
+        )
+        if keep and h.retained_bytes is not None:
+            h.keep_size_share = h.retained_bytes / keep
+        ck = checkpoints.get(name)
+        if ck is not None:
+            h.checkpoint_lsn, h.checkpoint_age_seconds, h.heartbeat_age_seconds = ck
+            if confirmed is not None:
+                h.checkpoint_behind_slot_bytes = max(0, parse_lsn(confirmed) - parse_lsn(ck[0]))
+        if h.lag_bytes is not None:
+            # an idle consumer trails the WAL end by a keepalive's worth of bytes: not lag
+            if h.lag_bytes < _MATERIAL_LAG:
+                h.lag_seconds = 0.0
+            elif h.checkpoint_age_seconds is not None:
+                ages = [
+                    a for a in (h.checkpoint_age_seconds, h.heartbeat_age_seconds) if a is not None
+                ]
+                h.lag_seconds = min(ages)
+        if h.safe_wal_size is not None and rate:
+            h.seconds_to_invalidation = max(0.0, h.safe_wal_size / rate)
+        _classify(h, th)
+        out.append(h)
+    return out
+
+
+def _classify(h: SlotHealth, th: Thresholds) -> None:
+    def flag(level: int, why: str) -> None:
+        h.status = max(h.status, level)
+        h.reasons.append(why)
+
+    if h.wal_status == "lost" or h.invalidation_reason:
+        flag(
+            LOST, f"slot invalidated ({h.invalidation_reason or 'wal_status lost'}): resync needed"
+        )
+    elif h.wal_status == "unreserved":
+        flag(CRITICAL, "WAL past max_slot_wal_keep_size: invalidated at the next checkpoint")
+    if h.max_slot_wal_keep_size is None:
+        flag(WARNING, "max_slot_wal_keep_size is unbounded (-1): a stalled slot can fill the disk")
+    share = h.keep_size_share
+    if share is not None:
+        if share >= th.crit_share:
+            flag(CRITICAL, f"retains {share:.0%} of max_slot_wal_keep_size")
+        elif share >= th.warn_share:
+            flag(WARNING, f"retains {share:.0%} of max_slot_wal_keep_size")
+    if h.lag_bytes is not None:
+        if h.lag_bytes >= th.crit_bytes:
+            flag(CRITICAL, f"{h.lag_bytes:,} bytes behind the WAL end")
+        elif h.lag_bytes >= th.warn_bytes:
+            flag(WARNING, f"{h.lag_bytes:,} bytes behind the WAL end")
+    if h.lag_seconds is not None:
+        if h.lag_seconds >= th.crit_seconds:
+            flag(CRITICAL, f"{h.lag_seconds:.0f} s behind")
+        elif h.lag_seconds >= th.warn_seconds:
+            flag(WARNING, f"{h.lag_seconds:.0f} s behind")
+    h.status_name = STATUS_NAMES[h.status]

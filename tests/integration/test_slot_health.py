@@ -1,0 +1,251 @@
+"""Slot health and recovery on real servers: `lag` through warning → critical → lost with its exit
+codes, a stalled consumer whose slot the server invalidates resyncing by itself, the bootstrap of a
+ledger with history under concurrent writers, and slot management."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from ledger_cdc.embedded import EmbeddedPostgres
+from ledger_cdc.schema import create_publication, create_slot, migrate
+from tests.cdc import ROOT, ConsumerProcess, Writers, assert_projections_equal_refold, until, wait_caught_up
+from tests.conftest import _INSTALLS, _REQUIRED, Database
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+LAG_KEYS = {
+    "slot", "exists", "plugin", "database", "active", "active_pid", "wal_status", "safe_wal_size",
+    "restart_lsn", "confirmed_flush_lsn", "current_wal_lsn", "retained_bytes", "lag_bytes",
+    "lag_seconds", "max_slot_wal_keep_size", "keep_size_share", "checkpoint_lsn",
+    "checkpoint_behind_slot_bytes", "checkpoint_age_seconds", "heartbeat_age_seconds",
+    "invalidation_reason", "wal_rate_bytes_per_s", "seconds_to_invalidation", "status",
+    "status_name", "reasons",
+}
+
+
+@pytest.fixture(scope="module", params=[15, 18], ids=["pg15", "pg18"])
+def small_wal(request: pytest.FixtureRequest) -> Iterator[EmbeddedPostgres]:
+    """A cluster of its own with a 48 MB max_slot_wal_keep_size (slots get invalidated here)."""
+    inst = _INSTALLS.get(request.param)
+    if inst is None:
+        if request.param in _REQUIRED:
+            pytest.fail(f"PostgreSQL {request.param} required", pytrace=False)
+        pytest.skip(f"PostgreSQL {request.param} binaries not found")
+    with EmbeddedPostgres(inst, max_slot_wal_keep_size="48MB", logical_decoding_work_mem="64kB",
+                          settings={"max_wal_size": "64MB", "min_wal_size": "32MB",
+                                    # a walsender blocked writing to a stopped client only
+                                    # lets the checkpointer invalidate its slot at this timeout
+                                    "wal_sender_timeout": "5s"}) as pg:
+        with psycopg.connect(pg.dsn(), autocommit=True) as conn:
+            migrate(conn)
+            create_publication(conn)
+            if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = 'lag_reader'").fetchone():
+                conn.execute("CREATE ROLE lag_reader LOGIN REPLICATION IN ROLE ledger_consumer")
+        yield pg
+
+
+def lag(dsn: str, *extra: str) -> tuple[int, list[dict[str, Any]]]:
+    p = subprocess.run(
+        [sys.executable, "-m", "ledger_cdc.cli", "lag", "--dsn", dsn, "--json", "--sample-seconds", "0.2", *extra],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+    assert p.returncode in (0, 1, 2, 3), p.stderr
+    return p.returncode, json.loads(p.stdout)
+
+
+def emit_wal(dsn: str, megabytes: int) -> None:
+    """Write about ``megabytes`` of WAL into a table outside the publication: the slot must keep
+    it, but the walsender sends nothing for it (so it never blocks writing to a stopped client,
+    which would keep it from releasing the slot when the checkpointer invalidates it)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS wal_pad (t text)")
+        (start,) = conn.execute("SELECT pg_current_wal_lsn()").fetchone()  # type: ignore[misc]
+        while True:
+            conn.execute("INSERT INTO wal_pad SELECT repeat('x', 1000) FROM generate_series(1, 500)")
+            (done,) = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)::int8", (start,)).fetchone()  # type: ignore[misc]
+            if done >= megabytes * 1024 * 1024:
+                return
+
+
+def test_stalled_consumer_warning_critical_lost_then_resync(small_wal: EmbeddedPostgres, tmp_path: Path) -> None:
+    pg = small_wal
+    dsn = pg.dsn()
+    reader = pg.dsn(user="lag_reader")  # the consumer role: no superuser
+    code, out = lag(reader, "--slot", "agent_slot")
+    assert code == 3 and out[0]["exists"] is False and "does not exist" in out[0]["reasons"][0]
+
+    log = tmp_path / "consumer.log"
+    proc = ConsumerProcess(dsn, "--create-slot", "--health-interval", "0.5", "--snapshot-every", "10", log=log).start()
+    try:
+        writers = Writers(dsn, n=2, sessions=8, pace=0.01).start()
+        time.sleep(1.5)
+        writers.stop()
+        wait_caught_up(dsn)
+        code, out = lag(reader, "--slot", "agent_slot")
+        assert code == 0, out
+        (h,) = out
+        assert set(h) == LAG_KEYS
+        assert h["exists"] and h["plugin"] == "pgoutput" and h["wal_status"] == "reserved"
+        assert h["max_slot_wal_keep_size"] == 48 * 1024 * 1024 and h["active"] is True
+        assert isinstance(h["safe_wal_size"], int) and h["checkpoint_lsn"] is not None
+        assert h["wal_rate_bytes_per_s"] is not None
+
+        assert proc.proc is not None
+        os.kill(proc.proc.pid, signal.SIGSTOP)  # the consumer stalls; its slot holds WAL
+        emit_wal(dsn, 26)
+        # WAL keeps coming while `lag` samples the rate: the forecast is safe_wal_size / rate
+        stop = threading.Event()
+
+        def trickle() -> None:
+            with psycopg.connect(dsn, autocommit=True) as c:
+                while not stop.wait(0.02):
+                    c.execute("INSERT INTO wal_pad SELECT repeat('x', 1000) FROM generate_series(1, 50)")
+
+        t = threading.Thread(target=trickle)
+        t.start()
+        try:
+            code, out = lag(reader, "--slot", "agent_slot", "--sample-seconds", "1")
+        finally:
+            stop.set()
+            t.join()
+        assert code == 1, out
+        h = out[0]
+        assert 0.5 <= h["keep_size_share"] < 0.8 and h["wal_rate_bytes_per_s"] > 0
+        assert h["seconds_to_invalidation"] == pytest.approx(h["safe_wal_size"] / h["wal_rate_bytes_per_s"])
+        emit_wal(dsn, 12)
+        code, out = lag(reader, "--slot", "agent_slot")
+        assert code == 2, out
+        assert out[0]["keep_size_share"] >= 0.8
+
+        # while the slot is dying, writers go on: these rows must not be lost
+        more = Writers(dsn, n=2, sessions=8, seed=9, pace=0.01).start()
+        for _ in range(8):
+            emit_wal(dsn, 20)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("SELECT pg_switch_wal()")
+                conn.execute("CHECKPOINT")
+            code, out = lag(reader, "--slot", "agent_slot")
+            if code == 3:
+                break
+        assert code == 3 and out[0]["wal_status"] == "lost", out
+        assert any("invalidated" in r for r in out[0]["reasons"])
+
+        os.kill(proc.proc.pid, signal.SIGCONT)
+        time.sleep(1.0)
+        more.stop()
+        wait_caught_up(dsn, 120)
+        assert proc.alive()
+        code, out = lag(reader, "--slot", "agent_slot")
+        assert code == 0 and out[0]["wal_status"] == "reserved", out
+    finally:
+        if proc.alive():
+            if proc.proc is not None:
+                os.kill(proc.proc.pid, signal.SIGCONT)
+            proc.kill()
+    text = log.read_text()
+    assert "resynchronising from the ledger table" in text
+    assert_projections_equal_refold(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_drop_replication_slot('agent_slot')")
+        conn.execute("TRUNCATE agent_sessions, agent_snapshots, ledger_checkpoints, ledger_dead_letters")
+
+
+def test_on_slot_lost_exit(small_wal: EmbeddedPostgres, tmp_path: Path) -> None:
+    dsn = small_wal.dsn()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        create_slot(conn, "exit_slot")
+    proc = ConsumerProcess(dsn, "--slot", "exit_slot", "--on-slot-lost", "exit", "--health-interval", "0.5",
+                           log=tmp_path / "c.log").start()
+    try:
+        until(lambda: lag(dsn, "--slot", "exit_slot")[1][0]["active"], 30)
+        assert proc.proc is not None
+        os.kill(proc.proc.pid, signal.SIGSTOP)
+        for _ in range(10):
+            emit_wal(dsn, 20)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("SELECT pg_switch_wal()")
+                conn.execute("CHECKPOINT")
+            if lag(dsn, "--slot", "exit_slot")[0] == 3:
+                break
+        os.kill(proc.proc.pid, signal.SIGCONT)
+        assert proc.proc.wait(60) == 3
+    finally:
+        if proc.alive():
+            proc.kill()
+    assert "exiting (--on-slot-lost exit)" in (tmp_path / "c.log").read_text()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_drop_replication_slot('exit_slot')")
+
+
+def test_bootstrap_with_history_under_concurrent_writers(db: Database, tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import write_backlog  # type: ignore[import-not-found]
+
+    write_backlog(db.dsn, 50_000, 500)
+    writers = Writers(db.dsn, n=4, sessions=20, pace=0.005).start()
+    try:
+        with ConsumerProcess(db.dsn, "--create-slot", "--snapshot-every", "50", log=tmp_path / "c.log"):
+            time.sleep(4)
+            writers.stop()
+            wait_caught_up(db.dsn, 180)
+    finally:
+        writers._stop.set()
+    text = (tmp_path / "c.log").read_text()
+    assert "bootstrap:" in text and "events folded from the table" in text
+    n = assert_projections_equal_refold(db.dsn)
+    assert n > 50_000
+
+
+def test_interrupted_bootstrap_is_redone(db: Database, tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import write_backlog  # type: ignore[import-not-found]
+
+    write_backlog(db.dsn, 20_000, 200)
+    proc = ConsumerProcess(db.dsn, "--create-slot", log=tmp_path / "c.log").start()
+
+    def slot_exists() -> bool:
+        with db.connect() as c:
+            return c.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = 'agent_slot'").fetchone() is not None
+
+    until(slot_exists, 30, 0.005)
+    proc.kill()  # mid-bootstrap (or just after): the next start must not miss the history
+    with ConsumerProcess(db.dsn, "--create-slot", log=tmp_path / "c.log"):
+        wait_caught_up(db.dsn, 120)
+    assert_projections_equal_refold(db.dsn)
+
+
+def test_slot_commands(db: Database) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "ledger_cdc.cli", "slot", *args, "--dsn", db.dsn],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+    assert "created" in cli("create", "s1").stdout
+    assert "exists" in cli("create", "s1").stdout
+    listed = json.loads(cli("list", "--json").stdout)
+    assert [s["slot"] for s in listed if s["slot"] == "s1"] == ["s1"] and listed[0]["plugin"] == "pgoutput"
+    with db.connect() as conn:
+        conn.execute("SELECT pg_create_logical_replication_slot('td', 'test_decoding')")
+    bad = cli("create", "td")
+    assert bad.returncode == 4 and "not a pgoutput logical slot" in bad.stderr
+    missing = cli("drop", "nope")
+    assert missing.returncode == 4 and "does not exist" in missing.stderr
+    with ConsumerProcess(db.dsn, "--slot", "s1"):
+        until(lambda: json.loads(cli("list", "--json").stdout)[0]["active"] is True, 30)
+        busy = cli("drop", "s1")
+        assert busy.returncode == 4 and "is active" in busy.stderr and "--force" in busy.stderr
+        assert "dropped" in cli("drop", "s1", "--force").stdout
+    assert cli("drop", "td").returncode == 0
+    bad_name = cli("create", "Bad-Name")
+    assert bad_name.returncode == 4 and "invalid slot name" in bad_name.stderr
