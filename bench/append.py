@@ -42,7 +42,7 @@ def main() -> None:
             for table in ("plain_events", "agent_events"):
                 pos = dict.fromkeys(sessions, 0)
                 q = (
-                    f"INSERT INTO {table} (session_id, position, agent_id, event_type, payload) "  # noqa: S608
+                    f"INSERT INTO {table} (session_id, position, agent_id, event_type, payload) "
                     "VALUES (%s, %s, 'a', 'tool.invoked', %s::jsonb)"
                 )
                 t0 = time.perf_counter()

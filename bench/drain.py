@@ -38,25 +38,57 @@ def main() -> None:
             create_slot(conn, "twin")
         t0 = time.monotonic()
         write_backlog(dsn, args.events, args.sessions)
-        print(f"PostgreSQL {pg.major}: backlog of {args.events:,} single-event transactions over "
-              f"{args.sessions:,} sessions written in {time.monotonic() - t0:.1f}s")
+        print(
+            f"PostgreSQL {pg.major}: backlog of {args.events:,} single-event transactions over "
+            f"{args.sessions:,} sessions written in {time.monotonic() - t0:.1f}s"
+        )
         with psycopg.connect(dsn, autocommit=True) as conn:
             (end,) = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()  # type: ignore[misc]
 
         t0 = time.monotonic()
         subprocess.run(
-            [pg.bin("pg_recvlogical"), "-d", pg.url(), "--slot", "twin", "--start",
-             "-o", "proto_version=1", "-o", "publication_names=agent_pub", "-f", "/dev/null",
-             "-E", end, "--no-loop"],
-            check=True, capture_output=True, timeout=1800,
+            [
+                pg.bin("pg_recvlogical"),
+                "-d",
+                pg.url(),
+                "--slot",
+                "twin",
+                "--start",
+                "-o",
+                "proto_version=1",
+                "-o",
+                "publication_names=agent_pub",
+                "-f",
+                "/dev/null",
+                "-E",
+                end,
+                "--no-loop",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=1800,
         )
         t_ref = time.monotonic() - t0
         r_ref = args.events / t_ref
 
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ledger_cdc.cli", "consume", "--dsn", dsn, "--log-format", "text",
-             "--batch-size", str(args.batch_size), "--snapshot-every", "100"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "ledger_cdc.cli",
+                "consume",
+                "--dsn",
+                dsn,
+                "--log-format",
+                "text",
+                "--batch-size",
+                str(args.batch_size),
+                "--snapshot-every",
+                "100",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         t0 = time.monotonic()
         cpu = rss = 0.0
@@ -66,7 +98,9 @@ def main() -> None:
                 def done() -> bool:
                     nonlocal cpu, rss
                     cpu, rss = proc_cpu_seconds(proc.pid), proc_peak_rss_mb(proc.pid)
-                    row = conn.execute("SELECT coalesce(sum(event_count), 0) FROM agent_sessions").fetchone()
+                    row = conn.execute(
+                        "SELECT coalesce(sum(event_count), 0) FROM agent_sessions"
+                    ).fetchone()
                     return row is not None and int(row[0]) >= args.events
 
                 wait_until(done, 1800, 0.02)
@@ -75,10 +109,16 @@ def main() -> None:
             proc.terminate()
             proc.wait(60)
         r_ours = args.events / t_ours
-        print(f"  pg_recvlogical (reference, output discarded)  {r_ref:>9,.0f} txn/s  ({t_ref:.2f}s)")
-        print(f"  ledger-cdc consume → committed projections   {r_ours:>9,.0f} txn/s  ({t_ours:.2f}s)  "
-              f"{r_ours / r_ref:.2f}× pg_recvlogical")
-        print(f"  consumer CPU: {cpu / args.events * 1000:.3f} s per 1,000 events; peak RSS {rss:.0f} MB")
+        print(
+            f"  pg_recvlogical (reference, output discarded)  {r_ref:>9,.0f} txn/s  ({t_ref:.2f}s)"
+        )
+        print(
+            f"  ledger-cdc consume → committed projections   {r_ours:>9,.0f} txn/s  ({t_ours:.2f}s)  "
+            f"{r_ours / r_ref:.2f}× pg_recvlogical"
+        )
+        print(
+            f"  consumer CPU: {cpu / args.events * 1000:.3f} s per 1,000 events; peak RSS {rss:.0f} MB"
+        )
 
 
 if __name__ == "__main__":

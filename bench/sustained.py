@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import resource
-import select
 import signal
 import subprocess
 import sys
@@ -56,10 +55,16 @@ def consumer_role(dsn: str, out: str) -> None:
     signal.signal(signal.SIGTERM, lambda *_: c.stop())
     c.run()
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    Path(out).write_text(json.dumps({
-        "latencies": lat, "cpu": ru.ru_utime + ru.ru_stime, "maxrss_mb": ru.ru_maxrss / 1024,
-        "events": c.metrics.events,
-    }))
+    Path(out).write_text(
+        json.dumps(
+            {
+                "latencies": lat,
+                "cpu": ru.ru_utime + ru.ru_stime,
+                "maxrss_mb": ru.ru_maxrss / 1024,
+                "events": c.metrics.events,
+            }
+        )
+    )
 
 
 class Poller(threading.Thread):
@@ -97,21 +102,43 @@ class Listener(threading.Thread):
                     self.seqs.append((int(n.payload), time.time()))
 
 
-def one_phase(pg: EmbeddedPostgres, dsn: str, clients: int, rate: int | None, seconds: int, reader: str) -> dict[str, object]:
+def one_phase(
+    pg: EmbeddedPostgres, dsn: str, clients: int, rate: int | None, seconds: int, reader: str
+) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "insert.sql"
         script.write_text(PGBENCH_SCRIPT)
         os.chmod(tmp, 0o755)
         os.chmod(script, 0o644)
         out = Path(tmp) / "consumer.json"
-        cons = subprocess.Popen([sys.executable, __file__, "--role", "consumer", "--dsn", dsn, "--out", str(out)], cwd=ROOT)
+        cons = subprocess.Popen(
+            [sys.executable, __file__, "--role", "consumer", "--dsn", dsn, "--out", str(out)],
+            cwd=ROOT,
+        )
         time.sleep(1.0)
         side: Poller | Listener = Poller(dsn) if reader == "poller" else Listener(dsn)
         side.start()
         with psycopg.connect(dsn, autocommit=True) as conn:
             (before,) = conn.execute("SELECT coalesce(max(seq), 0) FROM agent_events").fetchone()  # type: ignore[misc]
-        argv = [pg.bin("pgbench"), "-n", "-f", str(script), "-c", str(clients), "-j", str(min(clients, 2)),
-                "-T", str(seconds), "-h", "127.0.0.1", "-p", str(pg.port), "-U", "postgres", pg.url().rsplit("/", 1)[1]]
+        argv = [
+            pg.bin("pgbench"),
+            "-n",
+            "-f",
+            str(script),
+            "-c",
+            str(clients),
+            "-j",
+            str(min(clients, 2)),
+            "-T",
+            str(seconds),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(pg.port),
+            "-U",
+            "postgres",
+            pg.url().rsplit("/", 1)[1],
+        ]
         if rate:
             argv[1:1] = ["-R", str(rate)]
         res = subprocess.run(argv, capture_output=True, text=True, check=True)
@@ -121,7 +148,9 @@ def one_phase(pg: EmbeddedPostgres, dsn: str, clients: int, rate: int | None, se
             (total,) = conn.execute("SELECT count(*) FROM agent_events").fetchone()  # type: ignore[misc]
 
             def drained() -> bool:
-                row = conn.execute("SELECT coalesce(sum(event_count), 0) FROM agent_sessions").fetchone()
+                row = conn.execute(
+                    "SELECT coalesce(sum(event_count), 0) FROM agent_sessions"
+                ).fetchone()
                 return row is not None and int(row[0]) >= total
 
             wait_until(drained, 300, 0.01)
@@ -130,13 +159,21 @@ def one_phase(pg: EmbeddedPostgres, dsn: str, clients: int, rate: int | None, se
             side.stop.set()
             side.join(5)
             if isinstance(side, Listener):
-                created = dict(conn.execute(
-                    "SELECT seq, extract(epoch FROM created_at)::float8 FROM agent_events WHERE seq > %s", (before,)
-                ).fetchall())
+                created = dict(
+                    conn.execute(
+                        "SELECT seq, extract(epoch FROM created_at)::float8 FROM agent_events WHERE seq > %s",
+                        (before,),
+                    ).fetchall()
+                )
                 side_lat = [t - created[s] for s, t in side.seqs if s in created]
                 missed = len(created) - len({s for s, _ in side.seqs})
             else:
-                new = {s for (s,) in conn.execute("SELECT seq FROM agent_events WHERE seq > %s", (before,))}
+                new = {
+                    s
+                    for (s,) in conn.execute(
+                        "SELECT seq FROM agent_events WHERE seq > %s", (before,)
+                    )
+                }
                 side_lat = side.lat
                 missed = len(new - side.seen)
         cons.send_signal(signal.SIGTERM)
@@ -144,9 +181,15 @@ def one_phase(pg: EmbeddedPostgres, dsn: str, clients: int, rate: int | None, se
         c = json.loads(out.read_text())
     lat = c["latencies"]
     return {
-        "tps": tps.split("(")[0].strip(), "events": c["events"], "p50": percentile(lat, 50) * 1000,
-        "p99": percentile(lat, 99) * 1000, "drain": drain, "cpu_per_1000": c["cpu"] / max(1, c["events"]) * 1000,
-        "rss": c["maxrss_mb"], "side_p50": percentile(side_lat, 50) * 1000, "side_p99": percentile(side_lat, 99) * 1000,
+        "tps": tps.split("(")[0].strip(),
+        "events": c["events"],
+        "p50": percentile(lat, 50) * 1000,
+        "p99": percentile(lat, 99) * 1000,
+        "drain": drain,
+        "cpu_per_1000": c["cpu"] / max(1, c["events"]) * 1000,
+        "rss": c["maxrss_mb"],
+        "side_p50": percentile(side_lat, 50) * 1000,
+        "side_p99": percentile(side_lat, 99) * 1000,
         "missed": missed,
     }
 
@@ -176,12 +219,18 @@ def main() -> None:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute("DROP TRIGGER bench_notify ON agent_events")
             print(f"{label}: writers {a['tps']} (with the NOTIFY trigger: {b['tps']})")
-            print(f"  ledger-cdc       p50 {a['p50']:7.1f} ms  p99 {a['p99']:7.1f} ms  drain after stop "
-                  f"{a['drain']:.2f}s  CPU {a['cpu_per_1000']:.3f} s/1000 events  peak RSS {a['rss']:.0f} MB")
-            print(f"  1 s poller       p50 {a['side_p50']:7.1f} ms  p99 {a['side_p99']:7.1f} ms  "
-                  f"missed {a['missed']} events for good")
-            print(f"  LISTEN/NOTIFY    p50 {b['side_p50']:7.1f} ms  p99 {b['side_p99']:7.1f} ms  "
-                  f"(ledger-cdc beside it: p50 {b['p50']:.1f} ms, p99 {b['p99']:.1f} ms)")
+            print(
+                f"  ledger-cdc       p50 {a['p50']:7.1f} ms  p99 {a['p99']:7.1f} ms  drain after stop "
+                f"{a['drain']:.2f}s  CPU {a['cpu_per_1000']:.3f} s/1000 events  peak RSS {a['rss']:.0f} MB"
+            )
+            print(
+                f"  1 s poller       p50 {a['side_p50']:7.1f} ms  p99 {a['side_p99']:7.1f} ms  "
+                f"missed {a['missed']} events for good"
+            )
+            print(
+                f"  LISTEN/NOTIFY    p50 {b['side_p50']:7.1f} ms  p99 {b['side_p99']:7.1f} ms  "
+                f"(ledger-cdc beside it: p50 {b['p50']:.1f} ms, p99 {b['p99']:.1f} ms)"
+            )
 
 
 if __name__ == "__main__":

@@ -147,8 +147,8 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     """Start a throwaway PostgreSQL, init the ledger, let simulated agents write to it while
     the consumer folds the slot into projections, and show both."""
     from .demo import ledger_rows, projections, run_agents, verify_against_refold
-    from .errors import format_lsn
     from .embedded import EmbeddedPostgres
+    from .errors import format_lsn
     from .schema import init as do_init
 
     con = state.console
@@ -602,7 +602,7 @@ def slot() -> None:
 @click.pass_obj
 @handles_errors
 def slot_create(state: State, dsn: str, name: str, two_phase: bool) -> None:
-    """Create a pgoutput slot NAME (default agent_slot). Refuses an existing slot of another kind."""
+    """Create a pgoutput slot NAME (default agent_slot); refuses a slot of another kind."""
     import psycopg
 
     from .schema import create_slot

@@ -41,12 +41,11 @@ from .fold import (
     encode_context,
     reducer_version,
 )
-from .pgoutput import Decoder, Delete, Insert, LogicalMessage, Relation, Truncate, Update
-from .schema import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, create_slot
 from .health import LOST, Thresholds, check_slots
+from .pgoutput import Decoder, Delete, Insert, LogicalMessage, Relation, Truncate, Update
 from .replay import load_events
-from .schema import drop_slot
-from .sink import BOOTSTRAPPING, Batch, DeadLetter, FencedError, PgSink, SnapshotRow
+from .schema import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, drop_slot
+from .sink import BOOTSTRAPPING, Batch, DeadLetter, PgSink, SnapshotRow
 from .stream.assemble import Assembler, Transaction
 from .stream.rows import LedgerRowDecoder
 from .stream.transport import ReplicationStream, SlotError, SlotLostError, TransportError
@@ -299,7 +298,7 @@ def count_unfolded(conn: psycopg.Connection[Any], positions: dict[uuid.UUID, int
 
 
 class Consumer:
-    """Runs until :meth:`stop` (or SIGINT/SIGTERM when :meth:`install_signal_handlers` was called)."""
+    """Runs until :meth:`stop` (or SIGINT/SIGTERM, after :meth:`install_signal_handlers`)."""
 
     def __init__(
         self,

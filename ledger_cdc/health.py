@@ -23,8 +23,8 @@ import psycopg
 from .errors import format_lsn, parse_lsn
 
 __all__ = [
-    "HEALTHY",
     "CRITICAL",
+    "HEALTHY",
     "LOST",
     "WARNING",
     "SlotHealth",

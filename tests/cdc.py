@@ -37,9 +37,21 @@ class ConsumerProcess:
     def start(self) -> ConsumerProcess:
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ledger_cdc.cli", "consume", "--dsn", self.dsn,
-             "--log-format", "text", *self.args],
-            stdout=out, stderr=out, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            [
+                sys.executable,
+                "-m",
+                "ledger_cdc.cli",
+                "consume",
+                "--dsn",
+                self.dsn,
+                "--log-format",
+                "text",
+                *self.args,
+            ],
+            stdout=out,
+            stderr=out,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         return self
 
@@ -81,7 +93,9 @@ def wait_caught_up(dsn: str, timeout: float = 60.0) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         want = valid_event_count(conn)
         while time.monotonic() < deadline:
-            row = conn.execute("SELECT coalesce(sum(event_count), 0) FROM agent_sessions").fetchone()
+            row = conn.execute(
+                "SELECT coalesce(sum(event_count), 0) FROM agent_sessions"
+            ).fetchone()
             assert row is not None
             if int(row[0]) >= want:
                 return
@@ -106,18 +120,25 @@ def assert_projections_equal_refold(dsn: str) -> int:
             "SELECT session_id, upto_position, context::text FROM agent_snapshots"
         ):
             prefix = [e for e in events[sid] if e.position <= upto_pos]
-            assert decode_context(text) == fold(prefix, session_id=sid), f"snapshot {sid}@{upto_pos}"
+            assert decode_context(text) == fold(prefix, session_id=sid), (
+                f"snapshot {sid}@{upto_pos}"
+            )
         return sum(len(v) for v in events.values())
 
 
 class Writers:
     """N threads appending agent turns (multi-event transactions) until stopped."""
 
-    def __init__(self, dsn: str, n: int = 8, sessions: int = 40, seed: int = 1, pace: float = 0.0) -> None:
+    def __init__(
+        self, dsn: str, n: int = 8, sessions: int = 40, seed: int = 1, pace: float = 0.0
+    ) -> None:
         self.dsn = dsn
         self.pace = pace
         self.n = n
-        self.sessions = [uuid.UUID(int=random.Random(seed * 1000 + i).getrandbits(128), version=4) for i in range(sessions)]
+        self.sessions = [
+            uuid.UUID(int=random.Random(seed * 1000 + i).getrandbits(128), version=4)
+            for i in range(sessions)
+        ]
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
@@ -139,7 +160,9 @@ class Writers:
             self.errors.append(e)
 
     def start(self) -> Writers:
-        self._threads = [threading.Thread(target=self._work, args=(w,), daemon=True) for w in range(self.n)]
+        self._threads = [
+            threading.Thread(target=self._work, args=(w,), daemon=True) for w in range(self.n)
+        ]
         for t in self._threads:
             t.start()
         return self
@@ -156,15 +179,31 @@ def turn_events(ledger: Ledger, sid: uuid.UUID, agent: str, rng: random.Random) 
     """One agent turn: a model call and its tool calls in one transaction, then the results."""
     call = f"{agent}-{rng.getrandbits(40):x}"
     with ledger.transaction() as tx:
-        tx.append(sid, agent, "model.requested", {"request_id": call, "model": "m", "prompt_hash": "h"})
-        tx.append(sid, agent, "model.responded", {
-            "request_id": call, "model": "m", "content": "ok",
-            "usage": {"input_tokens": rng.randint(1, 500), "output_tokens": rng.randint(1, 50)},
-        })
-        tx.append(sid, agent, "tool.invoked", {"call_id": call, "tool": "search", "arguments": {"q": call}},
-                  idempotency_key=call)
+        tx.append(
+            sid, agent, "model.requested", {"request_id": call, "model": "m", "prompt_hash": "h"}
+        )
+        tx.append(
+            sid,
+            agent,
+            "model.responded",
+            {
+                "request_id": call,
+                "model": "m",
+                "content": "ok",
+                "usage": {"input_tokens": rng.randint(1, 500), "output_tokens": rng.randint(1, 50)},
+            },
+        )
+        tx.append(
+            sid,
+            agent,
+            "tool.invoked",
+            {"call_id": call, "tool": "search", "arguments": {"q": call}},
+            idempotency_key=call,
+        )
     if rng.random() < 0.8:
-        ledger.append(sid, agent, "tool.observed", {"call_id": call, "result": {"n": rng.randint(0, 9)}})
+        ledger.append(
+            sid, agent, "tool.observed", {"call_id": call, "result": {"n": rng.randint(0, 9)}}
+        )
 
 
 def until(pred: Callable[[], bool], timeout: float = 30.0, every: float = 0.05) -> None:

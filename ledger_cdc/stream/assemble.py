@@ -78,7 +78,8 @@ class _Buffer(Generic[T]):
     def spill_out(self, directory: str | None) -> int:
         """Move the in-memory items to the spill file; returns the bytes freed."""
         if self.spill is None:
-            self.spill = tempfile.TemporaryFile(prefix="ledger-cdc-spill-", dir=directory)
+            # closed in close() / all_items(): it lives as long as its transaction
+            self.spill = tempfile.TemporaryFile(prefix="ledger-cdc-spill-", dir=directory)  # noqa: SIM115
         self.spill.seek(0, 2)
         pickle.dump(self.items, self.spill, protocol=pickle.HIGHEST_PROTOCOL)
         freed, self.items, self.size = self.size, [], 0
@@ -237,7 +238,7 @@ class Assembler(Generic[T]):
     def _open(self, msg: Begin | BeginPrepare, lsn: int) -> None:
         if self._current is not None:
             raise DecodeError(
-                f"{type(msg).__name__} of xid {msg.xid} while xid {self._current.xid} is still open",
+                f"{type(msg).__name__} of xid {msg.xid} while xid {self._current.xid} is open",
                 message_type=type(msg).__name__,
                 lsn=lsn,
             )

@@ -16,7 +16,13 @@ import psycopg
 import pytest
 
 from ledger_cdc.schema import create_slot
-from tests.cdc import ConsumerProcess, Writers, assert_projections_equal_refold, until, wait_caught_up
+from tests.cdc import (
+    ConsumerProcess,
+    Writers,
+    assert_projections_equal_refold,
+    until,
+    wait_caught_up,
+)
 from tests.conftest import Database, Server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -34,8 +40,14 @@ def test_crash_loop_sigkill(db: Database, tmp_path: Path) -> None:
     kills = 0
     try:
         while kills < 20:
-            proc = ConsumerProcess(db.dsn, "--batch-size", str(rng.choice([1, 10, 200])),
-                                   "--snapshot-every", "5", log=tmp_path / "consumer.log").start()
+            proc = ConsumerProcess(
+                db.dsn,
+                "--batch-size",
+                str(rng.choice([1, 10, 200])),
+                "--snapshot-every",
+                "5",
+                log=tmp_path / "consumer.log",
+            ).start()
             time.sleep(rng.uniform(0.4, 1.6))  # startup takes ~0.3 s: some kills land mid-batch
             proc.kill()
             kills += 1
@@ -50,7 +62,9 @@ def test_crash_loop_sigkill(db: Database, tmp_path: Path) -> None:
 
 def _running_consumer(db: Database, tmp_path: Path, dsn: str | None = None) -> ConsumerProcess:
     _slot(db)
-    return ConsumerProcess(dsn or db.dsn, "--snapshot-every", "10", log=tmp_path / "consumer.log").start()
+    return ConsumerProcess(
+        dsn or db.dsn, "--snapshot-every", "10", log=tmp_path / "consumer.log"
+    ).start()
 
 
 def test_server_immediate_restart_mid_stream(server: Server, db: Database, tmp_path: Path) -> None:
@@ -74,9 +88,15 @@ def test_walsender_terminated(db: Database, tmp_path: Path) -> None:
         for _ in range(3):
             time.sleep(0.8)
             with db.connect() as conn:
-                until(lambda c=conn: c.execute(
-                    "SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'agent_slot'"
-                ).fetchone() not in (None, (None,)), 30)
+                until(
+                    lambda c=conn: (
+                        c.execute(
+                            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'agent_slot'"
+                        ).fetchone()
+                        not in (None, (None,))
+                    ),
+                    30,
+                )
                 conn.execute(
                     "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
                     "WHERE slot_name = 'agent_slot'"

@@ -3,7 +3,6 @@ schema change, poison payloads, guard bypass, idle heartbeat, clean shutdown."""
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import uuid
@@ -22,7 +21,6 @@ from tests.cdc import (
     Writers,
     assert_projections_equal_refold,
     stored_projections,
-    turn_events,
     until,
     wait_caught_up,
 )
@@ -75,13 +73,17 @@ def test_commit_order_beats_a_seq_poller(db: Database) -> None:
                 assert r_late.seq < r_early.seq
                 # the poller runs now: it sees the early row only, and moves its cursor past it
                 with db.connect() as poller:
-                    seen = poller.execute("SELECT seq FROM agent_events WHERE seq > 0 ORDER BY seq").fetchall()
+                    seen = poller.execute(
+                        "SELECT seq FROM agent_events WHERE seq > 0 ORDER BY seq"
+                    ).fetchall()
                     last = max(s for (s,) in seen)
                     assert [s for (s,) in seen] == [r_early.seq]
                 time.sleep(0.3)
             # the late transaction commits now
             with db.connect() as poller:
-                missed = poller.execute("SELECT seq FROM agent_events WHERE seq > %s", (last,)).fetchall()
+                missed = poller.execute(
+                    "SELECT seq FROM agent_events WHERE seq > %s", (last,)
+                ).fetchall()
             assert missed == [], "the poller never sees the late row"
             wait_caught_up(db.dsn)
         finally:
@@ -129,7 +131,9 @@ def test_sigterm_finishes_the_batch_and_exits_zero(db: Database, tmp_path: Path)
             proc.kill()
     with db.connect() as conn:
         (ck,) = conn.execute("SELECT lsn::text FROM ledger_checkpoints").fetchone()  # type: ignore[misc]
-        (confirmed,) = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots").fetchone()  # type: ignore[misc]
+        (confirmed,) = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots"
+        ).fetchone()  # type: ignore[misc]
         assert parse_lsn(confirmed) >= parse_lsn(ck) > 0
     # whatever was committed is consistent, and a restart completes the rest
     with ConsumerProcess(db.dsn):
@@ -142,10 +146,20 @@ def _streamed_work(dsn: str) -> None:
     with Ledger(dsn) as ledger:
         with ledger.transaction() as tx:  # much larger than logical_decoding_work_mem (64kB)
             for i in range(800):
-                tx.append(sid_c, "big", "tool.invoked", {"call_id": f"c{i}", "tool": "t", "arguments": {"pad": "x" * 200}})
+                tx.append(
+                    sid_c,
+                    "big",
+                    "tool.invoked",
+                    {"call_id": f"c{i}", "tool": "t", "arguments": {"pad": "x" * 200}},
+                )
         with pytest.raises(RuntimeError), ledger.transaction() as tx:
             for i in range(800):
-                tx.append(sid_a, "big", "tool.invoked", {"call_id": f"a{i}", "tool": "t", "arguments": {"pad": "y" * 200}})
+                tx.append(
+                    sid_a,
+                    "big",
+                    "tool.invoked",
+                    {"call_id": f"a{i}", "tool": "t", "arguments": {"pad": "y" * 200}},
+                )
             raise RuntimeError("abort the big one")
         ledger.append(sid_c, "big", "task.completed", {"result": "done"})
 
@@ -168,14 +182,16 @@ def test_two_phase_commit_and_rollback(db: Database) -> None:
             conn.execute("BEGIN")
             conn.execute(
                 "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
-                "VALUES (%s, 'a', 'task.failed', '{\"error\": \"rolled back\"}')", (sid,)
+                "VALUES (%s, 'a', 'task.failed', '{\"error\": \"rolled back\"}')",
+                (sid,),
             )
             conn.execute("PREPARE TRANSACTION 'roll'")
             conn.execute("ROLLBACK PREPARED 'roll'")
             conn.execute("BEGIN")
             conn.execute(
                 "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
-                "VALUES (%s, 'a', 'task.completed', '{\"result\": \"committed\"}')", (sid,)
+                "VALUES (%s, 'a', 'task.completed', '{\"result\": \"committed\"}')",
+                (sid,),
             )
             conn.execute("PREPARE TRANSACTION 'keep'")
             time.sleep(0.5)
@@ -195,8 +211,10 @@ def test_alter_table_mid_stream(db: Database) -> None:
         wait_caught_up(db.dsn)
         with db.connect() as conn:
             conn.execute("ALTER TABLE agent_events ADD COLUMN tenant text DEFAULT 'acme'")
-            conn.execute("ALTER PUBLICATION agent_pub SET TABLE agent_events "
-                         "(seq, session_id, position, agent_id, event_type, payload, idempotency_key, created_at, tenant)")
+            conn.execute(
+                "ALTER PUBLICATION agent_pub SET TABLE agent_events "
+                "(seq, session_id, position, agent_id, event_type, payload, idempotency_key, created_at, tenant)"
+            )
         ledger.append(sid, "a", "tool.observed", {"call_id": "1", "result": 5})
         wait_caught_up(db.dsn)
     with db.connect() as conn:
@@ -211,20 +229,25 @@ def test_poison_payload_goes_to_dead_letters_and_stream_goes_on(db: Database) ->
         with db.connect() as conn:  # bypasses the writer's validation
             conn.execute(
                 "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
-                "VALUES (%s, 'a', 'tool.observed', '{\"call_id\": 42}')", (sid,)
+                "VALUES (%s, 'a', 'tool.observed', '{\"call_id\": 42}')",
+                (sid,),
             )
         ledger.append(sid, "a", "tool.observed", {"call_id": "1", "result": "fine"})
         wait_caught_up(db.dsn)
         until(lambda: consumer.metrics.dead_letters == 1)
     with db.connect() as conn:
-        dead = conn.execute("SELECT seq, session_id, kind, reason FROM ledger_dead_letters").fetchall()
+        dead = conn.execute(
+            "SELECT seq, session_id, kind, reason FROM ledger_dead_letters"
+        ).fetchall()
         (ctx,) = stored_projections(conn).values()
     assert len(dead) == 1 and dead[0][1] == sid and dead[0][2] == "invalid_payload"
     assert "call_id" in dead[0][3] and dead[0][0] is not None
     assert ctx.completed_tools["1"].result == "fine" and ctx.event_count == 2
 
 
-def test_guard_bypass_is_reported_and_not_folded(db: Database, caplog: pytest.LogCaptureFixture) -> None:
+def test_guard_bypass_is_reported_and_not_folded(
+    db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
     sid = uuid.uuid4()
     with InThread(db.dsn) as consumer, Ledger(db.dsn) as ledger:
         ledger.append(sid, "a", "task.completed", {"result": 1})
@@ -245,21 +268,29 @@ def test_guard_bypass_is_reported_and_not_folded(db: Database, caplog: pytest.Lo
 def test_idle_slot_advances_with_heartbeat(db: Database) -> None:
     with db.connect() as conn:
         create_slot(conn, "agent_slot")
-        (start,) = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots").fetchone()  # type: ignore[misc]
+        (start,) = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots"
+        ).fetchone()  # type: ignore[misc]
     with InThread(db.dsn, heartbeat_interval=0.3, status_interval=1.0) as consumer:
         until(lambda: consumer.metrics.heartbeat_lag is not None, 20)
 
         def advanced() -> bool:
             with db.connect() as c:
-                (lsn,) = c.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots").fetchone()  # type: ignore[misc]
-                (ck,) = c.execute("SELECT coalesce(max(heartbeat_at::text), '') FROM ledger_checkpoints").fetchone()  # type: ignore[misc]
+                (lsn,) = c.execute(
+                    "SELECT confirmed_flush_lsn::text FROM pg_replication_slots"
+                ).fetchone()  # type: ignore[misc]
+                (ck,) = c.execute(
+                    "SELECT coalesce(max(heartbeat_at::text), '') FROM ledger_checkpoints"
+                ).fetchone()  # type: ignore[misc]
             return parse_lsn(lsn) > parse_lsn(start) + 100 and ck != ""
 
         until(advanced, 20)
         assert consumer.metrics.events == 0
 
 
-def test_metrics_endpoint_and_separate_target_database(db: Database, server: Any, tmp_path: Path) -> None:
+def test_metrics_endpoint_and_separate_target_database(
+    db: Database, server: Any, tmp_path: Path
+) -> None:
     import urllib.request
 
     from psycopg import sql
@@ -280,15 +311,26 @@ def test_metrics_endpoint_and_separate_target_database(db: Database, server: Any
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        with ConsumerProcess(db.dsn, "--target-dsn", target_dsn, "--metrics-port", str(port),
-                             log=tmp_path / "c.log"), Ledger(db.dsn) as ledger:
+        with (
+            ConsumerProcess(
+                db.dsn,
+                "--target-dsn",
+                target_dsn,
+                "--metrics-port",
+                str(port),
+                log=tmp_path / "c.log",
+            ),
+            Ledger(db.dsn) as ledger,
+        ):
             sid = uuid.uuid4()
             for i in range(5):
                 ledger.append(sid, "a", "tool.invoked", {"call_id": str(i), "tool": "t"})
 
             def folded() -> bool:
                 with psycopg.connect(target_dsn) as c:
-                    row = c.execute("SELECT coalesce(sum(event_count), 0) FROM agent_sessions").fetchone()
+                    row = c.execute(
+                        "SELECT coalesce(sum(event_count), 0) FROM agent_sessions"
+                    ).fetchone()
                     return row is not None and int(row[0]) == 5
 
             until(folded, 30)
@@ -297,15 +339,23 @@ def test_metrics_endpoint_and_separate_target_database(db: Database, server: Any
             def scraped() -> bool:
                 nonlocal body
                 try:
-                    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                    body = (
+                        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+                        .read()
+                        .decode()
+                    )
                 except OSError:
                     return False
                 return 'ledger_cdc_events_total{slot="agent_slot"} 5' in body
 
             until(scraped, 30)
-            assert "# TYPE ledger_cdc_lag_bytes gauge" in body and "ledger_cdc_confirmed_lsn" in body
+            assert (
+                "# TYPE ledger_cdc_lag_bytes gauge" in body and "ledger_cdc_confirmed_lsn" in body
+            )
         with db.connect() as conn:
             assert conn.execute("SELECT count(*) FROM agent_sessions").fetchone() == (0,)
     finally:
         with psycopg.connect(server.dsn(), autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(target)))
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(target))
+            )

@@ -20,18 +20,45 @@ import pytest
 
 from ledger_cdc.embedded import EmbeddedPostgres
 from ledger_cdc.schema import create_publication, create_slot, migrate
-from tests.cdc import ROOT, ConsumerProcess, Writers, assert_projections_equal_refold, until, wait_caught_up
+from tests.cdc import (
+    ROOT,
+    ConsumerProcess,
+    Writers,
+    assert_projections_equal_refold,
+    until,
+    wait_caught_up,
+)
 from tests.conftest import _INSTALLS, _REQUIRED, Database
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 LAG_KEYS = {
-    "slot", "exists", "plugin", "database", "active", "active_pid", "wal_status", "safe_wal_size",
-    "restart_lsn", "confirmed_flush_lsn", "current_wal_lsn", "retained_bytes", "lag_bytes",
-    "lag_seconds", "max_slot_wal_keep_size", "keep_size_share", "checkpoint_lsn",
-    "checkpoint_behind_slot_bytes", "checkpoint_age_seconds", "heartbeat_age_seconds",
-    "invalidation_reason", "wal_rate_bytes_per_s", "seconds_to_invalidation", "status",
-    "status_name", "reasons",
+    "slot",
+    "exists",
+    "plugin",
+    "database",
+    "active",
+    "active_pid",
+    "wal_status",
+    "safe_wal_size",
+    "restart_lsn",
+    "confirmed_flush_lsn",
+    "current_wal_lsn",
+    "retained_bytes",
+    "lag_bytes",
+    "lag_seconds",
+    "max_slot_wal_keep_size",
+    "keep_size_share",
+    "checkpoint_lsn",
+    "checkpoint_behind_slot_bytes",
+    "checkpoint_age_seconds",
+    "heartbeat_age_seconds",
+    "invalidation_reason",
+    "wal_rate_bytes_per_s",
+    "seconds_to_invalidation",
+    "status",
+    "status_name",
+    "reasons",
 }
 
 
@@ -43,11 +70,18 @@ def small_wal(request: pytest.FixtureRequest) -> Iterator[EmbeddedPostgres]:
         if request.param in _REQUIRED:
             pytest.fail(f"PostgreSQL {request.param} required", pytrace=False)
         pytest.skip(f"PostgreSQL {request.param} binaries not found")
-    with EmbeddedPostgres(inst, max_slot_wal_keep_size="48MB", logical_decoding_work_mem="64kB",
-                          settings={"max_wal_size": "64MB", "min_wal_size": "32MB",
-                                    # a walsender blocked writing to a stopped client only
-                                    # lets the checkpointer invalidate its slot at this timeout
-                                    "wal_sender_timeout": "5s"}) as pg:
+    with EmbeddedPostgres(
+        inst,
+        max_slot_wal_keep_size="48MB",
+        logical_decoding_work_mem="64kB",
+        settings={
+            "max_wal_size": "64MB",
+            "min_wal_size": "32MB",
+            # a walsender blocked writing to a stopped client only
+            # lets the checkpointer invalidate its slot at this timeout
+            "wal_sender_timeout": "5s",
+        },
+    ) as pg:
         with psycopg.connect(pg.dsn(), autocommit=True) as conn:
             migrate(conn)
             create_publication(conn)
@@ -58,8 +92,22 @@ def small_wal(request: pytest.FixtureRequest) -> Iterator[EmbeddedPostgres]:
 
 def lag(dsn: str, *extra: str) -> tuple[int, list[dict[str, Any]]]:
     p = subprocess.run(
-        [sys.executable, "-m", "ledger_cdc.cli", "lag", "--dsn", dsn, "--json", "--sample-seconds", "0.2", *extra],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "ledger_cdc.cli",
+            "lag",
+            "--dsn",
+            dsn,
+            "--json",
+            "--sample-seconds",
+            "0.2",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert p.returncode in (0, 1, 2, 3), p.stderr
     return p.returncode, json.loads(p.stdout)
@@ -73,13 +121,19 @@ def emit_wal(dsn: str, megabytes: int) -> None:
         conn.execute("CREATE TABLE IF NOT EXISTS wal_pad (t text)")
         (start,) = conn.execute("SELECT pg_current_wal_lsn()").fetchone()  # type: ignore[misc]
         while True:
-            conn.execute("INSERT INTO wal_pad SELECT repeat('x', 1000) FROM generate_series(1, 500)")
-            (done,) = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)::int8", (start,)).fetchone()  # type: ignore[misc]
+            conn.execute(
+                "INSERT INTO wal_pad SELECT repeat('x', 1000) FROM generate_series(1, 500)"
+            )
+            (done,) = conn.execute(
+                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)::int8", (start,)
+            ).fetchone()  # type: ignore[misc]
             if done >= megabytes * 1024 * 1024:
                 return
 
 
-def test_stalled_consumer_warning_critical_lost_then_resync(small_wal: EmbeddedPostgres, tmp_path: Path) -> None:
+def test_stalled_consumer_warning_critical_lost_then_resync(
+    small_wal: EmbeddedPostgres, tmp_path: Path
+) -> None:
     pg = small_wal
     dsn = pg.dsn()
     reader = pg.dsn(user="lag_reader")  # the consumer role: no superuser
@@ -87,7 +141,9 @@ def test_stalled_consumer_warning_critical_lost_then_resync(small_wal: EmbeddedP
     assert code == 3 and out[0]["exists"] is False and "does not exist" in out[0]["reasons"][0]
 
     log = tmp_path / "consumer.log"
-    proc = ConsumerProcess(dsn, "--create-slot", "--health-interval", "0.5", "--snapshot-every", "10", log=log).start()
+    proc = ConsumerProcess(
+        dsn, "--create-slot", "--health-interval", "0.5", "--snapshot-every", "10", log=log
+    ).start()
     try:
         writers = Writers(dsn, n=2, sessions=8, pace=0.01).start()
         time.sleep(1.5)
@@ -111,7 +167,9 @@ def test_stalled_consumer_warning_critical_lost_then_resync(small_wal: EmbeddedP
         def trickle() -> None:
             with psycopg.connect(dsn, autocommit=True) as c:
                 while not stop.wait(0.02):
-                    c.execute("INSERT INTO wal_pad SELECT repeat('x', 1000) FROM generate_series(1, 50)")
+                    c.execute(
+                        "INSERT INTO wal_pad SELECT repeat('x', 1000) FROM generate_series(1, 50)"
+                    )
 
         t = threading.Thread(target=trickle)
         t.start()
@@ -123,7 +181,9 @@ def test_stalled_consumer_warning_critical_lost_then_resync(small_wal: EmbeddedP
         assert code == 1, out
         h = out[0]
         assert 0.5 <= h["keep_size_share"] < 0.8 and h["wal_rate_bytes_per_s"] > 0
-        assert h["seconds_to_invalidation"] == pytest.approx(h["safe_wal_size"] / h["wal_rate_bytes_per_s"])
+        assert h["seconds_to_invalidation"] == pytest.approx(
+            h["safe_wal_size"] / h["wal_rate_bytes_per_s"]
+        )
         emit_wal(dsn, 12)
         code, out = lag(reader, "--slot", "agent_slot")
         assert code == 2, out
@@ -159,15 +219,25 @@ def test_stalled_consumer_warning_critical_lost_then_resync(small_wal: EmbeddedP
     assert_projections_equal_refold(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_drop_replication_slot('agent_slot')")
-        conn.execute("TRUNCATE agent_sessions, agent_snapshots, ledger_checkpoints, ledger_dead_letters")
+        conn.execute(
+            "TRUNCATE agent_sessions, agent_snapshots, ledger_checkpoints, ledger_dead_letters"
+        )
 
 
 def test_on_slot_lost_exit(small_wal: EmbeddedPostgres, tmp_path: Path) -> None:
     dsn = small_wal.dsn()
     with psycopg.connect(dsn, autocommit=True) as conn:
         create_slot(conn, "exit_slot")
-    proc = ConsumerProcess(dsn, "--slot", "exit_slot", "--on-slot-lost", "exit", "--health-interval", "0.5",
-                           log=tmp_path / "c.log").start()
+    proc = ConsumerProcess(
+        dsn,
+        "--slot",
+        "exit_slot",
+        "--on-slot-lost",
+        "exit",
+        "--health-interval",
+        "0.5",
+        log=tmp_path / "c.log",
+    ).start()
     try:
         until(lambda: lag(dsn, "--slot", "exit_slot")[1][0]["active"], 30)
         assert proc.proc is not None
@@ -196,7 +266,9 @@ def test_bootstrap_with_history_under_concurrent_writers(db: Database, tmp_path:
     write_backlog(db.dsn, 50_000, 500)
     writers = Writers(db.dsn, n=4, sessions=20, pace=0.005).start()
     try:
-        with ConsumerProcess(db.dsn, "--create-slot", "--snapshot-every", "50", log=tmp_path / "c.log"):
+        with ConsumerProcess(
+            db.dsn, "--create-slot", "--snapshot-every", "50", log=tmp_path / "c.log"
+        ):
             time.sleep(4)
             writers.stop()
             wait_caught_up(db.dsn, 180)
@@ -217,7 +289,12 @@ def test_interrupted_bootstrap_is_redone(db: Database, tmp_path: Path) -> None:
 
     def slot_exists() -> bool:
         with db.connect() as c:
-            return c.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = 'agent_slot'").fetchone() is not None
+            return (
+                c.execute(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = 'agent_slot'"
+                ).fetchone()
+                is not None
+            )
 
     until(slot_exists, 30, 0.005)
     proc.kill()  # mid-bootstrap (or just after): the next start must not miss the history
@@ -228,13 +305,20 @@ def test_interrupted_bootstrap_is_redone(db: Database, tmp_path: Path) -> None:
 
 def test_slot_commands(db: Database) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "ledger_cdc.cli", "slot", *args, "--dsn", db.dsn],
-                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        return subprocess.run(
+            [sys.executable, "-m", "ledger_cdc.cli", "slot", *args, "--dsn", db.dsn],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
 
     assert "created" in cli("create", "s1").stdout
     assert "exists" in cli("create", "s1").stdout
     listed = json.loads(cli("list", "--json").stdout)
-    assert [s["slot"] for s in listed if s["slot"] == "s1"] == ["s1"] and listed[0]["plugin"] == "pgoutput"
+    assert [s["slot"] for s in listed if s["slot"] == "s1"] == ["s1"] and listed[0][
+        "plugin"
+    ] == "pgoutput"
     with db.connect() as conn:
         conn.execute("SELECT pg_create_logical_replication_slot('td', 'test_decoding')")
     bad = cli("create", "td")

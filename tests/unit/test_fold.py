@@ -17,8 +17,8 @@ from ledger_cdc.fold import (
     decode_context,
     encode_context,
     fold,
-    register_reducer,
     reducer_version,
+    register_reducer,
     unregister_reducer,
 )
 
@@ -26,8 +26,12 @@ SID = uuid.UUID(int=7)
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
 
-def ev(pos: int, etype: str, payload: dict[str, Any], agent: str = "a", key: str | None = None) -> LedgerEvent:
-    value = decode_payload(etype, encode_payload(etype, payload)) if etype != "x.unknown" else payload
+def ev(
+    pos: int, etype: str, payload: dict[str, Any], agent: str = "a", key: str | None = None
+) -> LedgerEvent:
+    value = (
+        decode_payload(etype, encode_payload(etype, payload)) if etype != "x.unknown" else payload
+    )
     return LedgerEvent(pos * 10, SID, pos, agent, etype, value, T0, key)
 
 
@@ -35,8 +39,16 @@ def test_reducers_derive_the_session_state() -> None:
     log = [
         ev(1, "context.loaded", {"messages": [{"role": "user", "content": "hi"}], "task": "t"}),
         ev(2, "model.requested", {"request_id": "r1", "model": "m", "prompt_hash": "ph"}),
-        ev(3, "model.responded", {"request_id": "r1", "model": "m", "content": "calling",
-                                  "usage": {"input_tokens": 10, "output_tokens": 3}}),
+        ev(
+            3,
+            "model.responded",
+            {
+                "request_id": "r1",
+                "model": "m",
+                "content": "calling",
+                "usage": {"input_tokens": 10, "output_tokens": 3},
+            },
+        ),
         ev(4, "tool.invoked", {"call_id": "c1", "tool": "search", "arguments": {"q": 1}}, key="k1"),
         ev(5, "tool.invoked", {"call_id": "c2", "tool": "fetch"}),
         ev(6, "tool.observed", {"call_id": "c1", "result": {"rows": 2}}),
@@ -50,7 +62,9 @@ def test_reducers_derive_the_session_state() -> None:
     assert list(ctx.pending_tools) == ["c2"]
     assert ctx.completed_tools["c1"].result == {"rows": 2}
     assert ctx.completed_tools["c1"].idempotency_key == "k1"
-    assert ctx.completed_tools["c1"].invoked_seq == 40 and ctx.completed_tools["c1"].observed_seq == 60
+    assert (
+        ctx.completed_tools["c1"].invoked_seq == 40 and ctx.completed_tools["c1"].observed_seq == 60
+    )
     assert ctx.completed_models["r1"].prompt_hash == "ph" and ctx.pending_models == {}
     assert (ctx.usage.input_tokens, ctx.usage.output_tokens, ctx.usage.model_calls) == (10, 3, 1)
     assert [m.role for m in ctx.messages] == ["user", "assistant", "tool"]
@@ -60,10 +74,12 @@ def test_reducers_derive_the_session_state() -> None:
 
 
 def test_retry_of_a_pending_tool_keeps_its_first_seq_and_counts_attempts() -> None:
-    ctx = fold([
-        ev(1, "tool.invoked", {"call_id": "c", "tool": "t", "idempotency_key": "k"}),
-        ev(2, "tool.invoked", {"call_id": "c", "tool": "t", "idempotency_key": "k"}),
-    ])
+    ctx = fold(
+        [
+            ev(1, "tool.invoked", {"call_id": "c", "tool": "t", "idempotency_key": "k"}),
+            ev(2, "tool.invoked", {"call_id": "c", "tool": "t", "idempotency_key": "k"}),
+        ]
+    )
     assert ctx.pending_tools["c"].attempts == 2 and ctx.pending_tools["c"].invoked_seq == 10
 
 
@@ -81,21 +97,42 @@ def test_custom_reducer_and_version() -> None:
     register_reducer("counts", count, event_types=["tool.invoked"], version="2")
     try:
         assert reducer_version().endswith("+counts-2")
-        ctx = fold([ev(1, "tool.invoked", {"call_id": "c", "tool": "t"}), ev(2, "task.completed", {})])
+        ctx = fold(
+            [ev(1, "tool.invoked", {"call_id": "c", "tool": "t"}), ev(2, "task.completed", {})]
+        )
         assert ctx.extra["counts"] == {"tool.invoked": 1}
     finally:
         unregister_reducer("counts")
 
 
 event_strategy = st.one_of(
-    st.builds(lambda c, t: ("tool.invoked", {"call_id": f"c{c}", "tool": t, "arguments": {"n": c}}),
-              st.integers(0, 5), st.sampled_from(["a", "b"])),
-    st.builds(lambda c, r: ("tool.observed", {"call_id": f"c{c}", "result": r}),
-              st.integers(0, 5), st.one_of(st.integers(), st.text(max_size=5), st.none())),
-    st.builds(lambda r: ("model.requested", {"request_id": f"r{r}", "model": "m"}), st.integers(0, 3)),
-    st.builds(lambda r, i, o: ("model.responded", {"request_id": f"r{r}", "model": "m", "content": "x",
-                                                   "usage": {"input_tokens": i, "output_tokens": o}}),
-              st.integers(0, 3), st.integers(0, 100), st.integers(0, 100)),
+    st.builds(
+        lambda c, t: ("tool.invoked", {"call_id": f"c{c}", "tool": t, "arguments": {"n": c}}),
+        st.integers(0, 5),
+        st.sampled_from(["a", "b"]),
+    ),
+    st.builds(
+        lambda c, r: ("tool.observed", {"call_id": f"c{c}", "result": r}),
+        st.integers(0, 5),
+        st.one_of(st.integers(), st.text(max_size=5), st.none()),
+    ),
+    st.builds(
+        lambda r: ("model.requested", {"request_id": f"r{r}", "model": "m"}), st.integers(0, 3)
+    ),
+    st.builds(
+        lambda r, i, o: (
+            "model.responded",
+            {
+                "request_id": f"r{r}",
+                "model": "m",
+                "content": "x",
+                "usage": {"input_tokens": i, "output_tokens": o},
+            },
+        ),
+        st.integers(0, 3),
+        st.integers(0, 100),
+        st.integers(0, 100),
+    ),
     st.just(("context.loaded", {"messages": [{"role": "system", "content": "s"}]})),
     st.just(("task.completed", {"result": 1})),
     st.just(("task.failed", {"error": "e"})),
@@ -105,7 +142,9 @@ event_strategy = st.one_of(
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(event_strategy, min_size=1, max_size=40), st.data())
-def test_one_pass_equals_fold_from_any_snapshot(raw: list[tuple[str, dict[str, Any]]], data: st.DataObject) -> None:
+def test_one_pass_equals_fold_from_any_snapshot(
+    raw: list[tuple[str, dict[str, Any]]], data: st.DataObject
+) -> None:
     log = [ev(i + 1, t, p, agent="a" if i % 2 else "b") for i, (t, p) in enumerate(raw)]
     whole = fold(log)
     cut = data.draw(st.integers(0, len(log)))
