@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psycopg
 from common import ROOT, proc_cpu_seconds, proc_peak_rss_mb, wait_until, write_backlog
@@ -103,7 +105,11 @@ def main() -> None:
                     ).fetchone()
                     return row is not None and int(row[0]) >= args.events
 
-                wait_until(done, 1800, 0.02)
+                try:
+                    wait_until(done, 600, 0.02)
+                except TimeoutError:
+                    print(Path(log.name).read_text()[-3000:])
+                    raise
             t_ours = time.monotonic() - t0
         finally:
             proc.terminate()

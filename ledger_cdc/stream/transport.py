@@ -150,26 +150,35 @@ class ReplicationStream:
             )
         except psycopg2.errors.UndefinedObject as e:
             conn.close()
+            self._conn = self._cur = None
             raise SlotError(
                 f"replication slot {self.slot!r} does not exist; create it with --create-slot "
                 "or `ledger-cdc slot create`"
             ) from e
         except psycopg2.errors.ObjectInUse as e:
             conn.close()
+            self._conn = self._cur = None
             raise TransportError(
                 f"slot {self.slot!r} is in use by another process: {_first_line(e)}"
             ) from e
         except psycopg2.errors.ObjectNotInPrerequisiteState as e:
             conn.close()
-            msg = _first_line(e)
-            if "invalidated" in msg or "can no longer" in msg or "has been invalidated" in msg:
-                raise SlotLostError(f"slot {self.slot!r} was invalidated: {msg}") from e
-            raise SlotError(f"slot {self.slot!r} cannot be used: {msg}") from e
+            self._conn = self._cur = None
+            # PostgreSQL 15 says "cannot read from logical replication slot", 16+ "can no longer
+            # get changes from / access replication slot"; the DETAIL says "invalidated" in all
+            detail = getattr(getattr(e, "diag", None), "message_detail", None) or ""
+            text = f"{e} {detail}"
+            if "invalidated" in text or "can no longer" in text:
+                why = f"{_first_line(e)} ({detail.strip()})" if detail else _first_line(e)
+                raise SlotLostError(f"slot {self.slot!r} was invalidated: {why}") from e
+            raise SlotError(f"slot {self.slot!r} cannot be used: {_first_line(e)}") from e
         except psycopg2.errors.FeatureNotSupported as e:
             conn.close()
+            self._conn = self._cur = None
             raise SlotError(f"slot {self.slot!r}: {_first_line(e)}") from e
         except psycopg2.Error as e:
             conn.close()
+            self._conn = self._cur = None
             raise TransportError(f"START_REPLICATION failed: {_first_line(e)}") from e
         self._conn, self._cur = conn, cur
         self.server_version = conn.server_version
