@@ -73,6 +73,7 @@ def main() -> None:
         t_ref = time.monotonic() - t0
         r_ref = args.events / t_ref
 
+        log = tempfile.NamedTemporaryFile(prefix="ledger-cdc-drain-", suffix=".log", delete=False)  # noqa: SIM115
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -89,17 +90,21 @@ def main() -> None:
                 "100",
             ],
             cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
         )
         t0 = time.monotonic()
         cpu = rss = 0.0
         try:
             with psycopg.connect(dsn, autocommit=True) as conn:
 
+                started: list[float] = []
+
                 def done() -> bool:
                     nonlocal cpu, rss
                     cpu, rss = proc_cpu_seconds(proc.pid), proc_peak_rss_mb(proc.pid)
+                    if not started and "streaming slot" in Path(log.name).read_text():
+                        started.append(time.monotonic() - t0)
                     row = conn.execute(
                         "SELECT coalesce(sum(event_count), 0) FROM agent_sessions"
                     ).fetchone()
@@ -115,6 +120,8 @@ def main() -> None:
             proc.terminate()
             proc.wait(60)
         r_ours = args.events / t_ours
+        t_start = started[0] if started else 0.0
+        r_stream = args.events / max(1e-6, t_ours - t_start)
         print(
             f"  pg_recvlogical (reference, output discarded)  {r_ref:>9,.0f} txn/s  ({t_ref:.2f}s)"
         )
