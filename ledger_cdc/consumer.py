@@ -16,6 +16,7 @@ This module only wires the stages together and decides when to flush:
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -362,6 +363,9 @@ class Consumer:
 
     def run(self) -> None:
         """Stream until stopped; reconnects by itself on connection failures."""
+        # The session cache is a large, long-lived object graph: the default collector thresholds
+        # rescan it again and again while every message allocates. Collect far less often.
+        gc.set_threshold(50_000, 50, 1000)
         self._start_heartbeat()
         self._start_guard()
         attempt = 0
