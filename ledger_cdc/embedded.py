@@ -11,6 +11,7 @@ runs as an unprivileged user (``postgres`` if present, otherwise one created for
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import os
 import pwd
@@ -185,7 +186,7 @@ def _shareable_install(inst: PgInstall) -> PgInstall:
     if _readable_by_everyone(inst.bindir):
         return inst
     root = inst.bindir.parent
-    digest = f"{abs(hash(str(root.resolve()))):x}"
+    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]  # stable across runs
     target = Path(tempfile.gettempdir()) / f"ledger-cdc-pginstall-{inst.major}-{digest}"
     if not (target / "bin" / "postgres").exists():
         tmp = Path(tempfile.mkdtemp(prefix="ledger-cdc-pginstall-"))
