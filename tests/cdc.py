@@ -69,7 +69,7 @@ class ConsumerProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def __enter__(self) -> ConsumerProcess:
-        return self.start()
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         if self.alive():

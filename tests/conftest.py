@@ -19,7 +19,7 @@ import pytest
 from psycopg import sql
 
 from ledger_cdc.embedded import EmbeddedPostgres, PgInstall, find_installations
-from ledger_cdc.schema import create_publication, migrate
+from ledger_cdc.schema import create_publication, drop_slot, migrate
 
 VERSIONS = (15, 18)
 
@@ -97,16 +97,17 @@ def _new_database(server: Server, template: str | None) -> Iterator[Database]:
     try:
         yield Database(server, name)
     finally:
+        # slot names are cluster-wide: a slot left behind would break the next test's slot
         with psycopg.connect(server.dsn(), autocommit=True) as conn:
-            for (slot,) in conn.execute(
-                "SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)
-            ).fetchall():
-                conn.execute(
-                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
-                    "WHERE slot_name = %s AND active_pid IS NOT NULL",
-                    (slot,),
-                )
-                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            slots = [
+                s
+                for (s,) in conn.execute(
+                    "SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)
+                ).fetchall()
+            ]
+        for slot in slots:
+            drop_slot(server.dsn(), slot, force=True)  # terminates a walsender, retries
+        with psycopg.connect(server.dsn(), autocommit=True) as conn:
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
