@@ -505,23 +505,24 @@ class Consumer:
     def _stream_loop(self) -> None:
         stream = self.stream
         worker = self._worker
-        read = stream.read
         on_message = self._on_message
         stopping = self._stop.is_set
         batch_size = self.config.batch_size
         max_delay = self.config.max_delay
         metrics = self.metrics
         lost = self._lost
+        read_many = stream.read_many
         while True:
             if worker.done:
                 self._settle()
             if lost.is_set():
                 lost.clear()
                 raise SlotLostError(f"slot {self.config.slot} was invalidated (wal_status lost)")
-            msg = read()
-            if msg is not None:
-                on_message(msg.payload, msg.data_start)
-                metrics.server_wal_end = msg.wal_end
+            msgs = read_many(256)
+            if msgs:
+                for msg in msgs:
+                    on_message(msg.payload, msg.data_start)
+                metrics.server_wal_end = msgs[-1].wal_end
                 if self._pending_events >= batch_size:
                     self._flush(wait=True)  # the batch is full: wait for the sink if it is busy
                 elif (
