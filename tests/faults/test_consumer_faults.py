@@ -146,7 +146,7 @@ class CuttableProxy:
                     if not data:
                         return
                     (b if s is a else a).sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # cut() closed the sockets under us
             return
         finally:
             for s in socks:
