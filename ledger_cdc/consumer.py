@@ -33,7 +33,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .errors import DecodeError, InvalidEventError, LedgerError, format_lsn
+from .errors import DecodeError, InvalidEventError, LedgerError, format_lsn, parse_lsn
 from .events import LedgerEvent
 from .fold import (
     SessionContext,
@@ -286,6 +286,24 @@ class _SinkWorker:
                 os.close(fd)
 
 
+def _describe_row(
+    rows: LedgerRowDecoder, values: tuple[Any, ...], lsn: int
+) -> tuple[int | None, uuid.UUID | None, dict[str, Any] | None]:
+    """(seq, session id, JSON-safe row) of a ledger tuple, for a dead letter; what cannot be
+    loaded is left out rather than failing the stream."""
+    try:
+        loaded = rows._loader.as_dict(values, lsn)
+    except LedgerError:
+        return None, None, None
+    seq, sid = loaded.get("seq"), loaded.get("session_id")
+    row = {k: v if isinstance(v, (int, str, type(None))) else str(v) for k, v in loaded.items()}
+    return (
+        seq if isinstance(seq, int) else None,
+        sid if isinstance(sid, uuid.UUID) else None,
+        row,
+    )
+
+
 def count_unfolded(conn: psycopg.Connection[Any], positions: dict[uuid.UUID, int]) -> int:
     """How many ledger rows lie past their session's projection (for the progress bar)."""
     rows = conn.execute(
@@ -379,26 +397,11 @@ class Consumer:
                     self._recover()
                     self._slot_lost(e)
                 except TransportError as e:
-                    self.metrics.reconnects += 1
-                    delay = min(self.config.reconnect_cap, self.config.reconnect_base * 2**attempt)
-                    delay *= random.uniform(0.5, 1.5)
-                    attempt = min(attempt + 1, 16)
-                    log.warning("%s; reconnecting in %.2fs", e, delay)
-                    self._recover()
-                    self._stop.wait(delay)
+                    attempt = self._back_off(attempt, f"{e}")
                 except psycopg.OperationalError as e:
-                    self.metrics.reconnects += 1
-                    delay = min(self.config.reconnect_cap, self.config.reconnect_base * 2**attempt)
-                    attempt = min(attempt + 1, 16)
-                    log.warning(
-                        "sink database unavailable (%s); reconnecting in %.2fs",
-                        str(e).strip(),
-                        delay,
+                    attempt = self._back_off(
+                        attempt, f"sink database unavailable ({str(e).strip()})"
                     )
-                    self.stream.close()
-                    self.sink.close()
-                    self._cache.clear()
-                    self._stop.wait(delay)
         finally:
             self._worker.wait()
             with contextlib.suppress(Exception):
@@ -406,6 +409,16 @@ class Consumer:
             self._worker.close()
             self.stream.close()
             self.sink.close()
+
+    def _back_off(self, attempt: int, why: str) -> int:
+        """Reconnect after a failure: capped exponential backoff with jitter; the next attempt."""
+        self.metrics.reconnects += 1
+        delay = min(self.config.reconnect_cap, self.config.reconnect_base * 2**attempt)
+        delay *= random.uniform(0.5, 1.5)  # jitter: consumers restarted together spread out
+        log.warning("%s; reconnecting in %.2fs", why, delay)
+        self._recover()
+        self._stop.wait(delay)
+        return min(attempt + 1, 16)
 
     def _recover(self) -> None:
         """After a failure: let the sink finish what it has, forget what it had not."""
@@ -606,37 +619,15 @@ class Consumer:
                 self._pending_since = time.monotonic()
 
     def _bad(self, rows: LedgerRowDecoder, values: tuple[Any, ...], lsn: int, reason: str) -> _Bad:
-        try:
-            loaded = dict(zip(rows._loader.names, rows.load(values, lsn), strict=True))
-        except LedgerError:
-            loaded = {}
-        seq = loaded.get("seq")
-        sid = loaded.get("session_id")
-        row = {k: v if isinstance(v, (int, str, type(None))) else str(v) for k, v in loaded.items()}
-        return _Bad(
-            lsn,
-            seq if isinstance(seq, int) else None,
-            sid if isinstance(sid, uuid.UUID) else None,
-            reason,
-            row,
-        )
+        seq, sid, row = _describe_row(rows, values, lsn)
+        return _Bad(lsn, seq, sid, reason, row or {})
 
     def _anomaly(self, kind: str, msg: Update | Delete, lsn: int) -> _Anomaly:
         rows = self._rows.get(msg.relation_id)
         values = msg.old if msg.old is not None else getattr(msg, "new", None)
-        row: dict[str, Any] | None = None
-        seq = sid = None
-        if rows is not None and values is not None:
-            try:
-                loaded = dict(zip(rows._loader.names, rows.load(values, lsn), strict=True))
-                seq, sid = loaded.get("seq"), loaded.get("session_id")
-                row = {
-                    k: v if isinstance(v, (int, str, type(None))) else str(v)
-                    for k, v in loaded.items()
-                }
-            except LedgerError:
-                pass
-        return _Anomaly(kind, lsn, seq, sid, row)
+        if rows is None or values is None:
+            return _Anomaly(kind, lsn, None, None, None)
+        return _Anomaly(kind, lsn, *_describe_row(rows, values, lsn))
 
     def _on_heartbeat(self, msg: LogicalMessage, lsn: int) -> None:
         try:
@@ -803,8 +794,6 @@ class Consumer:
                 continue
             now = time.monotonic()
             if h.current_wal_lsn:
-                from .errors import parse_lsn
-
                 cur = parse_lsn(h.current_wal_lsn)
                 if prev is not None and now > prev[0]:
                     h.wal_rate_bytes_per_s = max(0.0, (cur - prev[1]) / (now - prev[0]))

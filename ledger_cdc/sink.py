@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import psycopg
 
 from .errors import LedgerError, format_lsn, parse_lsn
@@ -245,7 +246,5 @@ class PgSink:
 
 
 def _dead_params(slot: str, d: DeadLetter) -> Sequence[Any]:
-    import msgspec
-
     row = None if d.row is None else msgspec.json.encode(d.row).decode()
     return (slot, d.seq, d.session_id, format_lsn(d.lsn), d.kind, d.reason, row)

@@ -1,7 +1,7 @@
 """The pgoutput logical replication protocol (versions 1–4): grammar, typed messages, decoder,
 value loading. Knows nothing about agents or the ledger."""
 
-from .decode import Decoder, decode_tuple
+from .decode import Decoder
 from .messages import (
     UNCHANGED,
     Begin,
@@ -69,5 +69,4 @@ __all__ = [
     "Type",
     "UnchangedToast",
     "Update",
-    "decode_tuple",
 ]

@@ -53,7 +53,7 @@ from .messages import (
     Update,
 )
 
-__all__ = ["Decoder", "decode_tuple", "from_grammar"]
+__all__ = ["Decoder", "from_grammar"]
 
 # ``unpack`` (not ``unpack_from``) also checks the exact message length; "x" skips the type byte
 _BEGIN = struct.Struct(">xQqI").unpack
@@ -72,44 +72,6 @@ class _Tracking(io.BytesIO):
     def read(self, size: int | None = -1, /) -> bytes:
         self.last = self.tell()
         return super().read(size)
-
-
-def decode_tuple(data: bytes, pos: int) -> tuple[tuple[Any, ...], int]:
-    """TupleData at ``pos`` → (values, offset after it).
-
-    Values are a plain ``tuple`` when every column is text or NULL, a :class:`SpecialValues`
-    when any is binary or an unchanged TOAST marker. Bounds are checked once, at the end: a
-    column that runs past the message end leaves the offset past it. Raises
-    IndexError / struct.error / ValueError on malformed bytes (callers make DecodeError of them).
-    """
-    ncols = (data[pos] << 8) | data[pos + 1]
-    pos += 2
-    values: list[Any] = []
-    append = values.append
-    special = False
-    for _ in range(ncols):
-        kind = data[pos]
-        if kind == 116:  # 't'
-            end = pos + 5 + _U32(data, pos + 1)[0]
-            append(data[pos + 5 : end])
-            pos = end
-        elif kind == 110:  # 'n'
-            append(None)
-            pos += 1
-        elif kind == 117:  # 'u'
-            append(UNCHANGED)
-            pos += 1
-            special = True
-        elif kind == 98:  # 'b'
-            end = pos + 5 + _U32(data, pos + 1)[0]
-            append(Binary(data[pos + 5 : end]))
-            pos = end
-            special = True
-        else:
-            raise ValueError(f"unknown tuple column kind {kind:#04x}")
-    if pos > len(data):
-        raise ValueError("a column runs past the message end")
-    return (SpecialValues(values) if special else tuple(values)), pos
 
 
 def _tuple_from(container: Any) -> tuple[Any, ...]:
@@ -300,7 +262,8 @@ class Decoder:
                     pos = 6
                 if data[pos - 1] != 78:  # 'N'
                     raise ValueError("Insert without its 'N' tuple tag")
-                # decode_tuple, inlined: this loop is the hottest code of a ledger stream
+                # TupleData, parsed in place: this loop is the hottest code of a ledger stream;
+                # Update and Delete (rare here) go through the grammar
                 ncols = (data[pos] << 8) | data[pos + 1]
                 pos += 2
                 values: list[Any] = []

@@ -199,16 +199,6 @@ class ReplicationStream:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def read(self) -> XLogData | None:
-        """The next XLogData if one is ready, else None (keepalives are handled inside)."""
-        try:
-            with self._lock:
-                msg = self._cur.read_message()
-        except (psycopg2.Error, AttributeError) as e:
-            self.close()
-            raise TransportError(f"replication stream lost: {_first_line(e)}") from e
-        return msg  # type: ignore[no-any-return]
-
     def read_many(self, limit: int) -> list[XLogData]:
         """Up to ``limit`` XLogData that are ready now, in order (an empty list if none).
 
