@@ -146,10 +146,13 @@ def init(state: State, dsn: str, publication: str, slot: str, create_slot: bool)
 def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: bool) -> None:
     """Start a throwaway PostgreSQL, init the ledger, let simulated agents write to it while
     the consumer folds the slot into projections, and show both."""
+    from .crashdemo import HELD_CALL, run_crash_story
     from .demo import ledger_rows, projections, run_agents, verify_against_refold
     from .embedded import EmbeddedPostgres
     from .errors import format_lsn
     from .schema import init as do_init
+    from .timeline import summarise
+    from .verify import verify
 
     con = state.console
     with con.status("starting a throwaway PostgreSQL…"):
@@ -179,9 +182,15 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
         table = Table(title="agent_events (append-only ledger, first rows)", show_lines=False)
         for col in ("seq", "session", "pos", "agent", "event_type", "summary", "hash"):
             table.add_column(col, overflow="fold" if col == "summary" else "ellipsis")
-        for seq, sid, pos, agent, etype, payload, h in rows:
+        for ev, h in rows:
             table.add_row(
-                str(seq), str(sid)[:8], str(pos), agent, etype, _summary(etype, payload), h[:12]
+                str(ev.seq),
+                str(ev.session_id)[:8],
+                str(ev.position),
+                ev.agent_id,
+                ev.event_type,
+                summarise(ev),
+                h[:12],
             )
         con.print(table)
         con.print(
@@ -222,8 +231,42 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
             + ("[green]equal[/]" if same else "[red]differ from[/]")
             + " a refold of the ledger from zero"
         )
+        con.rule("[bold]a worker dies mid-tool-call[/]")
+        story = run_crash_story(dsn, say=con.print)
+        sb = story.standby
+        inflight = ", ".join(f"{c} (key {k})" for c, k in sb.in_flight) or "none"
+        con.print(
+            f"worker-2 (standby) called rebuild_context: {sb.rebuild_ms:.1f} ms; in flight: "
+            f"[yellow]{inflight}[/]"
+        )
+        con.print(
+            "worker-2 answered from the ledger, calling nothing: "
+            f"[green]{', '.join(sb.answered_from_ledger)}[/]"
+        )
+        for call_id, key in sb.retried:
+            con.print(f"worker-2 retried {call_id} with its original key {key}")
+        con.print(f"worker-2 called: {', '.join(sb.called)}; session {story.status}")
+        by_call = ", ".join(f"{k.rsplit(':', 1)[-1]} ×{n}" for k, n in sorted(story.calls.items()))
+        con.print(
+            f"the tool service saw: {by_call} — only {HELD_CALL}, in flight at the kill, twice, "
+            "both times with the same idempotency key (a real service deduplicates by it)"
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            checked = verify(dsn)
+            if checked.ok and not checked.notes:
+                break
+            time.sleep(0.1)
+        con.print(
+            ("[green]verify passed[/]" if checked.ok else "[red]verify found differences[/]")
+            + f": {checked.sessions} sessions, {checked.events} events refolded, "
+            f"{checked.projections} projections and {checked.snapshots} snapshots compared, "
+            "hash chains intact" * checked.ok
+        )
         consumer.stop()
         runner.join(30)
+        if not checked.ok:
+            raise LedgerError("the demo's ledger does not verify")
         if keep:
             con.print(f"cluster kept at: [cyan]{dsn}[/]  (press Enter to stop)")
             sys.stdin.readline()
@@ -673,27 +716,7 @@ def slot_list(state: State, dsn: str, as_json: bool) -> None:
     state.console.print(t)
 
 
-def _summary(event_type: str, payload: dict[str, Any]) -> str:
-    if event_type == "context.loaded":
-        return f"{len(payload.get('messages', []))} messages: {payload.get('task')}"
-    if event_type == "model.requested":
-        return f"{payload.get('model')} prompt {payload.get('prompt_hash')}"
-    if event_type == "model.responded":
-        u = payload.get("usage", {})
-        return (
-            f"{u.get('input_tokens', 0)}→{u.get('output_tokens', 0)} tokens, "
-            f"{len(payload.get('tool_calls', []))} tool call(s)"
-        )
-    if event_type == "tool.invoked":
-        return f"{payload.get('tool')}({payload.get('call_id')})"
-    if event_type == "tool.observed":
-        return f"{payload.get('call_id')} → {payload.get('result')}"
-    if event_type.startswith("handoff."):
-        other = payload.get("to_agent") or payload.get("from_agent")
-        return f"{payload.get('handoff_id')} ↔ {other}"
-    if event_type == "task.failed":
-        return f"[red]{payload.get('error')}[/]"
-    return str(payload)[:60]
+from . import cli_tools  # noqa: E402,F401  (registers replay, verify, inspect, diff, fork, dispatch)
 
 
 def main() -> None:
@@ -701,4 +724,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # run as `python -m ledger_cdc.cli`: use the package's module, where cli_tools registered
+    from ledger_cdc.cli import main as package_main
+
+    package_main()

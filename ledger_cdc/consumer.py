@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -38,7 +39,6 @@ from .events import LedgerEvent
 from .fold import (
     SessionContext,
     apply,
-    content_hash,
     encode_context,
     reducer_version,
 )
@@ -749,7 +749,12 @@ class Consumer:
                     data = encode_context(ctx)
                     batch.snapshots.append(
                         SnapshotRow(
-                            sid, ctx.last_seq, ctx.last_position, version, content_hash(ctx), data
+                            sid,
+                            ctx.last_seq,
+                            ctx.last_position,
+                            version,
+                            hashlib.sha256(data).digest(),
+                            data,
                         )
                     )
             batch.transactions += 1

@@ -21,6 +21,7 @@ from .events import (
     ContextLoaded,
     HandoffEmitted,
     HandoffReceived,
+    LedgerEvent,
     Message,
     ModelRequested,
     ModelResponded,
@@ -32,7 +33,7 @@ from .events import (
     Usage,
 )
 from .fold import SessionContext, decode_context
-from .replay import fold_all
+from .replay import _COLUMNS, fold_all, row_event
 from .writer import Ledger, OutboxItem
 
 __all__ = ["DemoReport", "run_agents"]
@@ -156,13 +157,15 @@ def run_agents(dsn: str, sessions: int = 6, seed: int = 7) -> DemoReport:
     return DemoReport(ids, sum(e for e, _ in totals), sum(o for _, o in totals))
 
 
-def ledger_rows(dsn: str, limit: int = 400) -> list[tuple[Any, ...]]:
+def ledger_rows(dsn: str, limit: int = 400) -> list[tuple[LedgerEvent, str]]:
+    """The first rows of the ledger as events, each with its hash (hex)."""
     with psycopg.connect(dsn) as conn:
-        return conn.execute(
-            "SELECT seq, session_id, position, agent_id, event_type, payload, encode(hash, 'hex') "
-            "FROM agent_events ORDER BY session_id, position LIMIT %s",
+        rows = conn.execute(
+            f"SELECT {_COLUMNS}, encode(hash, 'hex') FROM agent_events "  # noqa: S608 - fixed text
+            "ORDER BY session_id, position LIMIT %s",
             (limit,),
         ).fetchall()
+    return [(row_event(r[:-1]), r[-1]) for r in rows]
 
 
 def projections(dsn: str) -> list[SessionContext]:

@@ -26,6 +26,7 @@ __all__ = [
     "Message",
     "ModelRequested",
     "ModelResponded",
+    "SessionForked",
     "TaskCompleted",
     "TaskFailed",
     "ToolCall",
@@ -118,6 +119,17 @@ class HandoffReceived(msgspec.Struct, frozen=True):
     from_agent: str
 
 
+class SessionForked(msgspec.Struct, frozen=True):
+    """First event of a forked session: the events that follow are copies of the origin's
+    events up to ``upto_seq`` (see ``ledger-cdc fork``)."""
+
+    origin_session_id: uuid.UUID
+    upto_seq: int
+    upto_position: int
+    events: int
+    reason: str | None = None
+
+
 class TaskCompleted(msgspec.Struct, frozen=True):
     result: Any = None
 
@@ -140,6 +152,7 @@ EVENT_TYPES: dict[str, Any] = {
     "handoff.received": HandoffReceived,
     "task.completed": TaskCompleted,
     "task.failed": TaskFailed,
+    "session.forked": SessionForked,
 }
 _BUILTIN = frozenset(EVENT_TYPES)
 _decoders: dict[str, msgspec.json.Decoder[Any]] = {}

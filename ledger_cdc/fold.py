@@ -31,6 +31,7 @@ from .events import (
     Message,
     ModelRequested,
     ModelResponded,
+    SessionForked,
     TaskCompleted,
     TaskFailed,
     ToolCall,
@@ -43,6 +44,7 @@ __all__ = [
     "REDUCER_VERSION",
     "CompletedModel",
     "CompletedTool",
+    "ForkOrigin",
     "Handoff",
     "PendingModel",
     "PendingTool",
@@ -59,7 +61,7 @@ __all__ = [
 
 FORMAT_VERSION = 1
 """Version of the stored context format (snapshots of another version are not used)."""
-REDUCER_VERSION = "core-1"
+REDUCER_VERSION = "core-2"
 """Version of the built-in reducers' semantics (bump when a reducer changes its output)."""
 
 
@@ -102,6 +104,13 @@ class CompletedModel(msgspec.Struct):
     stop_reason: str | None
     requested_seq: int | None
     responded_seq: int
+    idempotency_key: str | None = None
+
+
+class ForkOrigin(msgspec.Struct):
+    session_id: uuid.UUID
+    upto_seq: int
+    upto_position: int
 
 
 class Handoff(msgspec.Struct):
@@ -139,7 +148,41 @@ class SessionContext(msgspec.Struct):
     last_seq: int = 0
     last_position: int = 0
     ignored_events: int = 0
+    forked_from: ForkOrigin | None = None
     extra: dict[str, Any] = {}
+
+    # -- memo: what a restarted worker answers from the ledger instead of calling again ------
+
+    def memoised_tool(
+        self, call_id: str | None = None, *, idempotency_key: str | None = None
+    ) -> CompletedTool | None:
+        """The completed tool call with this call id (or idempotency key), if there is one."""
+        if call_id is not None:
+            return self.completed_tools.get(call_id)
+        if idempotency_key is not None:
+            for done in self.completed_tools.values():
+                if done.idempotency_key == idempotency_key:
+                    return done
+        return None
+
+    def memoised_model(
+        self,
+        request_id: str | None = None,
+        *,
+        idempotency_key: str | None = None,
+        prompt_hash: str | None = None,
+    ) -> CompletedModel | None:
+        """The completed model call with this request id (or idempotency key, or prompt hash:
+        the latest such response), if there is one."""
+        if request_id is not None:
+            return self.completed_models.get(request_id)
+        found = None
+        for done in self.completed_models.values():
+            if (idempotency_key is not None and done.idempotency_key == idempotency_key) or (
+                prompt_hash is not None and done.prompt_hash == prompt_hash
+            ):
+                found = done
+        return found
 
 
 Reducer = Callable[[SessionContext, LedgerEvent], None]
@@ -155,7 +198,7 @@ def _context_loaded(ctx: SessionContext, ev: LedgerEvent) -> None:
 def _model_requested(ctx: SessionContext, ev: LedgerEvent) -> None:
     p: ModelRequested = ev.payload
     ctx.pending_models[p.request_id] = PendingModel(
-        p.request_id, p.model, p.prompt_hash, p.idempotency_key, ev.seq
+        p.request_id, p.model, p.prompt_hash, p.idempotency_key or ev.idempotency_key, ev.seq
     )
 
 
@@ -173,6 +216,7 @@ def _model_responded(ctx: SessionContext, ev: LedgerEvent) -> None:
         p.stop_reason,
         req.requested_seq if req else None,
         ev.seq,
+        req.idempotency_key if req else None,
     )
     u = ctx.usage
     u.input_tokens += p.usage.input_tokens
@@ -229,6 +273,11 @@ def _handoff_received(ctx: SessionContext, ev: LedgerEvent) -> None:
     ctx.handoffs_received.append(Handoff(p.handoff_id, p.from_agent, ev.seq))
 
 
+def _session_forked(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: SessionForked = ev.payload
+    ctx.forked_from = ForkOrigin(p.origin_session_id, p.upto_seq, p.upto_position)
+
+
 def _task_completed(ctx: SessionContext, ev: LedgerEvent) -> None:
     p: TaskCompleted = ev.payload
     ctx.status = "completed"
@@ -253,6 +302,7 @@ REDUCERS: dict[str, Reducer] = {
     "handoff.received": _handoff_received,
     "task.completed": _task_completed,
     "task.failed": _task_failed,
+    "session.forked": _session_forked,
 }
 
 

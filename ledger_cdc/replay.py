@@ -1,25 +1,49 @@
 """Rebuilding contexts from the ledger table: the same reducers as the consumer, from the log.
 
 ``rebuild_context(conn, session_id)`` is what a restarted agent worker calls: the latest usable
-snapshot (current format and reducer version) at or below ``upto_seq``, plus the events after it,
-folded by :mod:`ledger_cdc.fold`. A snapshot of another format is skipped and the fold starts
-from zero. ``fold_all`` refolds every session from zero (what ``verify`` compares against).
+snapshot at or below ``upto_seq`` (current format and reducer version, content hash intact), plus
+the events after it, folded by :mod:`ledger_cdc.fold` — the consumer's reducers, never a second
+implementation. A snapshot of another format is skipped and the fold starts from zero. The
+context it returns lists the tool calls in flight when the worker died (``pending_tools``, with
+their idempotency keys) and memoises the completed tool and model calls, so the runtime answers a
+repeated call from the ledger (:meth:`SessionContext.memoised_tool`) instead of calling again;
+:func:`retry_tool` records the retry of an in-flight call under its original key.
+:func:`fork` copies a session's prefix into a new session (time travel); ``fold_all`` refolds
+every session from zero (what ``verify`` compares against).
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import hashlib
+import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import psycopg
 
-from .errors import InvalidEventError
-from .events import EVENT_TYPES, LedgerEvent, decode_payload
+from .errors import ConcurrentAppendError, InvalidEventError, LedgerError
+from .events import EVENT_TYPES, LedgerEvent, SessionForked, ToolInvoked, decode_payload
 from .fold import FORMAT_VERSION, SessionContext, apply, decode_context, reducer_version
+from .writer import AppendResult, OutboxItem, append, append_async
 
-__all__ = ["fold_all", "load_events", "rebuild_context", "row_event"]
+__all__ = [
+    "ForkResult",
+    "NoSuchSessionError",
+    "fold_all",
+    "fork",
+    "load_events",
+    "rebuild_context",
+    "rebuild_context_async",
+    "retry_tool",
+    "retry_tool_async",
+    "row_event",
+]
+
+log = logging.getLogger("ledger_cdc.replay")
 
 _COLUMNS = (
     "seq, session_id, position, agent_id, event_type, payload::text, created_at, idempotency_key"
@@ -27,21 +51,20 @@ _COLUMNS = (
 _free = msgspec.json.Decoder()
 
 
-def row_event(row: tuple[Any, ...]) -> LedgerEvent:
+class NoSuchSessionError(LedgerError):
+    """The session has no events (at or below the requested seq)."""
+
+
+def row_event(row: Sequence[Any]) -> LedgerEvent:
     """A row of ``SELECT {_COLUMNS}`` → LedgerEvent (payload typed as the consumer types it)."""
     seq, sid, pos, agent, etype, payload, created, key = row
     value = decode_payload(etype, payload) if etype in EVENT_TYPES else _free.decode(payload)
     return LedgerEvent(seq, sid, pos, agent, etype, value, created, key)
 
 
-def load_events(
-    conn: psycopg.Connection[Any],
-    session_id: uuid.UUID | None = None,
-    *,
-    after_position: int = 0,
-    upto_seq: int | None = None,
-) -> Iterator[LedgerEvent | InvalidEventError]:
-    """Events in (session, position) order; an invalid payload is yielded as its error."""
+def _events_query(
+    session_id: uuid.UUID | None, after_position: int, upto_seq: int | None
+) -> tuple[bytes, list[Any]]:
     where = ["position > %s"]
     params: list[Any] = [after_position]
     if session_id is not None:
@@ -54,13 +77,29 @@ def load_events(
         f"SELECT {_COLUMNS} FROM agent_events WHERE {' AND '.join(where)} "  # noqa: S608 - fixed text
         "ORDER BY session_id, position"
     )
+    return query.encode(), params
+
+
+def _typed(rows: Iterable[Sequence[Any]]) -> Iterator[LedgerEvent | InvalidEventError]:
+    for row in rows:
+        try:
+            yield row_event(row)
+        except InvalidEventError as e:
+            yield e
+
+
+def load_events(
+    conn: psycopg.Connection[Any],
+    session_id: uuid.UUID | None = None,
+    *,
+    after_position: int = 0,
+    upto_seq: int | None = None,
+) -> Iterator[LedgerEvent | InvalidEventError]:
+    """Events in (session, position) order; an invalid payload is yielded as its error."""
+    query, params = _events_query(session_id, after_position, upto_seq)
     with conn.cursor() as cur:
-        cur.execute(query.encode(), params)
-        for row in cur:
-            try:
-                yield row_event(row)
-            except InvalidEventError as e:
-                yield e
+        cur.execute(query, params)
+        yield from _typed(cur)
 
 
 def fold_all(conn: psycopg.Connection[Any]) -> dict[uuid.UUID, SessionContext]:
@@ -77,24 +116,251 @@ def fold_all(conn: psycopg.Connection[Any]) -> dict[uuid.UUID, SessionContext]:
     return out
 
 
+# -- rebuild_context ----------------------------------------------------------------------------
+
+_SNAPSHOT = (
+    b"SELECT upto_seq, upto_position, content_hash, "
+    b"coalesce(data, convert_to(context::text, 'UTF8')), data IS NOT NULL FROM agent_snapshots "
+    b"WHERE session_id = %s AND format_version = %s AND reducer_version = %s AND upto_seq <= %s "
+    b"ORDER BY upto_seq DESC LIMIT 1"
+)
+_NO_LIMIT = 2**63 - 1
+
+
+def _session(session_id: uuid.UUID | str) -> uuid.UUID:
+    if isinstance(session_id, uuid.UUID):
+        return session_id
+    try:
+        return uuid.UUID(str(session_id))
+    except ValueError:
+        raise InvalidEventError(f"session id must be a UUID, got {session_id!r}") from None
+
+
+def _snapshot_context(sid: uuid.UUID, row: Sequence[Any]) -> SessionContext | None:
+    """The snapshot's context if its bytes still hash to its content hash, else None.
+
+    Rows from before migration 0005 hold jsonb, whose key order is not the hashed one: those
+    are trusted as they are (``verify`` still compares them with a refold)."""
+    upto_seq, _, digest, data, hashed = row
+    raw = bytes(data)
+    if hashed and hashlib.sha256(raw).digest() != bytes(digest):
+        log.warning(
+            "snapshot of session %s at seq %s does not match its content hash: skipped "
+            "(run `ledger-cdc verify %s`)",
+            sid,
+            upto_seq,
+            sid,
+        )
+        return None
+    try:
+        return decode_context(raw)
+    except msgspec.DecodeError as e:
+        log.warning(
+            "snapshot of session %s at seq %s is unreadable (%s): skipped", sid, upto_seq, e
+        )
+        return None
+
+
+def _fold_tail(
+    sid: uuid.UUID, ctx: SessionContext | None, rows: Iterable[Sequence[Any]]
+) -> SessionContext:
+    cur = ctx if ctx is not None else SessionContext(sid)
+    for ev in _typed(rows):
+        if not isinstance(ev, InvalidEventError):
+            apply(cur, ev)
+    return cur
+
+
 def rebuild_context(
     conn: psycopg.Connection[Any], session_id: uuid.UUID | str, upto_seq: int | None = None
 ) -> SessionContext:
-    """The session's context from its latest usable snapshot plus the tail of the log."""
-    sid = session_id if isinstance(session_id, uuid.UUID) else uuid.UUID(str(session_id))
-    q = (
-        "SELECT upto_position, context::text FROM agent_snapshots WHERE session_id = %s "
-        "AND format_version = %s AND reducer_version = %s"
+    """The session's context from its latest usable snapshot plus the tail of the log.
+
+    A session without any event gives an empty context (``last_position == 0``), so a worker
+    can start a new session the same way it resumes one.
+    """
+    sid = _session(session_id)
+    bound = _NO_LIMIT if upto_seq is None else upto_seq
+    version = reducer_version()
+    ctx: SessionContext | None = None
+    after = 0
+    while ctx is None:
+        row = conn.execute(_SNAPSHOT, (sid, FORMAT_VERSION, version, bound), binary=True).fetchone()
+        if row is None:
+            break
+        ctx = _snapshot_context(sid, row)
+        after = int(row[1]) if ctx is not None else 0
+        bound = int(row[0]) - 1
+    query, params = _events_query(sid, after, upto_seq)
+    with conn.cursor() as cur:
+        cur.execute(query, params)
+        return _fold_tail(sid, ctx, cur)
+
+
+async def rebuild_context_async(
+    conn: psycopg.AsyncConnection[Any], session_id: uuid.UUID | str, upto_seq: int | None = None
+) -> SessionContext:
+    """The async twin of :func:`rebuild_context`."""
+    sid = _session(session_id)
+    bound = _NO_LIMIT if upto_seq is None else upto_seq
+    version = reducer_version()
+    ctx: SessionContext | None = None
+    after = 0
+    while ctx is None:
+        cur0 = await conn.execute(_SNAPSHOT, (sid, FORMAT_VERSION, version, bound), binary=True)
+        row = await cur0.fetchone()
+        if row is None:
+            break
+        ctx = _snapshot_context(sid, row)
+        after = int(row[1]) if ctx is not None else 0
+        bound = int(row[0]) - 1
+    query, params = _events_query(sid, after, upto_seq)
+    async with conn.cursor() as cur:
+        await cur.execute(query, params)
+        return _fold_tail(sid, ctx, await cur.fetchall())
+
+
+# -- retrying an in-flight tool call ------------------------------------------------------------
+
+
+def _retry_request(ctx: SessionContext, call_id: str) -> tuple[ToolInvoked, str]:
+    pending = ctx.pending_tools.get(call_id)
+    if pending is None:
+        done = "completed" if call_id in ctx.completed_tools else "unknown"
+        raise LedgerError(
+            f"tool call {call_id!r} of session {ctx.session_id} is not in flight ({done}); "
+            "answer a completed call from ctx.memoised_tool() instead of calling it again"
+        )
+    payload = ToolInvoked(
+        pending.call_id, pending.tool, pending.arguments, idempotency_key=pending.idempotency_key
     )
-    params: list[Any] = [sid, FORMAT_VERSION, reducer_version()]
-    if upto_seq is not None:
-        q += " AND upto_seq <= %s"
-        params.append(upto_seq)
-    row = conn.execute((q + " ORDER BY upto_seq DESC LIMIT 1").encode(), params).fetchone()
-    ctx = decode_context(row[1]) if row else SessionContext(sid)
-    after = int(row[0]) if row else 0
-    for ev in load_events(conn, sid, after_position=after, upto_seq=upto_seq):
-        if isinstance(ev, InvalidEventError):
-            continue
-        apply(ctx, ev)
-    return ctx
+    return payload, f"{pending.idempotency_key or call_id}#retry-{pending.attempts}"
+
+
+def _record(
+    ctx: SessionContext, res: AppendResult, agent_id: str, payload: ToolInvoked, key: str
+) -> None:
+    if res.duplicate:
+        # this very retry is already in the log, past what ctx has seen: another worker made it
+        raise ConcurrentAppendError(ctx.session_id, ctx.last_position, res.position)
+    now = dt.datetime.now(dt.timezone.utc)  # not folded: reducers never read the clock
+    apply(
+        ctx,
+        LedgerEvent(
+            res.seq, ctx.session_id, res.position, agent_id, "tool.invoked", payload, now, key
+        ),
+    )
+
+
+def retry_tool(
+    conn: psycopg.Connection[Any],
+    ctx: SessionContext,
+    call_id: str,
+    agent_id: str,
+    *,
+    outbox: Sequence[OutboxItem] = (),
+) -> AppendResult:
+    """Record the retry of an in-flight tool call: a new ``tool.invoked`` event with the call's
+    original idempotency key (so the tool can deduplicate), appended at ``ctx.last_position``.
+
+    Raises :class:`ConcurrentAppendError` if another worker appended to the session since ``ctx``
+    was rebuilt (it took the run over, or made this same retry). On success ``ctx`` is advanced
+    by the same reducer, so several retries can follow one another; then perform the call with
+    ``ctx.pending_tools[call_id].idempotency_key``.
+    """
+    payload, key = _retry_request(ctx, call_id)
+    res = append(
+        conn,
+        ctx.session_id,
+        agent_id,
+        "tool.invoked",
+        payload,
+        expected_position=ctx.last_position,
+        idempotency_key=key,
+        outbox=outbox,
+    )
+    _record(ctx, res, agent_id, payload, key)
+    return res
+
+
+async def retry_tool_async(
+    conn: psycopg.AsyncConnection[Any],
+    ctx: SessionContext,
+    call_id: str,
+    agent_id: str,
+    *,
+    outbox: Sequence[OutboxItem] = (),
+) -> AppendResult:
+    """The async twin of :func:`retry_tool`."""
+    payload, key = _retry_request(ctx, call_id)
+    res = await append_async(
+        conn,
+        ctx.session_id,
+        agent_id,
+        "tool.invoked",
+        payload,
+        expected_position=ctx.last_position,
+        idempotency_key=key,
+        outbox=outbox,
+    )
+    _record(ctx, res, agent_id, payload, key)
+    return res
+
+
+# -- fork ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForkResult:
+    session_id: uuid.UUID
+    origin_session_id: uuid.UUID
+    upto_seq: int
+    upto_position: int
+    events: int  # copied events (the session.forked event not counted)
+
+
+_PREFIX = (
+    "SELECT coalesce(max(position), 0), coalesce(max(seq), 0), count(*) FROM agent_events "
+    "WHERE session_id = %s AND seq <= %s"
+)
+# Copies keep their order: a row-level BEFORE trigger sees the rows the same statement already
+# inserted, so each copy chains to the hash of the copy before it.
+_COPY_PREFIX = (
+    "INSERT INTO agent_events (session_id, position, agent_id, event_type, payload, "
+    "idempotency_key) SELECT %s, position + 1, agent_id, event_type, payload, idempotency_key "
+    "FROM agent_events WHERE session_id = %s AND seq <= %s ORDER BY position"
+)
+
+
+def fork(
+    conn: psycopg.Connection[Any],
+    session_id: uuid.UUID | str,
+    upto_seq: int | None = None,
+    *,
+    new_session_id: uuid.UUID | None = None,
+    agent_id: str = "ledger-cdc",
+    reason: str | None = None,
+) -> ForkResult:
+    """A new session holding the origin's events up to ``upto_seq`` (all, if None), after a
+    first ``session.forked`` event that records where it came from. Outbox rows are not copied:
+    the fork replays history, it does not repeat side effects. One transaction."""
+    origin = _session(session_id)
+    bound = _NO_LIMIT if upto_seq is None else upto_seq
+    new = new_session_id or uuid.uuid4()
+    with conn.transaction():
+        row = conn.execute(_PREFIX, (origin, bound)).fetchone()
+        assert row is not None
+        position, last_seq, count = (int(v) for v in row)
+        if count == 0:
+            where = "" if upto_seq is None else f" at or below seq {upto_seq}"
+            raise NoSuchSessionError(f"session {origin} has no events{where}: nothing to fork")
+        append(
+            conn,
+            new,
+            agent_id,
+            "session.forked",
+            SessionForked(origin, last_seq, position, count, reason),
+            expected_position=0,
+        )
+        conn.execute(_COPY_PREFIX, (new, origin, bound))
+    return ForkResult(new, origin, last_seq, position, count)

@@ -18,7 +18,7 @@ from .consumer import Consumer, Metrics
 from .errors import format_lsn
 from .serve import MetricsServer
 
-__all__ = ["run_consumer", "status_text"]
+__all__ = ["run_consumer", "setup_logging", "status_text"]
 
 
 class _JsonFormatter(logging.Formatter):
@@ -32,6 +32,19 @@ class _JsonFormatter(logging.Formatter):
                 **getattr(record, "fields", {}),
             }
         )
+
+
+def setup_logging(log_format: str) -> logging.Logger:
+    """Log ledger_cdc's records to stderr, as JSON lines with ``--log-format json``."""
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    root = logging.getLogger("ledger_cdc")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return root
 
 
 def status_text(m: Metrics, rate_txn: float, rate_ev: float) -> str:
@@ -80,14 +93,7 @@ def run_consumer(
     metrics_host: str,
 ) -> None:
     interactive = log_format == "auto" and console.is_terminal
-    handler = logging.StreamHandler(sys.stderr)
-    if log_format == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    root = logging.getLogger("ledger_cdc")
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
+    root = setup_logging(log_format)
     server = None
     if metrics_port is not None:
         server = MetricsServer(

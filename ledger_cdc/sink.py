@@ -73,7 +73,7 @@ CREATE TEMP TABLE IF NOT EXISTS stage_sessions (
     format_version int, context text, commit_lsn text) ON COMMIT DELETE ROWS;
 CREATE TEMP TABLE IF NOT EXISTS stage_snapshots (
     session_id uuid, upto_seq bigint, upto_position bigint, format_version int,
-    reducer_version text, content_hash bytea, context text) ON COMMIT DELETE ROWS;
+    reducer_version text, content_hash bytea, data bytea) ON COMMIT DELETE ROWS;
 """
 _COPY_SESSIONS = (
     "COPY stage_sessions (session_id, status, last_seq, last_position, event_count, "
@@ -81,7 +81,7 @@ _COPY_SESSIONS = (
 )
 _COPY_SNAPSHOTS = (
     "COPY stage_snapshots (session_id, upto_seq, upto_position, format_version, "
-    "reducer_version, content_hash, context) FROM STDIN"
+    "reducer_version, content_hash, data) FROM STDIN"
 )
 _MERGE_SESSIONS = """
 INSERT INTO agent_sessions (session_id, status, last_seq, last_position, event_count,
@@ -96,9 +96,9 @@ ON CONFLICT (session_id) DO UPDATE SET
 """
 _MERGE_SNAPSHOTS = """
 INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version,
-                             reducer_version, content_hash, context)
+                             reducer_version, content_hash, data)
 SELECT session_id, upto_seq, upto_position, format_version, reducer_version, content_hash,
-       context::jsonb FROM stage_snapshots
+       data FROM stage_snapshots
 ON CONFLICT (session_id, upto_seq) DO NOTHING
 """
 _INSERT_DEAD = """
@@ -216,7 +216,7 @@ class PgSink:
                                     FORMAT_VERSION,
                                     snap.reducer_version,
                                     snap.content_hash,
-                                    snap.context.decode(),
+                                    snap.context,
                                 )
                             )
                     cur.execute(_MERGE_SNAPSHOTS)

@@ -116,11 +116,11 @@ def assert_projections_equal_refold(dsn: str) -> int:
         for ev in load_events(conn):
             if not isinstance(ev, InvalidEventError):
                 events.setdefault(ev.session_id, []).append(ev)
-        for sid, upto_pos, text in conn.execute(
-            "SELECT session_id, upto_position, context::text FROM agent_snapshots"
+        for sid, upto_pos, data in conn.execute(
+            "SELECT session_id, upto_position, data FROM agent_snapshots"
         ):
             prefix = [e for e in events[sid] if e.position <= upto_pos]
-            assert decode_context(text) == fold(prefix, session_id=sid), (
+            assert decode_context(data) == fold(prefix, session_id=sid), (
                 f"snapshot {sid}@{upto_pos}"
             )
         return sum(len(v) for v in events.values())

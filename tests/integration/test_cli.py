@@ -73,3 +73,9 @@ def test_demo_runs_end_to_end() -> None:
     )
     assert p.returncode == 0, p.stderr
     assert "agent_events" in p.stdout and "events in 3 sessions" in p.stdout
+    out = " ".join(p.stdout.split())  # rich wraps long lines
+    # the crash story: killed mid-call, resumed from the ledger, nothing else called twice
+    assert "SIGKILL" in out and "in flight: c2" in out
+    assert "answered from the ledger, calling nothing: r1, c1" in out
+    assert "saw: c1 ×1, c2 ×2, c3 ×1, r1 ×1, r2 ×1" in out and "session completed" in out
+    assert "verify passed" in out

@@ -1,0 +1,608 @@
+"""``ledger-cdc`` commands for the morning after: replay, verify, inspect, diff, fork, and the
+outbox dispatcher (``dispatch``, ``outbox``). Registered on the group defined in :mod:`.cli`."""
+
+from __future__ import annotations
+
+import json as jsonlib
+import signal
+import sys
+import uuid
+from typing import Any
+
+import click
+import msgspec
+import psycopg
+from rich.table import Table
+from rich.text import Text
+
+from .cli import EXIT_PROBLEM, State, _env, cli, dsn_option, handles_errors
+from .errors import ConfigError, LedgerError
+
+
+class SessionId(click.ParamType):  # type: ignore[type-arg]
+    name = "SESSION"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, uuid.UUID):
+            return value
+        try:
+            return uuid.UUID(str(value))
+        except ValueError:
+            self.fail(f"{value!r} is not a session id (a UUID)", param, ctx)
+
+
+SESSION = SessionId()
+
+
+def _connect(dsn: str) -> psycopg.Connection[Any]:
+    try:
+        return psycopg.connect(dsn, autocommit=True)
+    except psycopg.OperationalError as e:
+        raise ConfigError(f"cannot connect to the ledger database: {str(e).strip()}") from e
+
+
+def _events(
+    conn: psycopg.Connection[Any], sid: uuid.UUID, upto_seq: int | None = None
+) -> list[Any]:
+    from .errors import InvalidEventError
+    from .replay import load_events
+
+    evs = [
+        e for e in load_events(conn, sid, upto_seq=upto_seq) if not isinstance(e, InvalidEventError)
+    ]
+    if not evs:
+        raise LedgerError(
+            f"session {sid} has no events"
+            + ("" if upto_seq is None else f" at or below seq {upto_seq}")
+        )
+    return evs
+
+
+def _json(value: Any) -> None:
+    click.echo(msgspec.json.format(msgspec.json.encode(value), indent=2).decode())
+
+
+# -- replay -------------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@click.argument("session", type=SESSION)
+@click.option(
+    "--upto-seq", type=int, default=None, help="Rebuild as of this global seq (time travel)."
+)
+@click.option("--json", "as_json", is_flag=True, help="The whole context as JSON.")
+@click.pass_obj
+@handles_errors
+def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_json: bool) -> None:
+    """Rebuild a session's context as a restarted worker would: the latest usable snapshot plus
+    the tail of the log, folded by the consumer's reducers.
+
+    Shows the tool calls in flight (to retry with their idempotency keys) and the memoised
+    calls a restarted worker answers from the ledger instead of calling again.
+    """
+    from .replay import rebuild_context
+
+    with _connect(dsn) as conn:
+        ctx = rebuild_context(conn, session, upto_seq)
+    if ctx.last_position == 0:
+        raise LedgerError(
+            f"session {session} has no events"
+            + ("" if upto_seq is None else f" at or below seq {upto_seq}")
+        )
+    if as_json:
+        _json(ctx)
+        return
+    con = state.console
+    colour = {"completed": "green", "failed": "red"}.get(ctx.status, "yellow")
+    con.print(
+        f"session [bold]{ctx.session_id}[/]  status [{colour}]{ctx.status}[/]  "
+        f"{ctx.event_count} events up to seq {ctx.last_seq} (position {ctx.last_position})"
+    )
+    if ctx.task:
+        con.print(f"task: {ctx.task}")
+    if ctx.forked_from:
+        f = ctx.forked_from
+        con.print(f"forked from {f.session_id} at seq {f.upto_seq} (position {f.upto_position})")
+    con.print(
+        f"agents: {', '.join(ctx.agents)}  ·  messages: {len(ctx.messages)}  ·  tokens "
+        f"{ctx.usage.input_tokens}/{ctx.usage.output_tokens} in {ctx.usage.model_calls} model calls"
+    )
+    if ctx.pending_tools or ctx.pending_models:
+        t = Table(
+            title="in flight when the log ends (retry with the same key)", title_style="bold yellow"
+        )
+        for col in ("kind", "id", "tool / model", "idempotency key", "since seq", "attempts"):
+            t.add_column(col)
+        for p in ctx.pending_tools.values():
+            t.add_row(
+                "tool",
+                p.call_id,
+                p.tool,
+                p.idempotency_key or "—",
+                str(p.invoked_seq),
+                str(p.attempts),
+            )
+        for m in ctx.pending_models.values():
+            t.add_row(
+                "model", m.request_id, m.model, m.idempotency_key or "—", str(m.requested_seq), "1"
+            )
+        con.print(t)
+    else:
+        con.print("[green]nothing in flight[/]")
+    if ctx.completed_tools or ctx.completed_models:
+        t = Table(title="memoised (answered from the ledger, never called again)")
+        for col in ("kind", "id", "tool / model", "idempotency key", "seq", "result"):
+            t.add_column(col, overflow="ellipsis", max_width=60 if col == "result" else None)
+        for c in ctx.completed_tools.values():
+            res = c.error if c.error is not None else msgspec.json.encode(c.result).decode()
+            t.add_row("tool", c.call_id, c.tool, c.idempotency_key or "—", str(c.observed_seq), res)
+        for m2 in ctx.completed_models.values():
+            t.add_row(
+                "model",
+                m2.request_id,
+                m2.model,
+                m2.idempotency_key or "—",
+                str(m2.responded_seq),
+                m2.content,
+            )
+        con.print(t)
+    if ctx.status == "failed":
+        con.print(f"[red]failed:[/] {ctx.error}" + (" (retryable)" if ctx.retryable else ""))
+
+
+# -- verify -------------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@click.argument("sessions", type=SESSION, nargs=-1)
+@click.option("--all", "all_sessions", is_flag=True, help="Every session in the ledger.")
+@click.option("--no-chain", is_flag=True, help="Skip the hash-chain walk.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@click.pass_obj
+@handles_errors
+def verify(
+    state: State,
+    dsn: str,
+    sessions: tuple[uuid.UUID, ...],
+    all_sessions: bool,
+    no_chain: bool,
+    as_json: bool,
+) -> None:
+    """Refold sessions from zero and compare with their projection and every stored snapshot,
+    field by field; walk each session's hash chain and report the first event that no longer
+    matches. Exit 1 if anything differs.
+
+    A projection behind the log (consumer lagging) is compared at its own position and noted,
+    not counted as a difference.
+    """
+    from .verify import verify as do_verify
+
+    if bool(sessions) == all_sessions:
+        raise click.UsageError("give SESSION ids or --all (not both)")
+    con = state.console
+    if as_json or not con.is_terminal:
+        report = do_verify(dsn, None if all_sessions else list(sessions), chain=not no_chain)
+    else:
+        with con.status("refolding…") as status:
+            count = [0]
+
+            def progress(sid: uuid.UUID) -> None:
+                count[0] += 1
+                if count[0] % 100 == 0:
+                    status.update(f"refolding… {count[0]} sessions")
+
+            report = do_verify(
+                dsn,
+                None if all_sessions else list(sessions),
+                chain=not no_chain,
+                on_session=progress,
+            )
+    if as_json:
+        click.echo(
+            jsonlib.dumps(
+                {
+                    "ok": report.ok,
+                    "sessions": report.sessions,
+                    "events": report.events,
+                    "projections": report.projections,
+                    "snapshots": report.snapshots,
+                    "chained_events": report.chained_events,
+                    "differences": [d.as_dict() for d in report.differences],
+                    "notes": report.notes,
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    else:
+        for note in report.notes:
+            con.print(f"[dim]note: {note}[/]", soft_wrap=True)
+        if report.differences:
+            t = Table(title=f"{len(report.differences)} difference(s)", title_style="bold red")
+            for col in (
+                "session",
+                "kind",
+                "seq",
+                "pos",
+                "field",
+                "refold / expected",
+                "stored",
+                "detail",
+            ):
+                t.add_column(col, overflow="fold")
+            for d in report.differences:
+                t.add_row(
+                    str(d.session_id),
+                    d.kind,
+                    "—" if d.seq is None else str(d.seq),
+                    "—" if d.position is None else str(d.position),
+                    d.field or "—",
+                    "—" if d.expected is None else str(d.expected),
+                    "—" if d.actual is None else str(d.actual),
+                    d.detail,
+                )
+            con.print(t)
+        chain = "" if no_chain else f", {report.chained_events} events' hash chain walked"
+        verdict = "[green]verified[/]" if report.ok else "[bold red]differences found[/]"
+        con.print(
+            f"{verdict}: {report.sessions} sessions, {report.events} events refolded, "
+            f"{report.projections} projections and {report.snapshots} snapshots compared{chain}"
+        )
+    if not report.ok:
+        sys.exit(EXIT_PROBLEM)
+
+
+# -- inspect ------------------------------------------------------------------------------------
+
+_MARKS = {"in flight": "bold yellow", "retry": "magenta", "failed": "red"}
+
+
+@cli.command()
+@dsn_option
+@click.argument("session", type=SESSION)
+@click.option("--last", type=int, default=None, help="Only the last N events.")
+@click.option("--json", "as_json", is_flag=True, help="The timeline as JSON lines.")
+@click.pass_obj
+@handles_errors
+def inspect(state: State, dsn: str, session: uuid.UUID, last: int | None, as_json: bool) -> None:
+    """A readable timeline of a session: seq, time, agent, type and a one-line summary of each
+    event; tool calls paired with their results; calls still in flight highlighted."""
+    from .timeline import timeline
+
+    with _connect(dsn) as conn:
+        rows = timeline(_events(conn, session))
+    if last is not None:
+        rows = rows[-last:]
+    if as_json:
+        for r in rows:
+            click.echo(
+                jsonlib.dumps(
+                    {
+                        "seq": r.seq,
+                        "position": r.position,
+                        "created_at": r.created_at.isoformat(),
+                        "agent_id": r.agent_id,
+                        "event_type": r.event_type,
+                        "summary": r.summary,
+                        "mark": r.mark or None,
+                        "pair_seq": r.pair,
+                    }
+                )
+            )
+        return
+    t = Table(title=f"session {session}")
+    for col in ("seq", "pos", "time", "agent", "type", "summary", "pair"):
+        t.add_column(col, overflow="fold" if col == "summary" else "ellipsis")
+    for r in rows:
+        style = _MARKS.get(r.mark)
+        pair = (
+            ""
+            if r.pair is None
+            else ("→ " if r.event_type.endswith(("invoked", "requested")) else "← ") + str(r.pair)
+        )
+        summary = Text(r.summary)
+        if r.mark:
+            summary = Text.assemble((f"[{r.mark}] ", style or ""), r.summary)
+        t.add_row(
+            str(r.seq),
+            str(r.position),
+            r.created_at.strftime("%H:%M:%S.%f")[:-3],
+            r.agent_id,
+            r.event_type,
+            summary,
+            pair,
+            style=style if r.mark == "in flight" else None,
+        )
+    state.console.print(t)
+    flying = sum(1 for r in rows if r.mark == "in flight")
+    if flying:
+        state.console.print(
+            f"[bold yellow]{flying} call(s) in flight[/]: "
+            f"`ledger-cdc replay {session}` shows their keys"
+        )
+
+
+# -- diff ---------------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@click.argument("session_a", type=SESSION)
+@click.argument("session_b", type=SESSION)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable result.")
+@click.pass_obj
+@handles_errors
+def diff(state: State, dsn: str, session_a: uuid.UUID, session_b: uuid.UUID, as_json: bool) -> None:
+    """Align two runs of the same task and show the first step where they diverge (different
+    prompt hash, tool arguments, model output, …) and what differs. Ids, keys and times are
+    not compared; a fork's marker and retries of a call are not steps. Exit 1 if they diverge."""
+    from .timeline import diff_runs, summarise
+
+    with _connect(dsn) as conn:
+        res = diff_runs(_events(conn, session_a), _events(conn, session_b))
+    d = res.divergence
+    if as_json:
+        click.echo(
+            jsonlib.dumps(
+                {
+                    "steps_a": res.steps_a,
+                    "steps_b": res.steps_b,
+                    "common_steps": res.common,
+                    "diverged": d is not None,
+                    "step": None if d is None else d.step,
+                    "reason": None if d is None else d.reason,
+                    "seq_a": None if d is None or d.a is None else d.a.seq,
+                    "seq_b": None if d is None or d.b is None else d.b.seq,
+                    "fields": []
+                    if d is None
+                    else [{"field": f, "a": a, "b": b} for f, a, b in d.fields],
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    else:
+        con = state.console
+        if d is None:
+            con.print(f"[green]same[/]: both runs take the same {res.steps_a} steps")
+            return
+        con.print(
+            f"the runs agree for [bold]{res.common}[/] step(s); they diverge at step "
+            f"[bold]{d.step}[/]: [bold red]{d.reason}[/]"
+        )
+        t = Table(show_header=True)
+        t.add_column("")
+        t.add_column(f"A {session_a}", overflow="fold")
+        t.add_column(f"B {session_b}", overflow="fold")
+        t.add_row(
+            "seq / pos",
+            "—" if d.a is None else f"{d.a.seq} / {d.a.position}",
+            "—" if d.b is None else f"{d.b.seq} / {d.b.position}",
+        )
+        t.add_row(
+            "event",
+            "(ended)" if d.a is None else f"{d.a.agent_id} {d.a.event_type}",
+            "(ended)" if d.b is None else f"{d.b.agent_id} {d.b.event_type}",
+        )
+        t.add_row(
+            "summary", "" if d.a is None else summarise(d.a), "" if d.b is None else summarise(d.b)
+        )
+        for f, a, b in d.fields:
+            t.add_row(Text(f, style="bold"), str(a), str(b))
+        con.print(t)
+    if d is not None:
+        sys.exit(EXIT_PROBLEM)
+
+
+# -- fork ---------------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@click.argument("session", type=SESSION)
+@click.option(
+    "--upto-seq", type=int, required=True, help="Copy the events at or below this global seq."
+)
+@click.option(
+    "--new-session", type=SESSION, default=None, help="Id of the fork (default: a new UUID)."
+)
+@click.option("--reason", default=None, help="Why the fork was made (recorded in its first event).")
+@click.pass_obj
+@handles_errors
+def fork(
+    state: State,
+    dsn: str,
+    session: uuid.UUID,
+    upto_seq: int,
+    new_session: uuid.UUID | None,
+    reason: str | None,
+) -> None:
+    """Start a new session from any step of an existing one (time travel): it holds the same
+    events up to --upto-seq after a first session.forked event recording its origin. Resume it
+    with changed inputs; `ledger-cdc diff` against the origin then starts at the fork point.
+    Outbox rows are not copied."""
+    from .replay import fork as do_fork
+
+    with _connect(dsn) as conn:
+        res = do_fork(conn, session, upto_seq, new_session_id=new_session, reason=reason)
+    state.console.print(
+        f"forked [bold]{res.session_id}[/] from {res.origin_session_id}: {res.events} events up "
+        f"to seq {res.upto_seq} (position {res.upto_position})"
+    )
+    if not state.console.is_terminal:
+        click.echo(str(res.session_id))  # for scripts: NEW=$(ledger-cdc fork … | tail -1)
+
+
+# -- dispatch -----------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@click.option(
+    "--target",
+    "targets",
+    multiple=True,
+    metavar="NAME=URL",
+    envvar=_env("TARGETS"),
+    help="An HTTP webhook for outbox rows whose target is NAME (repeatable) [env: "
+    "LEDGER_CDC_TARGETS, space-separated].",
+)
+@click.option(
+    "--entry-points/--no-entry-points",
+    default=True,
+    show_default=True,
+    help="Also use Python targets installed under the 'ledger_cdc.targets' entry-point group.",
+)
+@click.option("--batch-size", default=32, show_default=True, help="Rows claimed per transaction.")
+@click.option("--concurrency", default=8, show_default=True, help="Calls in flight at once.")
+@click.option(
+    "--max-attempts", default=8, show_default=True, help="Failures before a row is parked."
+)
+@click.option(
+    "--backoff",
+    default=1.0,
+    show_default=True,
+    help="Seconds before the 2nd attempt; doubles, capped by --backoff-cap.",
+)
+@click.option(
+    "--backoff-cap", default=300.0, show_default=True, help="Longest wait between attempts (s)."
+)
+@click.option(
+    "--poll-interval",
+    default=0.5,
+    show_default=True,
+    help="Seconds between polls when nothing is due.",
+)
+@click.option("--timeout", default=10.0, show_default=True, help="HTTP request timeout (s).")
+@click.option("--once", is_flag=True, help="One pass over what is due now, then exit.")
+@click.option(
+    "--until-idle", is_flag=True, help="Exit when no row is left to dispatch (retries included)."
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["auto", "text", "json"]),
+    default="auto",
+    show_default=True,
+    envvar=_env("LOG_FORMAT"),
+    help="Log lines as text or JSON [env: LEDGER_CDC_LOG_FORMAT].",
+)
+@click.pass_obj
+@handles_errors
+def dispatch(
+    state: State,
+    dsn: str,
+    targets: tuple[str, ...],
+    entry_points: bool,
+    batch_size: int,
+    concurrency: int,
+    max_attempts: int,
+    backoff: float,
+    backoff_cap: float,
+    poll_interval: float,
+    timeout: float,
+    once: bool,
+    until_idle: bool,
+    log_format: str,
+) -> None:
+    """Perform the outbox's external calls: claim due rows (FOR UPDATE SKIP LOCKED, so several
+    dispatchers can run at once without sending a row twice concurrently), call the target with
+    the row's idempotency key, mark the row dispatched in the same transaction. A failed call
+    is retried with backoff and parked after --max-attempts (see `ledger-cdc outbox --parked`).
+    Killed between a call and its mark, the row is retried with the same key.
+
+    Exit 0 when stopped (SIGINT/SIGTERM finish the batch), 1 if rows were parked.
+    """
+    from .dispatch import DispatchConfig, Dispatcher, Target, load_entry_point_targets, parse_target
+    from .runner import setup_logging
+
+    table: dict[str, Target] = load_entry_point_targets() if entry_points else {}
+    for spec in (s for t in targets for s in t.split()):
+        name, target = parse_target(spec, timeout=timeout)
+        table[name] = target
+    log = setup_logging("json" if log_format == "json" else "text")
+    d = Dispatcher(
+        DispatchConfig(
+            dsn=dsn,
+            targets=table,
+            batch_size=batch_size,
+            concurrency=concurrency,
+            max_attempts=max_attempts,
+            backoff_base=backoff,
+            backoff_cap=backoff_cap,
+            poll_interval=poll_interval,
+        )
+    )
+
+    def stop(signum: int, frame: Any) -> None:
+        log.info("signal %s: finishing the current batch", signum)
+        d.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info(
+        "dispatching outbox rows for %s",
+        ", ".join(f"{n} ({t!r})" for n, t in sorted(table.items())),
+    )
+    for name, count in d.unserved():
+        log.warning(
+            "%d due row(s) for target %r, which this dispatcher does not serve", count, name
+        )
+    m = d.run(once=once, idle_exit=until_idle)
+    log.info("dispatched %d, failed attempts %d, parked %d", m.dispatched, m.failures, m.parked)
+    if m.parked:
+        sys.exit(EXIT_PROBLEM)
+
+
+@cli.group(invoke_without_command=True)
+@dsn_option
+@click.option("--parked", "show", flag_value="parked", help="Only parked rows.")
+@click.option("--pending", "show", flag_value="pending", help="Only rows still to dispatch.")
+@click.option("--limit", default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+@handles_errors
+def outbox(ctx: click.Context, dsn: str, show: str | None, limit: int, as_json: bool) -> None:
+    """List outbox rows (newest first); `outbox requeue ID…` retries parked rows."""
+    ctx.meta["dsn"] = dsn
+    if ctx.invoked_subcommand is not None:
+        return
+    from .dispatch import outbox_rows
+
+    with _connect(dsn) as conn:
+        rows = outbox_rows(conn, parked=None if show is None else show == "parked", limit=limit)
+    if as_json:
+        click.echo(jsonlib.dumps(rows, indent=2, default=str))
+        return
+    t = Table(title="agent_outbox")
+    for col in ("id", "target", "idempotency key", "state", "attempts", "last error"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        st = (
+            "dispatched"
+            if r["dispatched"]
+            else ("[red]parked[/]" if r["parked"] else "[yellow]pending[/]")
+        )
+        t.add_row(
+            str(r["id"]),
+            r["target"],
+            r["idempotency_key"],
+            st,
+            str(r["attempts"]),
+            r["last_error"] or "",
+        )
+    ctx.find_object(State).console.print(t)  # type: ignore[union-attr]
+
+
+@outbox.command("requeue")
+@click.argument("ids", type=int, nargs=-1, required=True)
+@click.pass_context
+@handles_errors
+def outbox_requeue(ctx: click.Context, ids: tuple[int, ...]) -> None:
+    """Unpark rows (after fixing their target): they are tried again at once."""
+    from .dispatch import requeue
+
+    with _connect(ctx.meta["dsn"]) as conn:
+        n = requeue(conn, ids)
+    click.echo(f"requeued {n} row(s)")

@@ -1,0 +1,360 @@
+"""The outbox dispatcher: performs the external calls that committed events asked for.
+
+An event that needs the outside world (a webhook, a tool service) is written with an outbox row
+in the same transaction (:class:`ledger_cdc.OutboxItem`). The dispatcher claims due rows with
+``SELECT … FOR UPDATE SKIP LOCKED``, performs each call with the row's idempotency key, and in the
+same transaction marks it dispatched — or records the error and the time of the next attempt
+(capped exponential backoff with jitter), parking the row after ``max_attempts`` failures.
+
+Why polling with row locks rather than the change stream: the row lock *is* the claim. Several
+dispatchers share the work without a coordinator and never hold the same row at once; a
+dispatcher that dies (even between the call and the mark) loses its connection and with it its
+locks, so another retries the same rows with the same keys — the target deduplicates. Rows are
+dispatched whether or not the consumer runs, retries need a clock the stream does not have, and
+no extra slot retains WAL. The cost is an index probe per poll on the partial index of due rows;
+when a poll comes back full the next one starts at once, so a backlog drains at full speed.
+
+Guarantee: at least once per row, always with the same idempotency key (``Idempotency-Key``
+header for HTTP targets); exactly once in effect for a target that deduplicates by that key. No
+order is promised between rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+
+import msgspec
+import psycopg
+
+from .errors import ConfigError, LedgerError
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "DispatchConfig",
+    "DispatchMetrics",
+    "Dispatcher",
+    "HttpTarget",
+    "OutboxMessage",
+    "Target",
+    "load_entry_point_targets",
+    "parse_target",
+]
+
+log = logging.getLogger("ledger_cdc.dispatch")
+
+ENTRY_POINT_GROUP = "ledger_cdc.targets"
+"""Entry-point group of Python targets: ``name = "package.module:callable"``."""
+
+
+@dataclass(frozen=True)
+class OutboxMessage:
+    """What a target receives: one outbox row."""
+
+    id: int
+    session_id: uuid.UUID
+    event_seq: int
+    target: str
+    payload: Any
+    idempotency_key: str
+    attempt: int  # 1 for the first attempt
+
+
+Target = Callable[[OutboxMessage], object]
+"""A target performs the call; returning means success, raising means failure (retried)."""
+
+
+class HttpTarget:
+    """POST the payload as JSON to ``url`` with ``Idempotency-Key``; any 2xx is success."""
+
+    def __init__(self, url: str, *, timeout: float = 10.0, headers: Mapping[str, str] = {}):
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"webhook URL must start with http:// or https://, got {url!r}")
+        self.url = url
+        self.timeout = timeout
+        self.headers = dict(headers)
+
+    def __call__(self, msg: OutboxMessage) -> None:
+        req = urllib.request.Request(
+            self.url,
+            data=msgspec.json.encode(msg.payload),
+            method="POST",
+            headers={
+                "Content-Type": "application/json",
+                "Idempotency-Key": msg.idempotency_key,
+                "X-Ledger-Session": str(msg.session_id),
+                "X-Ledger-Outbox-Id": str(msg.id),
+                "X-Ledger-Attempt": str(msg.attempt),
+                **self.headers,
+            },
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                resp.read()
+        except urllib.error.HTTPError as e:
+            body = e.read(200).decode("utf-8", "replace").strip()
+            detail = f": {body}" if body else ""
+            raise LedgerError(f"HTTP {e.code} from {self.url}{detail}") from e
+        except (urllib.error.URLError, TimeoutError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise LedgerError(f"{self.url} unreachable: {reason}") from e
+
+    def __repr__(self) -> str:
+        return f"HttpTarget({self.url!r})"
+
+
+def parse_target(spec: str, *, timeout: float = 10.0) -> tuple[str, Target]:
+    """``NAME=URL`` (an HTTP webhook) → (name, target)."""
+    name, sep, url = spec.partition("=")
+    if not sep or not name or not url:
+        raise ConfigError(
+            f"target {spec!r} is not NAME=URL (e.g. --target tool:search=http://127.0.0.1:8080/)"
+        )
+    return name, HttpTarget(url, timeout=timeout)
+
+
+def load_entry_point_targets() -> dict[str, Target]:
+    """Python targets registered by installed packages under :data:`ENTRY_POINT_GROUP`."""
+    out: dict[str, Target] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            fn = ep.load()
+        except Exception as e:
+            raise ConfigError(f"entry point {ep.name} = {ep.value} cannot be loaded: {e}") from e
+        if not callable(fn):
+            raise ConfigError(f"entry point {ep.name} = {ep.value} is not callable")
+        out[ep.name] = fn
+    return out
+
+
+@dataclass
+class DispatchConfig:
+    dsn: str
+    targets: dict[str, Target]
+    batch_size: int = 32
+    concurrency: int = 8
+    max_attempts: int = 8
+    backoff_base: float = 1.0  # seconds before the 2nd attempt; doubles each time
+    backoff_cap: float = 300.0
+    poll_interval: float = 0.5  # between polls that found nothing due
+
+
+@dataclass
+class DispatchMetrics:
+    dispatched: int = 0
+    failures: int = 0
+    parked: int = 0
+    polls: int = 0
+    parked_rows: list[tuple[int, str, str, str]] = field(
+        default_factory=list
+    )  # id, target, key, error
+
+
+_CLAIM = """
+SELECT id, session_id, event_seq, target, payload::text, idempotency_key, attempts
+FROM agent_outbox
+WHERE NOT dispatched AND NOT parked AND target = ANY(%s)
+  AND (next_attempt_at IS NULL OR next_attempt_at <= now())
+ORDER BY id
+LIMIT %s
+FOR UPDATE SKIP LOCKED
+"""
+_DONE = """
+UPDATE agent_outbox SET dispatched = true, dispatched_at = now(), attempts = attempts + 1,
+       last_error = NULL, next_attempt_at = NULL
+WHERE id = ANY(%s)
+"""
+_FAILED = """
+UPDATE agent_outbox SET attempts = attempts + 1, last_error = %s,
+       next_attempt_at = now() + make_interval(secs => %s), parked = %s
+WHERE id = %s
+"""
+_UNSERVED = """
+SELECT target, count(*) FROM agent_outbox
+WHERE NOT dispatched AND NOT parked AND target <> ALL(%s) GROUP BY target ORDER BY target
+"""
+
+
+class Dispatcher:
+    """Claim due outbox rows, call their targets, record the outcome (see the module doc)."""
+
+    def __init__(self, config: DispatchConfig) -> None:
+        if not config.targets:
+            raise ConfigError(
+                "no targets: give --target NAME=URL or install a package with "
+                f"{ENTRY_POINT_GROUP!r} entry points"
+            )
+        self.config = config
+        self.metrics = DispatchMetrics()
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max(1, config.concurrency), "ledger-dispatch")
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def conn(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            try:
+                self._conn = psycopg.connect(self.config.dsn)
+            except psycopg.OperationalError as e:
+                raise ConfigError(f"cannot connect to the ledger database: {e}") from e
+        return self._conn
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self._conn is not None:
+            self._conn.close()
+
+    def unserved(self) -> list[tuple[str, int]]:
+        """Targets with due rows that this dispatcher has no target for."""
+        with self.conn.transaction():
+            rows = self.conn.execute(_UNSERVED, (list(self.config.targets),)).fetchall()
+        return [(str(t), int(n)) for t, n in rows]
+
+    def _backoff(self, attempts: int) -> float:
+        delay = min(self.config.backoff_cap, self.config.backoff_base * 2 ** (attempts - 1))
+        return float(delay * random.uniform(0.75, 1.25))
+
+    def _call(self, msg: OutboxMessage) -> str | None:
+        try:
+            self.config.targets[msg.target](msg)
+        except Exception as e:  # a target's failure is data: recorded, retried, parked
+            return f"{type(e).__name__}: {e}" if not isinstance(e, LedgerError) else str(e)
+        return None
+
+    def run_once(self) -> int:
+        """Claim one batch of due rows, dispatch them, commit the outcome; rows handled."""
+        conn = self.conn
+        self.metrics.polls += 1
+        with conn.transaction():
+            rows = conn.execute(
+                _CLAIM, (list(self.config.targets), self.config.batch_size)
+            ).fetchall()
+            if not rows:
+                return 0
+            msgs = [
+                OutboxMessage(
+                    int(r[0]), r[1], int(r[2]), r[3], msgspec.json.decode(r[4]), r[5], int(r[6]) + 1
+                )
+                for r in rows
+            ]
+            errors = list(self._pool.map(self._call, msgs))
+            done = [m.id for m, err in zip(msgs, errors, strict=True) if err is None]
+            if done:
+                conn.execute(_DONE, (done,))
+            for m, err in zip(msgs, errors, strict=True):
+                if err is None:
+                    continue
+                park = m.attempt >= self.config.max_attempts
+                conn.execute(_FAILED, (err[:2000], self._backoff(m.attempt), park, m.id))
+                self._failed(m, err, park)
+        self.metrics.dispatched += len(done)
+        return len(rows)
+
+    def _failed(self, m: OutboxMessage, err: str, park: bool) -> None:
+        self.metrics.failures += 1
+        if park:
+            self.metrics.parked += 1
+            self.metrics.parked_rows.append((m.id, m.target, m.idempotency_key, err))
+            log.error(
+                "outbox row %s (%s, key %s) parked after %s attempts: %s",
+                m.id,
+                m.target,
+                m.idempotency_key,
+                m.attempt,
+                err,
+                extra={"fields": {"outbox_id": m.id, "target": m.target, "parked": True}},
+            )
+        else:
+            log.warning(
+                "outbox row %s (%s, key %s) attempt %s failed: %s",
+                m.id,
+                m.target,
+                m.idempotency_key,
+                m.attempt,
+                err,
+            )
+
+    def run(self, *, once: bool = False, idle_exit: bool = False) -> DispatchMetrics:
+        """Dispatch until stopped (``once``: one pass over what is due now; ``idle_exit``: until
+        nothing is due). Connection failures are retried with backoff."""
+        attempt = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    handled = self.run_once()
+                    attempt = 0
+                except psycopg.OperationalError as e:
+                    with contextlib.suppress(Exception):
+                        self.conn.close()
+                    delay = min(30.0, 0.5 * 2**attempt) * random.uniform(0.5, 1.5)
+                    log.warning("ledger database unavailable (%s); retrying in %.1fs", e, delay)
+                    attempt = min(attempt + 1, 10)
+                    self._stop.wait(delay)
+                    continue
+                if handled == self.config.batch_size:
+                    continue  # a full batch: more are probably due
+                if once or (idle_exit and handled == 0 and not self._pending_retries()):
+                    break
+                if handled == 0:
+                    self._stop.wait(self.config.poll_interval)
+        finally:
+            self.close()
+        return self.metrics
+
+    def _pending_retries(self) -> bool:
+        row = self.conn.execute(
+            "SELECT EXISTS (SELECT FROM agent_outbox WHERE NOT dispatched AND NOT parked "
+            "AND target = ANY(%s))",
+            (list(self.config.targets),),
+        ).fetchone()
+        self.conn.commit()
+        return bool(row and row[0])
+
+
+def outbox_rows(
+    conn: psycopg.Connection[Any], *, parked: bool | None = None, limit: int = 100
+) -> list[dict[str, Any]]:
+    """Rows for ``ledger-cdc outbox``: newest first."""
+    if parked is None:
+        where = ""
+    else:
+        where = "WHERE parked" if parked else "WHERE NOT dispatched AND NOT parked"
+    keys = (
+        "id",
+        "session_id",
+        "event_seq",
+        "target",
+        "idempotency_key",
+        "dispatched",
+        "parked",
+        "attempts",
+        "last_error",
+        "next_attempt_at",
+        "dispatched_at",
+    )
+    query = f"SELECT {', '.join(keys)} FROM agent_outbox {where} ORDER BY id DESC LIMIT %s"  # noqa: S608
+    rows = conn.execute(query.encode(), (limit,)).fetchall()
+    return [dict(zip(keys, r, strict=True)) for r in rows]
+
+
+def requeue(conn: psycopg.Connection[Any], ids: Iterable[int]) -> int:
+    """Unpark rows (after fixing their target) so they are tried again at once."""
+    cur = conn.execute(
+        "UPDATE agent_outbox SET parked = false, attempts = 0, next_attempt_at = NULL "
+        "WHERE id = ANY(%s) AND NOT dispatched",
+        (list(ids),),
+    )
+    return cur.rowcount

@@ -1,0 +1,373 @@
+"""``verify``: refold sessions from zero and compare with what is stored; walk the hash chains.
+
+Projections and snapshots are derived data: a bug in the code that wrote them (or a hand edit)
+would make them look authoritative while disagreeing with the log. ``verify`` folds each session
+from its first event with the consumer's reducers and compares the fold, at the position each
+stored object claims, with every stored snapshot and with the projection, field by field. It also
+recomputes each session's hash chain and reports the first event that no longer matches — an
+edited row (the append-only guard bypassed) or a broken link. Everything is read in one
+REPEATABLE READ snapshot, so a consumer writing meanwhile cannot cause false differences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import psycopg
+
+from .errors import ConfigError, InvalidEventError
+from .fold import (
+    FORMAT_VERSION,
+    SessionContext,
+    apply,
+    decode_context,
+    encode_context,
+    reducer_version,
+)
+from .replay import _COLUMNS, row_event
+from .timeline import field_differences
+
+__all__ = ["Difference", "VerifyReport", "verify"]
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One disagreement between the log and what is stored (or within the log itself)."""
+
+    session_id: uuid.UUID
+    kind: str  # projection | snapshot | chain | orphan
+    seq: int | None  # the seq of the stored object (or of the event) that differs
+    position: int | None
+    field: str | None  # dotted path in the context, e.g. pending_tools.call-3.attempts
+    expected: Any  # from the refold (or the recomputed hash)
+    actual: Any  # what is stored
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "session_id": str(self.session_id),
+            "kind": self.kind,
+            "seq": self.seq,
+            "position": self.position,
+            "field": self.field,
+            "expected": self.expected,
+            "actual": self.actual,
+            "detail": self.detail,
+        }
+
+
+@dataclass
+class VerifyReport:
+    sessions: int = 0
+    events: int = 0
+    projections: int = 0
+    snapshots: int = 0
+    chained_events: int = 0
+    differences: list[Difference] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences
+
+
+def _compare(
+    report: VerifyReport,
+    kind: str,
+    ctx: SessionContext,
+    stored: SessionContext,
+    seq: int,
+    position: int,
+    limit: int,
+) -> None:
+    diffs = field_differences(msgspec.to_builtins(ctx), msgspec.to_builtins(stored), limit=limit)
+    for path, exp, act in diffs:
+        report.differences.append(
+            Difference(
+                ctx.session_id,
+                kind,
+                seq,
+                position,
+                path,
+                exp,
+                act,
+                f"stored {kind} at position {position} differs from a refold of the log",
+            )
+        )
+
+
+_CHAIN = """
+SELECT DISTINCT ON (session_id) session_id, seq, position, problem FROM (
+    SELECT session_id, seq, position,
+           CASE
+               WHEN lag_pos IS NULL AND position <> 1 THEN 'first event is at position ' || position
+               WHEN lag_pos IS NOT NULL AND position <> lag_pos + 1
+                   THEN 'gap: position ' || lag_pos || ' is followed by ' || position
+               WHEN prev_hash IS DISTINCT FROM lag_hash
+                   THEN 'prev_hash does not link to the hash of position ' || coalesce(lag_pos, 0)
+               WHEN hash <> ledger_event_hash(lag_hash, session_id, position, agent_id,
+                                              event_type, payload, idempotency_key, created_at)
+                   THEN 'hash does not match the row''s contents (edited after it was written?)'
+           END AS problem
+    FROM (
+        SELECT e.*, lag(hash) OVER w AS lag_hash, lag(position) OVER w AS lag_pos
+        FROM agent_events e {where}
+        WINDOW w AS (PARTITION BY session_id ORDER BY position)
+    ) chained
+) checked
+WHERE problem IS NOT NULL
+ORDER BY session_id, position
+"""
+
+
+def _chain(
+    conn: psycopg.Connection[Any], report: VerifyReport, ids: list[uuid.UUID] | None
+) -> None:
+    where = "WHERE session_id = ANY(%s)" if ids is not None else ""
+    params = (ids,) if ids is not None else ()
+    for sid, seq, pos, problem in conn.execute(_CHAIN.format(where=where).encode(), params):
+        report.differences.append(
+            Difference(sid, "chain", int(seq), int(pos), "hash", None, None, problem)
+        )
+    row = conn.execute(
+        f"SELECT count(*) FROM agent_events {where}".encode(),  # noqa: S608 - fixed text
+        params,
+    ).fetchone()
+    report.chained_events = int(row[0]) if row else 0
+
+
+def verify(
+    dsn: str,
+    sessions: Sequence[uuid.UUID] | None = None,
+    *,
+    chain: bool = True,
+    fields_per_object: int = 5,
+    on_session: Callable[[uuid.UUID], None] | None = None,
+) -> VerifyReport:
+    """Refold ``sessions`` (all if None) and compare; see the module docstring."""
+    ids = None if sessions is None else list(sessions)
+    report = VerifyReport()
+    version = reducer_version()
+    try:
+        conn = psycopg.connect(dsn)
+    except psycopg.OperationalError as e:
+        raise ConfigError(f"cannot connect to the ledger database: {e}") from e
+    with conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.read_only = True
+        with conn.transaction():
+            where = "WHERE session_id = ANY(%s)" if ids is not None else ""
+            params: tuple[Any, ...] = (ids,) if ids is not None else ()
+            projected: dict[uuid.UUID, int] = {
+                sid: int(pos)
+                for sid, pos in conn.execute(
+                    f"SELECT session_id, last_position FROM agent_sessions {where}".encode(),  # noqa: S608
+                    params,
+                )
+            }
+            snapped: dict[uuid.UUID, list[int]] = {}
+            for sid, pos in conn.execute(
+                f"SELECT session_id, upto_position FROM agent_snapshots {where} "  # noqa: S608
+                "ORDER BY session_id, upto_position".encode(),
+                params,
+            ):
+                snapped.setdefault(sid, []).append(int(pos))
+            seen: set[uuid.UUID] = set()
+            for sid, rows in _sessions(conn, ids):
+                seen.add(sid)
+                if on_session is not None:
+                    on_session(sid)
+                _verify_session(
+                    conn,
+                    report,
+                    sid,
+                    rows,
+                    projected.get(sid),
+                    snapped.get(sid, []),
+                    version,
+                    fields_per_object,
+                )
+            for sid in sorted(set(projected) - seen):
+                report.differences.append(
+                    Difference(
+                        sid,
+                        "orphan",
+                        None,
+                        projected[sid],
+                        None,
+                        None,
+                        None,
+                        "projection of a session that has no events",
+                    )
+                )
+            for sid in sorted(set(snapped) - seen):
+                report.differences.append(
+                    Difference(
+                        sid,
+                        "orphan",
+                        None,
+                        None,
+                        None,
+                        None,
+                        None,
+                        f"{len(snapped[sid])} snapshot(s) of a session that has no events",
+                    )
+                )
+            if ids is not None:
+                for sid in ids:
+                    if sid not in seen and sid not in projected and sid not in snapped:
+                        report.notes.append(f"session {sid}: no events, projection or snapshot")
+            if chain:
+                _chain(conn, report, ids)
+    return report
+
+
+def _sessions(
+    conn: psycopg.Connection[Any], ids: list[uuid.UUID] | None
+) -> Iterator[tuple[uuid.UUID, list[tuple[Any, ...]]]]:
+    """Each session's rows in position order, streamed by a server-side cursor."""
+    where = "WHERE session_id = ANY(%s)" if ids is not None else ""
+    params: tuple[Any, ...] = (ids,) if ids is not None else ()
+    with conn.cursor(name="ledger_verify") as cur:
+        cur.itersize = 5000
+        cur.execute(
+            f"SELECT {_COLUMNS} FROM agent_events {where} ORDER BY session_id, position".encode(),  # noqa: S608
+            params,
+        )
+        current: uuid.UUID | None = None
+        rows: list[tuple[Any, ...]] = []
+        for row in cur:
+            if row[1] != current:
+                if current is not None:
+                    yield current, rows
+                current, rows = row[1], []
+            rows.append(row)
+        if current is not None:
+            yield current, rows
+
+
+def _verify_session(
+    conn: psycopg.Connection[Any],
+    report: VerifyReport,
+    sid: uuid.UUID,
+    rows: list[tuple[Any, ...]],
+    projection_at: int | None,
+    snapshots_at: list[int],
+    version: str,
+    limit: int,
+) -> None:
+    report.sessions += 1
+    report.events += len(rows)
+    due = set(snapshots_at)
+    if projection_at is not None:
+        due.add(projection_at)
+    ctx = SessionContext(sid)
+    head = int(rows[-1][2])
+    for row in rows:
+        # an invalid payload is dead-lettered by the consumer and skipped by every fold
+        with contextlib.suppress(InvalidEventError):
+            apply(ctx, row_event(row))
+        pos = int(row[2])
+        if pos in due:
+            _check_at(conn, report, ctx, pos, projection_at, version, limit)
+    for pos in sorted(p for p in due if p > head):
+        what = "projection" if pos == projection_at else "snapshot"
+        report.differences.append(
+            Difference(
+                sid,
+                what,
+                None,
+                pos,
+                "last_position",
+                head,
+                pos,
+                f"stored {what} is at position {pos} but the log ends at {head}",
+            )
+        )
+    if projection_at is None:
+        report.notes.append(f"session {sid}: {head} events, no projection yet (consumer behind?)")
+    elif projection_at < head:
+        report.notes.append(
+            f"session {sid}: projection at position {projection_at} of {head} (consumer behind?)"
+        )
+
+
+def _check_at(
+    conn: psycopg.Connection[Any],
+    report: VerifyReport,
+    ctx: SessionContext,
+    pos: int,
+    projection_at: int | None,
+    version: str,
+    limit: int,
+) -> None:
+    sid = ctx.session_id
+    if pos == projection_at:
+        row = conn.execute(
+            "SELECT last_seq, format_version, context::text FROM agent_sessions "
+            "WHERE session_id = %s",
+            (sid,),
+        ).fetchone()
+        if row is not None:
+            report.projections += 1
+            if row[1] != FORMAT_VERSION:
+                report.notes.append(f"session {sid}: projection has format {row[1]}: not compared")
+            else:
+                _compare(report, "projection", ctx, decode_context(row[2]), int(row[0]), pos, limit)
+    for seq, fmt, rv, digest, data, hashed in conn.execute(
+        "SELECT upto_seq, format_version, reducer_version, content_hash, "
+        "coalesce(data, convert_to(context::text, 'UTF8')), data IS NOT NULL "
+        "FROM agent_snapshots WHERE session_id = %s AND upto_position = %s",
+        (sid, pos),
+        binary=True,
+    ):
+        report.snapshots += 1
+        if fmt != FORMAT_VERSION or rv != version:
+            report.notes.append(
+                f"session {sid}: snapshot at seq {seq} is format {fmt} / reducers {rv}: "
+                "not compared (rebuild_context does not use it either)"
+            )
+            continue
+        raw = bytes(data)
+        if hashed and hashlib.sha256(raw).digest() != bytes(digest):
+            report.differences.append(
+                Difference(
+                    sid,
+                    "snapshot",
+                    int(seq),
+                    pos,
+                    "content_hash",
+                    hashlib.sha256(raw).hexdigest(),
+                    bytes(digest).hex(),
+                    "snapshot bytes do not match their content hash",
+                )
+            )
+        try:
+            stored = decode_context(raw)
+        except msgspec.DecodeError as e:
+            report.differences.append(
+                Difference(
+                    sid, "snapshot", int(seq), pos, None, None, None, f"snapshot is unreadable: {e}"
+                )
+            )
+            continue
+        if hashed and encode_context(ctx) != raw and stored == ctx:
+            report.differences.append(
+                Difference(
+                    sid,
+                    "snapshot",
+                    int(seq),
+                    pos,
+                    None,
+                    None,
+                    None,
+                    "snapshot bytes are not the canonical encoding of its context",
+                )
+            )
+        _compare(report, "snapshot", ctx, stored, int(seq), pos, limit)

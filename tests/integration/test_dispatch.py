@@ -1,0 +1,227 @@
+"""The outbox dispatcher against a real local HTTP server, as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ledger_cdc.writer import Ledger, OutboxItem
+from tests.cdc import ROOT, until
+from tests.conftest import Database
+from tests.httptarget import Target
+
+
+def _outbox_rows(db: Database, n: int, target: str = "tool:search") -> list[str]:
+    keys = []
+    with Ledger(db.dsn) as ledger:
+        for i in range(n):
+            sid = uuid.uuid4()
+            key = f"{sid}:call-{i}"
+            ledger.append(
+                sid,
+                "agent",
+                "tool.invoked",
+                {"call_id": f"call-{i}", "tool": "search", "arguments": {"i": i}},
+                idempotency_key=key,
+                outbox=[OutboxItem(target, {"i": i}, key)],
+            )
+            keys.append(key)
+    return keys
+
+
+def _dispatcher(
+    db: Database, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ledger_cdc",
+            "dispatch",
+            "--dsn",
+            db.dsn,
+            "--log-format",
+            "text",
+            "--poll-interval",
+            "0.05",
+            "--backoff",
+            "0.05",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _rows(db: Database) -> dict[str, tuple[bool, bool, int, str | None]]:
+    with db.connect() as conn:
+        return {
+            k: (d, p, a, e)
+            for k, d, p, a, e in conn.execute(
+                "SELECT idempotency_key, dispatched, parked, attempts, last_error FROM agent_outbox"
+            )
+        }
+
+
+def test_killed_between_call_and_mark_retries_with_the_same_key(db: Database) -> None:
+    (key,) = _outbox_rows(db, 1)
+    with Target(lambda k, n: -1 if n == 1 else 200) as target:
+        first = _dispatcher(db, "--target", f"tool:search={target.url}")
+        try:
+            assert target.first_request.wait(30), "the dispatcher never called the target"
+            first.send_signal(signal.SIGKILL)  # the target has the call; the mark never lands
+            first.wait(10)
+        finally:
+            first.kill()
+        assert _rows(db)[key][:2] == (False, False)
+        second = _dispatcher(db, "--target", f"tool:search={target.url}", "--until-idle")
+        out, _ = second.communicate(timeout=60)
+        assert second.returncode == 0, out
+        assert target.seen == {key: 2}
+        assert [r["headers"]["Idempotency-Key"] for r in target.requests] == [key, key]
+        assert json.loads(target.requests[1]["body"]) == {"i": 0}
+    dispatched, parked, attempts, error = _rows(db)[key]
+    assert dispatched and not parked and attempts == 1 and error is None  # marked once
+
+
+def test_two_dispatchers_never_send_a_row_twice(db: Database) -> None:
+    keys = _outbox_rows(db, 240)
+    with Target(delay=0.01) as target:
+        procs = [
+            _dispatcher(
+                db,
+                "--target",
+                f"tool:search={target.url}",
+                "--until-idle",
+                "--batch-size",
+                "8",
+                "--concurrency",
+                "2",
+            )
+            for _ in range(2)
+        ]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        assert target.seen == {k: 1 for k in keys}
+        assert target.overlaps == 0
+    counts = [int(o.split("dispatched ")[-1].split(",")[0]) for o in outs]
+    assert sum(counts) == 240 and min(counts) > 0, counts  # both took a share
+    assert all(d and a == 1 for d, _, a, _ in _rows(db).values())
+
+
+def test_a_failing_target_is_retried_until_it_recovers(db: Database) -> None:
+    keys = _outbox_rows(db, 5)
+    with Target(lambda k, n: 503 if n <= 2 else 200) as target:
+        p = _dispatcher(
+            db, "--target", f"tool:search={target.url}", "--until-idle", "--max-attempts", "5"
+        )
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0, out
+        assert target.seen == {k: 3 for k in keys}
+    assert all(r == (True, False, 3, None) for r in _rows(db).values())
+    assert "attempt 1 failed: HTTP 503" in out
+
+
+def test_a_target_that_always_fails_is_parked_and_reported(db: Database) -> None:
+    keys = _outbox_rows(db, 3)
+    with Target(lambda k, n: 500) as target:
+        p = _dispatcher(
+            db, "--target", f"tool:search={target.url}", "--until-idle", "--max-attempts", "3"
+        )
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 1, out  # rows were parked
+        assert target.seen == {k: 3 for k in keys}
+    for dispatched, parked, attempts, error in _rows(db).values():
+        assert (
+            not dispatched
+            and parked
+            and attempts == 3
+            and error is not None
+            and "HTTP 500" in error
+        )
+    assert out.count("parked after 3 attempts") == 3
+    listed = subprocess.run(
+        [sys.executable, "-m", "ledger_cdc", "outbox", "--dsn", db.dsn, "--parked", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=True,
+    )
+    rows = json.loads(listed.stdout)
+    assert sorted(r["idempotency_key"] for r in rows) == sorted(keys)
+    requeue = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ledger_cdc",
+            "outbox",
+            "--dsn",
+            db.dsn,
+            "requeue",
+            str(rows[0]["id"]),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=True,
+    )
+    assert "requeued 1" in requeue.stdout
+    assert sum(1 for r in _rows(db).values() if r[1]) == 2
+
+
+def test_entry_point_target_and_unserved_targets(db: Database, tmp_path: Path) -> None:
+    keys = _outbox_rows(db, 4, target="notify")
+    other = _outbox_rows(db, 1, target="elsewhere")
+    sent = tmp_path / "sent.txt"
+    (tmp_path / "mytargets.py").write_text(
+        textwrap.dedent(f"""
+        def send(msg):
+            with open({str(sent)!r}, "a") as f:
+                f.write(msg.idempotency_key + " " + str(msg.payload["i"]) + "\\n")
+    """)
+    )
+    dist = tmp_path / "mytargets-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mytargets\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[ledger_cdc.targets]\nnotify = mytargets:send\n")
+    p = _dispatcher(db, "--until-idle", env={"PYTHONPATH": str(tmp_path)})
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, out
+    assert sorted(line.split()[0] for line in sent.read_text().splitlines()) == sorted(keys)
+    assert "1 due row(s) for target 'elsewhere'" in out
+    rows = _rows(db)
+    assert all(rows[k][0] for k in keys) and not rows[other[0]][0]
+
+
+def test_dispatch_without_targets_is_a_config_error(db: Database) -> None:
+    p = _dispatcher(db, "--no-entry-points", "--once")
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 4 and "no targets" in out
+    bad = _dispatcher(db, "--target", "nourl", "--once")
+    out, _ = bad.communicate(timeout=60)
+    assert bad.returncode == 4 and "NAME=URL" in out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM])
+def test_sigterm_finishes_the_batch_and_exits(db: Database, sig: signal.Signals) -> None:
+    _outbox_rows(db, 2)
+    with Target() as target:
+        p = _dispatcher(db, "--target", f"tool:search={target.url}")
+        until(lambda: sum(1 for r in _rows(db).values() if r[0]) == 2, timeout=30)
+        p.send_signal(sig)
+        out, _ = p.communicate(timeout=30)
+        assert p.returncode == 0, out
+        assert "dispatched 2" in out

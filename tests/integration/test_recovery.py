@@ -1,0 +1,381 @@
+"""Recovery on a real server: rebuild_context from snapshots, retries, fork, verify, inspect, diff."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ledger_cdc import ConcurrentAppendError, register_event_type
+from ledger_cdc.consumer import Consumer, ConsumerConfig
+from ledger_cdc.errors import InvalidEventError
+from ledger_cdc.fold import SessionContext, encode_context, fold
+from ledger_cdc.replay import (
+    fork,
+    load_events,
+    rebuild_context,
+    rebuild_context_async,
+    retry_tool,
+    retry_tool_async,
+)
+from ledger_cdc.verify import verify
+from ledger_cdc.writer import Ledger
+from tests.cdc import ROOT, wait_caught_up
+from tests.conftest import Database
+from tests.unit.test_fold import event_strategy
+
+register_event_type("x.unknown")  # free-form: kept in the log, ignored by the core reducers
+
+
+class RunningConsumer:
+    def __init__(self, dsn: str, snapshot_every: int = 3) -> None:
+        self.consumer = Consumer(
+            ConsumerConfig(
+                dsn=dsn, create_slot=True, snapshot_every=snapshot_every, max_delay=0.005
+            )
+        )
+        self.thread = threading.Thread(target=self.consumer.run, daemon=True)
+
+    def __enter__(self) -> Consumer:
+        self.thread.start()
+        return self.consumer
+
+    def __exit__(self, *exc: object) -> None:
+        self.consumer.stop()
+        self.thread.join(30)
+
+
+@pytest.fixture
+def consumed(db: Database) -> Iterator[Database]:
+    with RunningConsumer(db.dsn):
+        yield db
+
+
+def _prefix_fold(conn: psycopg.Connection[Any], sid: uuid.UUID, upto_seq: int) -> SessionContext:
+    evs = [
+        e for e in load_events(conn, sid, upto_seq=upto_seq) if not isinstance(e, InvalidEventError)
+    ]
+    return fold(evs, session_id=sid)
+
+
+def _write_turns(
+    db: Database, sid: uuid.UUID, turns: list[list[tuple[str, dict[str, Any]]]]
+) -> None:
+    with Ledger(db.dsn) as ledger:
+        for turn in turns:
+            with ledger.transaction() as tx:
+                for i, (etype, payload) in enumerate(turn):
+                    tx.append(sid, "a" if i % 2 else "b", etype, payload)
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(st.lists(event_strategy, min_size=1, max_size=4), min_size=1, max_size=12))
+def test_rebuild_from_snapshot_equals_fold_from_zero_for_every_prefix(
+    consumed: Database, turns: list[list[tuple[str, dict[str, Any]]]]
+) -> None:
+    sid = uuid.uuid4()
+    _write_turns(consumed, sid, turns)
+    wait_caught_up(consumed.dsn)
+    with consumed.connect() as conn:
+        seqs = [
+            int(s)
+            for (s,) in conn.execute(
+                "SELECT seq FROM agent_events WHERE session_id = %s ORDER BY position", (sid,)
+            )
+        ]
+        (snaps,) = conn.execute(  # type: ignore[misc]
+            "SELECT count(*) FROM agent_snapshots WHERE session_id = %s", (sid,)
+        ).fetchone()
+        if len(seqs) >= 3:
+            assert snaps >= 1  # the consumer snapshots every 3 events: some prefixes use one
+        for seq in seqs:
+            rebuilt = rebuild_context(conn, sid, upto_seq=seq)
+            assert encode_context(rebuilt) == encode_context(_prefix_fold(conn, sid, seq)), seq
+        assert rebuild_context(conn, sid) == _prefix_fold(conn, sid, seqs[-1])
+
+
+def _agent_run(db: Database, sid: uuid.UUID, *, finish_tool: bool = False) -> None:
+    """A session that dies with one tool call in flight (c2) and one completed (c1)."""
+    with Ledger(db.dsn) as ledger:
+        ledger.append(
+            sid,
+            "w1",
+            "context.loaded",
+            {"messages": [{"role": "user", "content": "go"}], "task": "t"},
+        )
+        with ledger.transaction() as tx:
+            tx.append(
+                sid,
+                "w1",
+                "model.requested",
+                {"request_id": "r1", "model": "m", "prompt_hash": "p1", "idempotency_key": "mk1"},
+            )
+            tx.append(
+                sid,
+                "w1",
+                "model.responded",
+                {
+                    "request_id": "r1",
+                    "model": "m",
+                    "content": "use tools",
+                    "usage": {"input_tokens": 10, "output_tokens": 2},
+                },
+            )
+            tx.append(
+                sid,
+                "w1",
+                "tool.invoked",
+                {
+                    "call_id": "c1",
+                    "tool": "search",
+                    "arguments": {"q": 1},
+                    "idempotency_key": f"{sid}:c1",
+                },
+            )
+            tx.append(
+                sid,
+                "w1",
+                "tool.invoked",
+                {
+                    "call_id": "c2",
+                    "tool": "fetch",
+                    "arguments": {"u": "x"},
+                    "idempotency_key": f"{sid}:c2",
+                },
+            )
+        ledger.append(sid, "w1", "tool.observed", {"call_id": "c1", "result": {"hits": 3}})
+        if finish_tool:
+            ledger.append(sid, "w1", "tool.observed", {"call_id": "c2", "result": "page"})
+
+
+def test_rebuild_reports_in_flight_calls_and_memoises_completed_ones(db: Database) -> None:
+    sid = uuid.uuid4()
+    _agent_run(db, sid)
+    with db.connect() as conn:
+        ctx = rebuild_context(conn, sid)
+    assert (
+        list(ctx.pending_tools) == ["c2"] and ctx.pending_tools["c2"].idempotency_key == f"{sid}:c2"
+    )
+    memo = ctx.memoised_tool("c1")
+    assert memo is not None and memo.result == {"hits": 3}
+    assert ctx.memoised_tool(idempotency_key=f"{sid}:c1") is memo
+    assert ctx.memoised_tool("c2") is None
+    model = ctx.memoised_model(prompt_hash="p1")
+    assert model is not None and model.content == "use tools" and model.idempotency_key == "mk1"
+    assert ctx.memoised_model(idempotency_key="mk1") is model
+
+
+def test_retry_tool_records_the_same_key_and_refuses_a_stale_context(db: Database) -> None:
+    sid = uuid.uuid4()
+    _agent_run(db, sid)
+    with db.connect() as conn:
+        ctx = rebuild_context(conn, sid)
+        stale = rebuild_context(conn, sid)
+        res = retry_tool(conn, ctx, "c2", "w2")
+        assert not res.duplicate and ctx.last_position == res.position
+        assert ctx.pending_tools["c2"].attempts == 2
+        row = conn.execute(
+            "SELECT agent_id, payload->>'idempotency_key', payload->>'call_id' FROM agent_events "
+            "WHERE seq = %s",
+            (res.seq,),
+        ).fetchone()
+        assert row == ("w2", f"{sid}:c2", "c2")
+        # the retry is part of the log: a fresh rebuild sees it, equal to the advanced context
+        assert rebuild_context(conn, sid) == ctx
+        # another worker that rebuilt before the retry loses the race
+        with pytest.raises(ConcurrentAppendError):
+            retry_tool(conn, stale, "c2", "w3")
+        with pytest.raises(Exception, match="not in flight"):
+            retry_tool(conn, ctx, "c1", "w2")
+
+
+def test_async_rebuild_and_retry(db: Database) -> None:
+    sid = uuid.uuid4()
+    _agent_run(db, sid)
+
+    async def go() -> SessionContext:
+        async with await psycopg.AsyncConnection.connect(db.dsn, autocommit=True) as conn:
+            ctx = await rebuild_context_async(conn, sid)
+            await retry_tool_async(conn, ctx, "c2", "w2")
+            return await rebuild_context_async(conn, sid)
+
+    ctx = asyncio.run(go())
+    with db.connect() as conn:
+        assert ctx == rebuild_context(conn, sid)
+    assert ctx.pending_tools["c2"].attempts == 2
+
+
+def test_snapshot_of_another_format_or_corrupted_is_skipped(consumed: Database) -> None:
+    sid = uuid.uuid4()
+    _agent_run(consumed, sid)
+    wait_caught_up(consumed.dsn)  # one snapshot per batch at most: two batches, two snapshots
+    with Ledger(consumed.dsn) as ledger:
+        for i in range(3):
+            ledger.append(sid, "w1", "tool.invoked", {"call_id": f"x{i}", "tool": "t"})
+    wait_caught_up(consumed.dsn)
+    with consumed.connect() as conn:
+        truth = _prefix_fold(conn, sid, 2**62)
+        snaps = conn.execute(
+            "SELECT upto_seq FROM agent_snapshots WHERE session_id = %s ORDER BY upto_seq", (sid,)
+        ).fetchall()
+        assert len(snaps) >= 2
+        # garbage under an old format version and an unknown reducer version: never used
+        last_seq = truth.last_seq
+        conn.execute(
+            "INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version, "
+            "reducer_version, content_hash, data) VALUES (%s, %s, %s, 0, 'core-0', '\\x00', %s)",
+            (sid, last_seq + 1, truth.last_position, b'{"not": "a context"}'),
+        )
+        assert rebuild_context(conn, sid) == truth
+        # the latest current snapshot corrupted in place: skipped, an older one is used
+        conn.execute("ALTER TABLE agent_snapshots DISABLE TRIGGER ALL")
+        conn.execute(
+            "UPDATE agent_snapshots SET data = convert_to(replace(convert_from(data, 'UTF8'), "
+            "'\"hits\":3', '\"hits\":4'), 'UTF8') WHERE session_id = %s AND upto_seq = %s",
+            (sid, snaps[-1][0]),
+        )
+        assert rebuild_context(conn, sid) == truth
+
+
+def test_fork_copies_the_prefix_and_diff_starts_at_the_fork_point(db: Database) -> None:
+    sid = uuid.uuid4()
+    _agent_run(db, sid, finish_tool=True)
+    with db.connect() as conn:
+        seqs = [
+            int(s)
+            for (s,) in conn.execute(
+                "SELECT seq FROM agent_events WHERE session_id = %s ORDER BY position", (sid,)
+            )
+        ]
+        res = fork(conn, sid, seqs[4], reason="try another tool")  # both calls in flight
+        assert res.events == 5 and res.upto_position == 5
+        forked = rebuild_context(conn, res.session_id)
+        assert forked.forked_from is not None and forked.forked_from.session_id == sid
+        assert forked.last_position == 6  # the marker, then the 5 copies
+        origin_prefix = _prefix_fold(conn, sid, seqs[4])
+
+        # the same state as the origin at the fork point (seqs are the fork's own)
+        def calls(c: SessionContext) -> dict[str, Any]:
+            return {k: (v.tool, v.arguments, v.idempotency_key) for k, v in c.pending_tools.items()}
+
+        assert (
+            calls(forked)
+            == calls(origin_prefix)
+            == {"c1": ("search", {"q": 1}, f"{sid}:c1"), "c2": ("fetch", {"u": "x"}, f"{sid}:c2")}
+        )
+        assert forked.messages == origin_prefix.messages
+        assert list(forked.completed_models) == list(origin_prefix.completed_models) == ["r1"]
+        # outbox rows are not copied; the fork's hash chain is intact
+        (n,) = conn.execute(
+            "SELECT count(*) FROM agent_outbox WHERE session_id = %s", (res.session_id,)
+        ).fetchone()  # type: ignore[misc]
+        assert n == 0
+    report = verify(db.dsn, [res.session_id])
+    assert report.ok and report.chained_events == 6
+    out = _cli(db, "diff", str(sid), str(res.session_id), "--json")
+    assert out.returncode == 1
+    d = json.loads(out.stdout)
+    assert d["common_steps"] == 5 and d["step"] == 6 and d["seq_b"] is None
+
+
+def _cli(db: Database, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ledger_cdc", *args, "--dsn", db.dsn],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+def test_verify_catches_corrupted_projection_snapshot_and_chain(consumed: Database) -> None:
+    a, b = uuid.uuid4(), uuid.uuid4()
+    _agent_run(consumed, a, finish_tool=True)
+    _agent_run(consumed, b)
+    wait_caught_up(consumed.dsn)
+    consumer_dsn = consumed.dsn
+    assert verify(consumer_dsn).ok
+    ok = _cli(consumed, "verify", "--all")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    with consumed.connect() as conn:
+        conn.execute(
+            "UPDATE agent_sessions SET context = jsonb_set(context, '{usage,input_tokens}', '999') "
+            "WHERE session_id = %s",
+            (a,),
+        )
+        (snap_seq,) = conn.execute(  # type: ignore[misc]
+            "SELECT min(upto_seq) FROM agent_snapshots WHERE session_id = %s", (b,)
+        ).fetchone()
+        conn.execute(
+            "UPDATE agent_snapshots SET data = convert_to(replace(convert_from(data, 'UTF8'), "
+            '\'"status":"running"\', \'"status":"completed"\'), \'UTF8\'), '
+            "content_hash = sha256(convert_to(replace(convert_from(data, 'UTF8'), "
+            '\'"status":"running"\', \'"status":"completed"\'), \'UTF8\')) '
+            "WHERE session_id = %s AND upto_seq = %s",
+            (b, snap_seq),
+        )
+    report = verify(consumer_dsn)
+    found = {(d.session_id, d.kind, d.field) for d in report.differences}
+    assert (a, "projection", "usage.input_tokens") in found
+    assert (b, "snapshot", "status") in found
+    diff_a = next(d for d in report.differences if d.session_id == a)
+    assert diff_a.expected == 10 and diff_a.actual == 999 and diff_a.seq is not None
+    assert not any(d.kind == "chain" for d in report.differences)
+    # a row edited behind the guard's back: the chain walk names it
+    with consumed.connect() as conn:
+        conn.execute("ALTER TABLE agent_events DISABLE TRIGGER agent_events_append_only")
+        (seq,) = conn.execute(  # type: ignore[misc]
+            "UPDATE agent_events SET payload = jsonb_set(payload, '{result}', '\"forged\"') "
+            "WHERE session_id = %s AND event_type = 'tool.observed' RETURNING seq",
+            (b,),
+        ).fetchone()
+        conn.execute("ALTER TABLE agent_events ENABLE ALWAYS TRIGGER agent_events_append_only")
+    out = _cli(consumed, "verify", "--all", "--json")
+    assert out.returncode == 1, out.stderr
+    rep = json.loads(out.stdout)
+    chain = [d for d in rep["differences"] if d["kind"] == "chain"]
+    assert (
+        chain == [{**chain[0], "session_id": str(b), "seq": seq}]
+        and "contents" in chain[0]["detail"]
+    )
+
+
+def test_replay_and_inspect_commands(db: Database) -> None:
+    sid = uuid.uuid4()
+    _agent_run(db, sid)
+    out = _cli(db, "replay", str(sid), "--json")
+    assert out.returncode == 0, out.stderr
+    ctx = json.loads(out.stdout)
+    assert list(ctx["pending_tools"]) == ["c2"] and ctx["completed_tools"]["c1"]["result"] == {
+        "hits": 3
+    }
+    human = _cli(db, "replay", str(sid))
+    assert "in flight" in human.stdout and f"{sid}:c2" in human.stdout
+    out = _cli(db, "inspect", str(sid), "--json")
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    marks = {
+        r["summary"].split(" · ")[-1]: (r["mark"], r["pair_seq"])
+        for r in rows
+        if r["event_type"] == "tool.invoked"
+    }
+    observed_seq = next(r["seq"] for r in rows if r["event_type"] == "tool.observed")
+    assert marks == {"c1": (None, observed_seq), "c2": ("in flight", None)}
+    assert "in flight" in _cli(db, "inspect", str(sid)).stdout
+    missing = _cli(db, "replay", str(uuid.uuid4()))
+    assert missing.returncode == 5 and "has no events" in missing.stderr
+    bad = _cli(db, "replay", "not-a-uuid")
+    assert bad.returncode == 2 and "not a session id" in bad.stderr
