@@ -43,7 +43,7 @@ __all__ = [
 _TYPE_RE = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
 
 
-class Message(msgspec.Struct, frozen=True, gc=False):
+class Message(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     """One chat message of an agent's context window."""
 
     role: str
@@ -57,7 +57,7 @@ class Usage(msgspec.Struct, frozen=True, gc=False):
     output_tokens: int = 0
 
 
-class ToolCall(msgspec.Struct, frozen=True):
+class ToolCall(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     """A tool call a model asked for, as part of its response."""
 
     call_id: str

@@ -65,7 +65,7 @@ REDUCER_VERSION = "core-2"
 """Version of the built-in reducers' semantics (bump when a reducer changes its output)."""
 
 
-class PendingTool(msgspec.Struct):
+class PendingTool(msgspec.Struct, omit_defaults=True, gc=False):
     call_id: str
     tool: str
     arguments: dict[str, Any]
@@ -74,7 +74,7 @@ class PendingTool(msgspec.Struct):
     attempts: int = 1
 
 
-class CompletedTool(msgspec.Struct):
+class CompletedTool(msgspec.Struct, omit_defaults=True, gc=False):
     call_id: str
     tool: str
     arguments: dict[str, Any]
@@ -85,7 +85,7 @@ class CompletedTool(msgspec.Struct):
     observed_seq: int
 
 
-class PendingModel(msgspec.Struct):
+class PendingModel(msgspec.Struct, omit_defaults=True, gc=False):
     request_id: str
     model: str
     prompt_hash: str | None
@@ -93,7 +93,7 @@ class PendingModel(msgspec.Struct):
     requested_seq: int
 
 
-class CompletedModel(msgspec.Struct):
+class CompletedModel(msgspec.Struct, omit_defaults=True, gc=False):
     request_id: str
     model: str
     prompt_hash: str | None
@@ -107,20 +107,20 @@ class CompletedModel(msgspec.Struct):
     idempotency_key: str | None = None
 
 
-class ForkOrigin(msgspec.Struct):
+class ForkOrigin(msgspec.Struct, omit_defaults=True, gc=False):
     session_id: uuid.UUID
     upto_seq: int
     upto_position: int
 
 
-class Handoff(msgspec.Struct):
+class Handoff(msgspec.Struct, omit_defaults=True, gc=False):
     handoff_id: str
     agent: str  # to (emitted) / from (received)
     seq: int
     message: str = ""
 
 
-class TokenUsage(msgspec.Struct):
+class TokenUsage(msgspec.Struct, omit_defaults=True, gc=False):
     input_tokens: int = 0
     output_tokens: int = 0
     model_calls: int = 0

@@ -14,7 +14,9 @@ every session from zero (what ``verify`` compares against).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import gc
 import hashlib
 import logging
 import uuid
@@ -153,7 +155,8 @@ def _snapshot_context(sid: uuid.UUID, row: Sequence[Any]) -> SessionContext | No
         )
         return None
     try:
-        return decode_context(raw)
+        with _no_gc():
+            return decode_context(raw)
     except msgspec.DecodeError as e:
         log.warning(
             "snapshot of session %s at seq %s is unreadable (%s): skipped", sid, upto_seq, e
@@ -161,13 +164,27 @@ def _snapshot_context(sid: uuid.UUID, row: Sequence[Any]) -> SessionContext | No
         return None
 
 
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Decoding a snapshot allocates tens of thousands of objects that live on: without this,
+    each allocation burst triggers collections that walk them all (several ms per rebuild)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _fold_tail(
     sid: uuid.UUID, ctx: SessionContext | None, rows: Iterable[Sequence[Any]]
 ) -> SessionContext:
     cur = ctx if ctx is not None else SessionContext(sid)
-    for ev in _typed(rows):
-        if not isinstance(ev, InvalidEventError):
-            apply(cur, ev)
+    with _no_gc():
+        for ev in _typed(rows):
+            if not isinstance(ev, InvalidEventError):
+                apply(cur, ev)
     return cur
 
 

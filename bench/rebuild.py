@@ -1,0 +1,186 @@
+"""rebuild_context on a long session: latest snapshot + tail, next to a replay from zero.
+
+One session of ``--events`` events (agent turns: model request and response with a tool call in
+one transaction, then the tool's result), folded by a real ``ledger-cdc consume`` process that
+snapshots every ``--snapshot-every`` events. Then, in one run, ``--runs`` calls of
+``rebuild_context`` at random points of the log (``upto_seq``; the head included) and the same
+number of replays from zero of the same prefixes (no snapshot: every event read and folded).
+Prints p50/p99 of both, the ratio, and the snapshot size.
+
+    sh scripts/dev.sh bench rebuild [--events 10000] [--snapshot-every 100] [--profile compact|verbose]
+
+Profiles: ``compact`` (short model replies and tool results, as in the tests) and ``verbose``
+(replies of about 150 characters, results of about 100): the snapshot grows with the memoised
+results, and its decode is most of a rebuild.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+
+import psycopg
+from common import ROOT, percentile, wait_until
+
+from ledger_cdc.embedded import EmbeddedPostgres
+from ledger_cdc.fold import fold
+from ledger_cdc.replay import load_events, rebuild_context
+from ledger_cdc.schema import init
+from ledger_cdc.writer import Ledger
+
+
+def write_session(dsn: str, sid: uuid.UUID, events: int, verbose: bool) -> None:
+    reply = (
+        "Looking at the numbers, the next step is to query the regional table. "
+        * (2 if verbose else 0)
+        or "ok"
+    )
+    with Ledger(dsn) as ledger:
+        n, turn = 0, 0
+        ledger.append(
+            sid, "planner", "context.loaded", {"messages": [{"role": "user", "content": "go"}]}
+        )
+        n += 1
+        while n < events:
+            turn += 1
+            call = f"call-{turn}"
+            with ledger.transaction() as tx:
+                tx.append(
+                    sid,
+                    "planner",
+                    "model.requested",
+                    {"request_id": f"r{turn}", "model": "m", "prompt_hash": f"{turn:016x}"},
+                )
+                tx.append(
+                    sid,
+                    "planner",
+                    "model.responded",
+                    {
+                        "request_id": f"r{turn}",
+                        "model": "m",
+                        "content": reply,
+                        "usage": {"input_tokens": 900, "output_tokens": 40},
+                        "tool_calls": [{"call_id": call, "tool": "sql", "arguments": {"q": turn}}],
+                    },
+                )
+                tx.append(
+                    sid,
+                    "planner",
+                    "tool.invoked",
+                    {
+                        "call_id": call,
+                        "tool": "sql",
+                        "arguments": {"q": turn},
+                        "idempotency_key": f"{sid}:{call}",
+                    },
+                    idempotency_key=f"{sid}:{call}",
+                )
+            result = (
+                {"rows": turn % 17, "region": "emea"}
+                if not verbose
+                else {"rows": turn % 17, "sample": "region=emea revenue=1234.5 delta=+3.2% " * 2}
+            )
+            if n + 4 <= events:
+                ledger.append(sid, "planner", "tool.observed", {"call_id": call, "result": result})
+            n += 4 if n + 4 <= events else 3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="rebuild_context benchmark")
+    ap.add_argument("--events", type=int, default=10_000)
+    ap.add_argument("--snapshot-every", type=int, default=100)
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--profile", choices=["compact", "verbose"], default="compact")
+    ap.add_argument("--pg-major", type=int, default=None)
+    args = ap.parse_args()
+    sid = uuid.uuid4()
+    with EmbeddedPostgres(major=args.pg_major) as pg:
+        dsn = pg.dsn()
+        init(dsn, slot="agent_slot")
+        consumer = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ledger_cdc",
+                "consume",
+                "--dsn",
+                dsn,
+                "--log-format",
+                "text",
+                "--snapshot-every",
+                str(args.snapshot_every),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        t0 = time.monotonic()
+        write_session(dsn, sid, args.events, args.profile == "verbose")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            (head,) = conn.execute(  # type: ignore[misc]
+                "SELECT max(position) FROM agent_events WHERE session_id = %s", (sid,)
+            ).fetchone()
+
+            def caught_up() -> bool:
+                row = conn.execute(
+                    "SELECT last_position FROM agent_sessions WHERE session_id = %s", (sid,)
+                ).fetchone()
+                return row is not None and row[0] == head
+
+            wait_until(caught_up, 300)
+            consumer.send_signal(signal.SIGTERM)
+            consumer.wait(60)
+            snaps, size = conn.execute(  # type: ignore[misc]
+                "SELECT count(*), max(length(data)) FROM agent_snapshots WHERE session_id = %s",
+                (sid,),
+            ).fetchone()
+            seqs = [
+                s
+                for (s,) in conn.execute(
+                    "SELECT seq FROM agent_events WHERE session_id = %s ORDER BY position", (sid,)
+                )
+            ]
+            print(
+                f"PostgreSQL {pg.major}, profile {args.profile}: session of {head:,} events "
+                f"written and folded in {time.monotonic() - t0:.1f}s; {snaps} snapshots, the "
+                f"latest {size / 1e6:.2f} MB"
+            )
+            rng = random.Random(1)
+            rebuild_context(conn, sid)  # warm: imports, decoders, the server's cache
+            results = {}
+            for label, points in (
+                ("at the head", [seqs[-1]] * args.runs),
+                ("at random points", [rng.choice(seqs) for _ in range(args.runs)]),
+            ):
+                fast, slow = [], []
+                for upto in points:
+                    gc.collect()  # each timing starts from the same heap, outside the timed part
+                    t = time.perf_counter()
+                    ctx = rebuild_context(conn, sid, upto_seq=upto)
+                    fast.append((time.perf_counter() - t) * 1000)
+                    gc.collect()
+                    t = time.perf_counter()
+                    ref = fold(list(load_events(conn, sid, upto_seq=upto)), session_id=sid)  # type: ignore[arg-type]
+                    slow.append((time.perf_counter() - t) * 1000)
+                    assert ctx == ref, f"rebuild at seq {upto} differs from a replay from zero"
+                    del ctx, ref
+                results[label] = (fast, slow)
+    for label, (fast, slow) in results.items():
+        p50f, p99f = statistics.median(fast), percentile(fast, 99)
+        p50s, p99s = statistics.median(slow), percentile(slow, 99)
+        print(
+            f"{label:>16}: rebuild_context p50 {p50f:6.2f} ms p99 {p99f:6.2f} ms | replay from "
+            f"zero p50 {p50s:6.2f} ms p99 {p99s:6.2f} ms | {p50s / p50f:4.1f}x | target p50 < 5 ms "
+            f"{'met' if p50f < 5 else 'NOT met'}"
+        )
+
+
+if __name__ == "__main__":
+    main()
