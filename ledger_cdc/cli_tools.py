@@ -606,3 +606,80 @@ def outbox_requeue(ctx: click.Context, ids: tuple[int, ...]) -> None:
     with _connect(ctx.meta["dsn"]) as conn:
         n = requeue(conn, ids)
     click.echo(f"requeued {n} row(s)")
+
+
+# -- runs -----------------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@click.option(
+    "--status",
+    type=click.Choice(["pending", "running", "suspended", "stale", "completed", "failed"]),
+    default=None,
+    help="Only runs in this state (stale: running on an expired lease).",
+)
+@click.option("--limit", default=200, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+@handles_errors
+def runs(state: State, dsn: str, status: str | None, limit: int, as_json: bool) -> None:
+    """List runs from the projections: pending (ready to lease), running (with lease holder and
+    expiry), suspended (and the signals they wait for), stale (lease expired: may be taken
+    over), completed, failed."""
+    from .runs import list_runs
+
+    with _connect(dsn) as conn:
+        rows = list_runs(conn, status, limit=limit)
+    if as_json:
+        click.echo(jsonlib.dumps(rows, indent=2, default=str))
+        return
+    colours = {"pending": "cyan", "running": "green", "suspended": "yellow", "stale": "red"}
+    t = Table(title=f"runs{'' if status is None else f' ({status})'}")
+    for col in ("session", "status", "lease holder", "lease until", "waits for", "last seq"):
+        t.add_column(col)
+    for r in rows:
+        c = colours.get(r["status"])
+        t.add_row(
+            str(r["session_id"]),
+            f"[{c}]{r['status']}[/]" if c else r["status"],
+            r["lease_worker"] or "—",
+            "—" if r["lease_until"] is None else r["lease_until"].isoformat(timespec="seconds"),
+            ", ".join(r["wait_for"]) or "—",
+            str(r["last_seq"]),
+        )
+    state.console.print(t)
+
+
+@cli.command("signal")
+@dsn_option
+@click.argument("session", type=SESSION)
+@click.argument("name")
+@click.option("--payload", default=None, help="JSON value delivered with the signal.")
+@click.option(
+    "--id", "signal_id", default=None, help="Signal id: sending the same id twice is a no-op."
+)
+@click.option("--sender", default="cli", show_default=True, help="Recorded as the event's agent.")
+@click.pass_obj
+@handles_errors
+def signal_cmd(
+    state: State,
+    dsn: str,
+    session: uuid.UUID,
+    name: str,
+    payload: str | None,
+    signal_id: str | None,
+    sender: str,
+) -> None:
+    """Send a signal to a run (an approval, a webhook's answer): appends signal.received. A run
+    suspended on NAME becomes pending and is woken by the consumer's notification."""
+    from .runs import signal as do_signal
+
+    try:
+        value = None if payload is None else jsonlib.loads(payload)
+    except ValueError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint="--payload") from None
+    with _connect(dsn) as conn:
+        res = do_signal(conn, session, name, value, sender=sender, signal_id=signal_id)
+    what = "already sent" if res.duplicate else "sent"
+    state.console.print(f"signal {name} {what}: seq {res.seq}, position {res.position}")

@@ -37,6 +37,7 @@ from psycopg import sql
 from .errors import DecodeError, InvalidEventError, LedgerError, format_lsn, parse_lsn
 from .events import LedgerEvent
 from .fold import (
+    RUN_PENDING,
     SessionContext,
     apply,
     encode_context,
@@ -56,6 +57,13 @@ __all__ = ["Consumer", "ConsumerConfig", "Metrics"]
 log = logging.getLogger("ledger_cdc.consumer")
 
 HEARTBEAT_PREFIX = "ledger-cdc.heartbeat"
+_EXPIRED_LEASES = """
+WITH t AS (SELECT now() AS now)
+SELECT t.now, (SELECT count(pg_notify(%(ch)s, s.session_id::text)) FROM agent_sessions s
+               WHERE s.run_status = 'running' AND s.lease_until <= t.now
+                 AND (%(last)s::timestamptz IS NULL OR s.lease_until > %(last)s::timestamptz))
+FROM t
+"""
 _PG_EPOCH = 946684800.0  # 2000-01-01 in Unix seconds
 
 
@@ -81,6 +89,8 @@ class ConsumerConfig:
     table: str = LEDGER_TABLE
     on_slot_lost: str = "resync"  # or "exit"
     health_interval: float = 10.0
+    notify_channel: str = "ledger_runs"  # NOTIFY channel for runs ready to lease
+    lease_watch_interval: float = 1.0  # seconds between looks for expired leases (0: off)
     thresholds: Thresholds = field(default_factory=Thresholds)
     progress: Callable[[int, int], None] | None = None  # bootstrap progress (done, total)
 
@@ -386,6 +396,7 @@ class Consumer:
         gc.set_threshold(50_000, 50, 1000)
         self._start_heartbeat()
         self._start_guard()
+        self._start_lease_watch()
         attempt = 0
         try:
             while not self._stop.is_set():
@@ -700,6 +711,7 @@ class Consumer:
             for sid, loaded in self.sink.load_contexts(missing).items():
                 self._cache[sid] = loaded
         changed: dict[uuid.UUID, tuple[SessionContext, int]] = {}
+        runs_before: dict[uuid.UUID, tuple[str, int] | None] = {}
         for txn in txns:
             before: dict[uuid.UUID, tuple[int, str]] = {}
             for it in txn.items:
@@ -712,6 +724,9 @@ class Consumer:
                         continue  # already folded (a projection ahead of a lost checkpoint)
                     if it.session_id not in before:
                         before[it.session_id] = (ctx.event_count, ctx.status)
+                    if it.session_id not in runs_before:
+                        r = ctx.run
+                        runs_before[it.session_id] = None if r is None else (r.status, r.leases)
                     apply(ctx, it)
                     changed[it.session_id] = (ctx, txn.commit_lsn)
                     batch.events += 1
@@ -760,6 +775,12 @@ class Consumer:
             batch.transactions += 1
         for sid, (ctx, commit_lsn) in changed.items():
             batch.sessions[sid] = (ctx, encode_context(ctx), commit_lsn)
+            run = ctx.run
+            if run is not None and run.status == RUN_PENDING:
+                was = runs_before.get(sid)
+                if was is None or was != (RUN_PENDING, run.leases):
+                    batch.notify.append(sid)  # became ready to lease in this batch
+        batch.channel = self.config.notify_channel
         if txns:
             batch.last_commit_ts = txns[-1].commit_ts
             batch.commit_times = [t.commit_ts for t in txns]
@@ -836,6 +857,38 @@ class Consumer:
                 x.pop(key, None)
             else:
                 x[key] = float(value)
+
+    # -- lease watch ----------------------------------------------------------------------------
+
+    def _start_lease_watch(self) -> None:
+        """Tell schedulers when a lease expires: no event marks that moment, so every interval
+        the consumer notifies the runs whose lease ran out since the last look (server clock)."""
+        interval = self.config.lease_watch_interval
+        if not interval:
+            return
+        dsn, channel = self.config.target_dsn or self.config.dsn, self.config.notify_channel
+
+        def watch() -> None:
+            conn: psycopg.Connection[Any] | None = None
+            last: Any = None  # the first look also notifies leases that expired while we were down
+            while not self._stop.wait(interval):
+                try:
+                    if conn is None or conn.closed:
+                        conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+                    row = conn.execute(_EXPIRED_LEASES, {"ch": channel, "last": last}).fetchone()
+                    if row is not None:
+                        last = row[0]
+                        if row[1]:
+                            log.info("%d lease(s) expired: schedulers notified", row[1])
+                except psycopg.Error as e:
+                    log.debug("lease watch failed: %s", e)
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+            if conn is not None:
+                conn.close()
+
+        threading.Thread(target=watch, name="ledger-cdc-lease-watch", daemon=True).start()
 
     # -- heartbeat ------------------------------------------------------------------------------
 

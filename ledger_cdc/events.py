@@ -26,7 +26,12 @@ __all__ = [
     "Message",
     "ModelRequested",
     "ModelResponded",
+    "RunLeased",
+    "RunQueued",
+    "RunReleased",
+    "RunSuspended",
     "SessionForked",
+    "SignalReceived",
     "TaskCompleted",
     "TaskFailed",
     "ToolCall",
@@ -130,6 +135,42 @@ class SessionForked(msgspec.Struct, frozen=True):
     reason: str | None = None
 
 
+class RunQueued(msgspec.Struct, frozen=True):
+    """The run is ready for a worker to lease it."""
+
+    reason: str | None = None
+
+
+class RunLeased(msgspec.Struct, frozen=True):
+    """A worker holds the run for ``ttl`` seconds from the event's commit-time ``created_at``
+    (the server's clock). Renewal is another ``run.leased`` by the same worker."""
+
+    worker: str
+    ttl: float
+
+
+class RunReleased(msgspec.Struct, frozen=True):
+    """The worker gives the run back (it is pending again)."""
+
+    worker: str
+    reason: str | None = None
+
+
+class RunSuspended(msgspec.Struct, frozen=True):
+    """The run waits for one of ``wait_for`` (signal names); its lease ends."""
+
+    reason: str
+    wait_for: list[str] = []
+
+
+class SignalReceived(msgspec.Struct, frozen=True):
+    """A signal sent to the run from outside (an approval, a webhook)."""
+
+    name: str
+    payload: Any = None
+    sender: str | None = None
+
+
 class TaskCompleted(msgspec.Struct, frozen=True):
     result: Any = None
 
@@ -153,6 +194,11 @@ EVENT_TYPES: dict[str, Any] = {
     "task.completed": TaskCompleted,
     "task.failed": TaskFailed,
     "session.forked": SessionForked,
+    "run.queued": RunQueued,
+    "run.leased": RunLeased,
+    "run.released": RunReleased,
+    "run.suspended": RunSuspended,
+    "signal.received": SignalReceived,
 }
 _BUILTIN = frozenset(EVENT_TYPES)
 _decoders: dict[str, msgspec.json.Decoder[Any]] = {}

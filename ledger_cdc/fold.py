@@ -15,6 +15,7 @@ the log and ignored here; applications add projection reducers of their own with
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import uuid
 from collections.abc import Callable, Iterable
@@ -31,7 +32,12 @@ from .events import (
     Message,
     ModelRequested,
     ModelResponded,
+    RunLeased,
+    RunQueued,
+    RunReleased,
+    RunSuspended,
     SessionForked,
+    SignalReceived,
     TaskCompleted,
     TaskFailed,
     ToolCall,
@@ -46,9 +52,12 @@ __all__ = [
     "CompletedTool",
     "ForkOrigin",
     "Handoff",
+    "Lease",
     "PendingModel",
     "PendingTool",
+    "RunState",
     "SessionContext",
+    "Signal",
     "TokenUsage",
     "apply",
     "copy_context",
@@ -113,6 +122,36 @@ class ForkOrigin(msgspec.Struct, omit_defaults=True, gc=False):
     upto_position: int
 
 
+class Lease(msgspec.Struct, omit_defaults=True, gc=False):
+    worker: str
+    until: dt.datetime  # the leasing event's created_at (server clock) + its ttl
+    seq: int
+    position: int
+
+
+class Signal(msgspec.Struct, omit_defaults=True, gc=False):
+    name: str
+    seq: int
+    payload: Any = None
+    sender: str | None = None
+
+
+RUN_PENDING, RUN_RUNNING, RUN_SUSPENDED = "pending", "running", "suspended"
+
+
+class RunState(msgspec.Struct):
+    """Coordination state of a run, folded from run.* and signal.* events (no clock is read:
+    whether a lease has expired is decided by whoever asks, against the server's clock)."""
+
+    status: str = RUN_RUNNING  # pending | running | suspended | completed | failed
+    lease: Lease | None = None
+    wait_for: list[str] = []
+    reason: str | None = None
+    inbox: list[Signal] = []  # signals that no suspension has consumed yet
+    woken_by: Signal | None = None
+    leases: int = 0  # run.leased events, renewals included
+
+
 class Handoff(msgspec.Struct, omit_defaults=True, gc=False):
     handoff_id: str
     agent: str  # to (emitted) / from (received)
@@ -149,6 +188,7 @@ class SessionContext(msgspec.Struct):
     last_position: int = 0
     ignored_events: int = 0
     forked_from: ForkOrigin | None = None
+    run: RunState | None = None
     extra: dict[str, Any] = {}
 
     # -- memo: what a restarted worker answers from the ledger instead of calling again ------
@@ -283,6 +323,7 @@ def _task_completed(ctx: SessionContext, ev: LedgerEvent) -> None:
     ctx.status = "completed"
     ctx.result = p.result
     ctx.error = None
+    _end_run(ctx)
 
 
 def _task_failed(ctx: SessionContext, ev: LedgerEvent) -> None:
@@ -290,6 +331,69 @@ def _task_failed(ctx: SessionContext, ev: LedgerEvent) -> None:
     ctx.status = "failed"
     ctx.error = p.error
     ctx.retryable = p.retryable
+    _end_run(ctx)
+
+
+def _end_run(ctx: SessionContext) -> None:
+    if ctx.run is not None:
+        ctx.run.status = ctx.status
+        ctx.run.lease = None
+
+
+def _run(ctx: SessionContext) -> RunState:
+    if ctx.run is None:
+        ctx.run = RunState()
+    return ctx.run
+
+
+def _run_queued(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: RunQueued = ev.payload
+    run = _run(ctx)
+    run.status, run.lease, run.reason = RUN_PENDING, None, p.reason
+
+
+def _run_leased(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: RunLeased = ev.payload
+    run = _run(ctx)
+    until = ev.created_at + dt.timedelta(seconds=p.ttl)
+    run.status = RUN_RUNNING
+    run.lease = Lease(p.worker, until, ev.seq, ev.position)
+    run.wait_for, run.reason = [], None
+    run.leases += 1
+
+
+def _run_released(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: RunReleased = ev.payload
+    run = _run(ctx)
+    if run.lease is None or run.lease.worker == p.worker:
+        run.status, run.lease, run.reason = RUN_PENDING, None, p.reason
+
+
+def _run_suspended(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: RunSuspended = ev.payload
+    run = _run(ctx)
+    run.status, run.lease, run.reason, run.wait_for = (
+        RUN_SUSPENDED,
+        None,
+        p.reason,
+        list(p.wait_for),
+    )
+    run.woken_by = None
+    for i, sig in enumerate(run.inbox):  # the signal may have come first
+        if sig.name in run.wait_for:
+            del run.inbox[i]
+            run.status, run.woken_by = RUN_PENDING, sig
+            return
+
+
+def _signal_received(ctx: SessionContext, ev: LedgerEvent) -> None:
+    p: SignalReceived = ev.payload
+    run = _run(ctx)
+    sig = Signal(p.name, ev.seq, p.payload, p.sender)
+    if run.status == RUN_SUSPENDED and p.name in run.wait_for:
+        run.status, run.woken_by = RUN_PENDING, sig
+    else:
+        run.inbox.append(sig)
 
 
 REDUCERS: dict[str, Reducer] = {
@@ -303,6 +407,11 @@ REDUCERS: dict[str, Reducer] = {
     "task.completed": _task_completed,
     "task.failed": _task_failed,
     "session.forked": _session_forked,
+    "run.queued": _run_queued,
+    "run.leased": _run_leased,
+    "run.released": _run_released,
+    "run.suspended": _run_suspended,
+    "signal.received": _signal_received,
 }
 
 

@@ -260,7 +260,7 @@ def _record(
     if res.duplicate:
         # this very retry is already in the log, past what ctx has seen: another worker made it
         raise ConcurrentAppendError(ctx.session_id, ctx.last_position, res.position)
-    now = dt.datetime.now(dt.timezone.utc)  # not folded: reducers never read the clock
+    now = res.created_at or dt.datetime.now(dt.timezone.utc)
     apply(
         ctx,
         LedgerEvent(

@@ -63,6 +63,8 @@ class Batch:
     commit_times: list[int] = field(default_factory=list)  # each transaction's commit_ts
     committed_at: float | None = None  # Unix time the sink transaction committed
     epoch: int | None = None  # set the checkpoint's epoch (None: leave it)
+    notify: list[uuid.UUID] = field(default_factory=list)  # runs that became ready to lease
+    channel: str = "ledger_runs"
 
 
 # Rows go in by COPY (one C-level call per row) into session-local staging tables, then one
@@ -70,14 +72,15 @@ class Batch:
 _STAGING = """
 CREATE TEMP TABLE IF NOT EXISTS stage_sessions (
     session_id uuid, status text, last_seq bigint, last_position bigint, event_count bigint,
-    format_version int, context text, commit_lsn text) ON COMMIT DELETE ROWS;
+    format_version int, context text, commit_lsn text, run_status text, lease_worker text,
+    lease_until timestamptz) ON COMMIT DELETE ROWS;
 CREATE TEMP TABLE IF NOT EXISTS stage_snapshots (
     session_id uuid, upto_seq bigint, upto_position bigint, format_version int,
     reducer_version text, content_hash bytea, data bytea) ON COMMIT DELETE ROWS;
 """
 _COPY_SESSIONS = (
     "COPY stage_sessions (session_id, status, last_seq, last_position, event_count, "
-    "format_version, context, commit_lsn) FROM STDIN"
+    "format_version, context, commit_lsn, run_status, lease_worker, lease_until) FROM STDIN"
 )
 _COPY_SNAPSHOTS = (
     "COPY stage_snapshots (session_id, upto_seq, upto_position, format_version, "
@@ -85,14 +88,17 @@ _COPY_SNAPSHOTS = (
 )
 _MERGE_SESSIONS = """
 INSERT INTO agent_sessions (session_id, status, last_seq, last_position, event_count,
-                            format_version, context, commit_lsn, updated_at)
+                            format_version, context, commit_lsn, run_status, lease_worker,
+                            lease_until, updated_at)
 SELECT session_id, status, last_seq, last_position, event_count, format_version,
-       context::jsonb, commit_lsn::pg_lsn, now() FROM stage_sessions
+       context::jsonb, commit_lsn::pg_lsn, run_status, lease_worker, lease_until, now()
+FROM stage_sessions
 ON CONFLICT (session_id) DO UPDATE SET
     status = EXCLUDED.status, last_seq = EXCLUDED.last_seq,
     last_position = EXCLUDED.last_position, event_count = EXCLUDED.event_count,
     format_version = EXCLUDED.format_version, context = EXCLUDED.context,
-    commit_lsn = EXCLUDED.commit_lsn, updated_at = now()
+    commit_lsn = EXCLUDED.commit_lsn, run_status = EXCLUDED.run_status,
+    lease_worker = EXCLUDED.lease_worker, lease_until = EXCLUDED.lease_until, updated_at = now()
 """
 _MERGE_SNAPSHOTS = """
 INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version,
@@ -192,6 +198,8 @@ class PgSink:
                 if batch.sessions:
                     with cur.copy(_COPY_SESSIONS) as copy:
                         for sid, (ctx, data, commit_lsn) in batch.sessions.items():
+                            run = ctx.run
+                            lease = run.lease if run is not None else None
                             copy.write_row(
                                 (
                                     sid,
@@ -202,6 +210,9 @@ class PgSink:
                                     FORMAT_VERSION,
                                     data.decode(),
                                     format_lsn(commit_lsn),
+                                    run.status if run is not None else None,
+                                    lease.worker if lease is not None else None,
+                                    lease.until if lease is not None else None,
                                 )
                             )
                     cur.execute(_MERGE_SESSIONS)
@@ -220,6 +231,11 @@ class PgSink:
                                 )
                             )
                     cur.execute(_MERGE_SNAPSHOTS)
+                if batch.notify:
+                    # delivered by PostgreSQL only when this transaction commits
+                    cur.executemany(
+                        "SELECT pg_notify(%s, %s)", [(batch.channel, str(s)) for s in batch.notify]
+                    )
                 if batch.dead_letters:
                     cur.executemany(
                         _INSERT_DEAD, [_dead_params(self.slot, d) for d in batch.dead_letters]

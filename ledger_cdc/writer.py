@@ -10,6 +10,7 @@ caller's own side effects (outbox rows, application tables) or not at all.
 
 from __future__ import annotations
 
+import datetime as dt
 import uuid
 from collections.abc import AsyncIterator, Generator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -23,6 +24,7 @@ from psycopg import errors as pg_errors
 from .errors import (
     AppendError,
     ConcurrentAppendError,
+    ConfigError,
     IdempotencyConflictError,
     InvalidEventError,
 )
@@ -60,6 +62,7 @@ class AppendResult:
     session_id: uuid.UUID
     duplicate: bool = False
     outbox_ids: tuple[int, ...] = ()
+    created_at: dt.datetime | None = None  # the row's created_at (None for a duplicate)
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ _SELECT_KEY = (
 _SELECT_HEAD = "SELECT coalesce(max(position), 0) FROM agent_events WHERE session_id = %s"
 _INSERT = (
     "INSERT INTO agent_events (session_id, position, agent_id, event_type, payload, "
-    "idempotency_key) VALUES (%s, %s, %s, %s, %s::jsonb, %s) RETURNING seq, position"
+    "idempotency_key) VALUES (%s, %s, %s, %s, %s::jsonb, %s) RETURNING seq, position, created_at"
 )
 _INSERT_OUTBOX = (
     "INSERT INTO agent_outbox (event_seq, session_id, target, payload, idempotency_key) "
@@ -170,7 +173,7 @@ def _append_steps(req: _Request) -> _Steps:
     params = (sid, position, req.agent_id, req.event_type, req.payload, req.idempotency_key)
     for _ in range(_MAX_AUTO_RETRIES):
         try:
-            seq, pos = (yield _Step(_INSERT, params, savepoint=True))[0]
+            seq, pos, created = (yield _Step(_INSERT, params, savepoint=True))[0]
             break
         except pg_errors.UniqueViolation as e:
             constraint = e.diag.constraint_name
@@ -194,7 +197,7 @@ def _append_steps(req: _Request) -> _Steps:
         okey = key or f"{sid}:{pos}:{i}"
         (oid,) = (yield _Step(_INSERT_OUTBOX, (seq, sid, target, body, okey)))[0]
         ids.append(int(oid))
-    return AppendResult(int(seq), int(pos), sid, False, tuple(ids))
+    return AppendResult(int(seq), int(pos), sid, False, tuple(ids), created)
 
 
 def _duplicate(req: _Request, row: tuple[Any, ...]) -> AppendResult:
@@ -425,17 +428,38 @@ class Ledger(Batch):
 class AsyncLedger(AsyncBatch):
     """The async twin of :class:`Ledger`; create with ``await AsyncLedger.connect(dsn)``."""
 
-    def __init__(self, conn: psycopg.AsyncConnection[Any], *, own: bool = False) -> None:
+    def __init__(
+        self, conn: psycopg.AsyncConnection[Any], *, own: bool = False, dsn: str | None = None
+    ) -> None:
         super().__init__(conn)
         self._own = own
+        self._dsn = dsn
 
     @classmethod
     async def connect(cls, dsn: str) -> AsyncLedger:
-        return cls(await psycopg.AsyncConnection.connect(dsn, autocommit=True), own=True)
+        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+        return cls(conn, own=True, dsn=dsn)
+
+    def pending_runs(self, **options: Any) -> AsyncIterator[Any]:
+        """Runs ready to lease, as they become ready (see :func:`ledger_cdc.runs.pending_runs`;
+        listens on a connection of its own, to the projections' database: pass ``dsn=`` when
+        the projections live elsewhere or this ledger was built from a connection)."""
+        from .runs import pending_runs
+
+        dsn = options.pop("dsn", None) or self._dsn
+        if dsn is None:
+            raise ConfigError("pending_runs needs a DSN: use AsyncLedger.connect(dsn) or dsn=")
+        return pending_runs(dsn, **options)
 
     async def close(self) -> None:
         if self._own:
             await self.conn.close()
+
+    async def __aenter__(self) -> AsyncLedger:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncBatch]:

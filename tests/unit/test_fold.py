@@ -156,3 +156,48 @@ def test_one_pass_equals_fold_from_any_snapshot(
     for e in log:
         apply(again, e)
     assert again == whole
+
+
+def test_run_state_machine_suspend_signal_lease() -> None:
+    log = [
+        ev(1, "run.queued", {}),
+        ev(2, "run.leased", {"worker": "w1", "ttl": 30}),
+        ev(3, "signal.received", {"name": "early", "payload": 1}),  # before anyone waits for it
+        ev(4, "run.suspended", {"reason": "needs approval", "wait_for": ["approve", "reject"]}),
+    ]
+    ctx = fold(log)
+    run = ctx.run
+    assert run is not None and run.status == "suspended" and run.lease is None
+    assert run.wait_for == ["approve", "reject"] and [s.name for s in run.inbox] == ["early"]
+    ctx = fold([ev(5, "signal.received", {"name": "other"})], ctx)
+    assert ctx.run is not None and ctx.run.status == "suspended"  # not one it waits for
+    ctx = fold([ev(6, "signal.received", {"name": "approve", "payload": {"by": "ann"}})], ctx)
+    run = ctx.run
+    assert run is not None and run.status == "pending"
+    assert run.woken_by is not None and run.woken_by.payload == {"by": "ann"}
+    ctx = fold([ev(7, "run.leased", {"worker": "w2", "ttl": 10})], ctx)
+    run = ctx.run
+    assert run is not None and run.status == "running" and run.lease is not None
+    assert run.lease.worker == "w2" and run.lease.until == T0 + dt.timedelta(seconds=10)
+    assert run.lease.seq == 70 and run.leases == 2
+    done = fold([ev(8, "task.completed", {"result": 1})], ctx)
+    assert done.run is not None and done.run.status == "completed" and done.run.lease is None
+
+
+def test_a_signal_that_came_first_wakes_the_suspension_at_once() -> None:
+    ctx = fold(
+        [
+            ev(1, "run.queued", {}),
+            ev(2, "signal.received", {"name": "approve"}),
+            ev(3, "run.leased", {"worker": "w", "ttl": 5}),
+            ev(4, "run.suspended", {"reason": "r", "wait_for": ["approve"]}),
+        ]
+    )
+    assert ctx.run is not None and ctx.run.status == "pending" and ctx.run.inbox == []
+    released = fold(
+        [ev(5, "run.leased", {"worker": "w", "ttl": 5}), ev(6, "run.released", {"worker": "x"})],
+        ctx,
+    )
+    assert released.run is not None and released.run.status == "running"  # not x's lease
+    released = fold([ev(7, "run.released", {"worker": "w"})], released)
+    assert released.run is not None and released.run.status == "pending"
