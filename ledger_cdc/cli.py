@@ -110,18 +110,46 @@ def cli(ctx: click.Context) -> None:
     help="Logical replication slot to create with --create-slot [env: LEDGER_CDC_SLOT].",
 )
 @click.option("--create-slot", is_flag=True, help="Also create the pgoutput slot.")
+@click.option(
+    "--partition-by",
+    type=click.Choice(["month", "week", "day"]),
+    default=None,
+    help="Create a new ledger range-partitioned on created_at (a fresh database only).",
+)
+@click.option(
+    "--partitions-ahead",
+    default=3,
+    show_default=True,
+    help="Partitions created beyond the current one (partitioned ledgers).",
+)
 @click.pass_obj
 @handles_errors
-def init(state: State, dsn: str, publication: str, slot: str, create_slot: bool) -> None:
+def init(
+    state: State,
+    dsn: str,
+    publication: str,
+    slot: str,
+    create_slot: bool,
+    partition_by: str | None,
+    partitions_ahead: int,
+) -> None:
     """Apply the schema migrations and create the publication (idempotent).
 
     Needs a role that may create tables, roles and publications (and slots, with
     --create-slot). Creates the group roles ledger_writer and ledger_consumer; see the
-    README for logging in as their members.
+    README for logging in as their members. With --partition-by the ledger is partitioned
+    (see `ledger-cdc partitions --help`); on an existing partitioned ledger, init also creates
+    the partitions that are due.
     """
     from .schema import init as do_init
 
-    res = do_init(dsn, publication=publication, slot=slot if create_slot else None)
+    res = do_init(
+        dsn,
+        publication=publication,
+        slot=slot if create_slot else None,
+        partition_by=partition_by,
+        partitions_ahead=partitions_ahead,
+    )
     applied = ", ".join(f"{v:04d}" for v in res.applied) or "none (already up to date)"
     state.console.print(f"migrations applied: {applied}")
     state.console.print(
@@ -129,6 +157,8 @@ def init(state: State, dsn: str, publication: str, slot: str, create_slot: bool)
     )
     if res.slot_created is not None:
         state.console.print(f"slot {slot}: {'created' if res.slot_created else 'exists'}")
+    if res.partitions_created:
+        state.console.print(f"partitions created: {', '.join(res.partitions_created)}")
 
 
 @cli.command()
@@ -625,6 +655,12 @@ def _lag_table(slots: list[Any]) -> Table:
         )
     if not slots:
         t.caption = "no logical slots"
+    elif slots[0].wal_rate_bytes_per_s is not None:
+        h = slots[0]
+        inserts = "—" if h.ledger_insert_rate is None else f"{h.ledger_insert_rate:,.0f}/s"
+        t.caption = (
+            f"WAL generated: {_human_bytes(h.wal_rate_bytes_per_s)}/s · ledger inserts: {inserts}"
+        )
     return t
 
 

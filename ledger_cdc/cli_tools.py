@@ -3,10 +3,12 @@ outbox dispatcher (``dispatch``, ``outbox``). Registered on the group defined in
 
 from __future__ import annotations
 
+import datetime as dt
 import json as jsonlib
 import signal
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import click
@@ -159,6 +161,12 @@ def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_
 @click.argument("sessions", type=SESSION, nargs=-1)
 @click.option("--all", "all_sessions", is_flag=True, help="Every session in the ledger.")
 @click.option("--no-chain", is_flag=True, help="Skip the hash-chain walk.")
+@click.option(
+    "--archive-dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Also check the archived partitions' files against their recorded sha256.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @click.pass_obj
 @handles_errors
@@ -168,11 +176,15 @@ def verify(
     sessions: tuple[uuid.UUID, ...],
     all_sessions: bool,
     no_chain: bool,
+    archive_dir: Path | None,
     as_json: bool,
 ) -> None:
     """Refold sessions from zero and compare with their projection and every stored snapshot,
     field by field; walk each session's hash chain and report the first event that no longer
     matches. Exit 1 if anything differs.
+
+    With --archive-dir, archived partitions' files are checked against their recorded sha256;
+    history before an archived bound is verified by its chain link and manifest, not refolded.
 
     A projection behind the log (consumer lagging) is compared at its own position and noted,
     not counted as a difference.
@@ -183,7 +195,12 @@ def verify(
         raise click.UsageError("give SESSION ids or --all (not both)")
     con = state.console
     if as_json or not con.is_terminal:
-        report = do_verify(dsn, None if all_sessions else list(sessions), chain=not no_chain)
+        report = do_verify(
+            dsn,
+            None if all_sessions else list(sessions),
+            chain=not no_chain,
+            archive_dir=archive_dir,
+        )
     else:
         with con.status("refolding…") as status:
             count = [0]
@@ -197,6 +214,7 @@ def verify(
                 dsn,
                 None if all_sessions else list(sessions),
                 chain=not no_chain,
+                archive_dir=archive_dir,
                 on_session=progress,
             )
     if as_json:
@@ -683,3 +701,123 @@ def signal_cmd(
         res = do_signal(conn, session, name, value, sender=sender, signal_id=signal_id)
     what = "already sent" if res.duplicate else "sent"
     state.console.print(f"signal {name} {what}: seq {res.seq}, position {res.position}")
+
+
+# -- partitions -----------------------------------------------------------------------------------
+
+
+def _duration(text: str) -> dt.timedelta:
+    units = {"d": "days", "h": "hours", "w": "weeks", "m": "minutes", "s": "seconds"}
+    try:
+        return dt.timedelta(**{units[text[-1]]: float(text[:-1])})
+    except (KeyError, ValueError):
+        raise click.BadParameter(f"{text!r} is not a duration like 90d, 12h or 2w") from None
+
+
+@cli.group()
+def partitions() -> None:
+    """Partitions of a partitioned ledger (init --partition-by): list, ensure, archive."""
+
+
+@partitions.command("list")
+@dsn_option
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+@handles_errors
+def partitions_list(state: State, dsn: str, as_json: bool) -> None:
+    """The ledger's partitions and the archives already taken."""
+    from .partitions import list_partitions
+
+    with _connect(dsn) as conn:
+        parts = list_partitions(conn)
+        archived = conn.execute(
+            "SELECT partition_name, range_start, range_end, events, file_name, file_sha256, "
+            "archived_at FROM ledger_archives ORDER BY range_start"
+        ).fetchall()
+    if as_json:
+        click.echo(
+            jsonlib.dumps(
+                {
+                    "partitions": [
+                        {"name": p.name, "start": p.start.isoformat(), "end": p.end.isoformat()}
+                        for p in parts
+                    ],
+                    "archived": [
+                        dict(
+                            zip(
+                                ("name", "start", "end", "events", "file", "sha256", "archived_at"),
+                                a,
+                                strict=True,
+                            )
+                        )
+                        for a in archived
+                    ],
+                },
+                indent=2,
+                default=str,
+            )
+        )
+        return
+    t = Table(title="agent_events partitions")
+    for col in ("partition", "from", "to", "state"):
+        t.add_column(col)
+    for a in archived:
+        t.add_row(
+            a[0], a[1].isoformat(), a[2].isoformat(), f"[dim]archived: {a[3]} events in {a[4]}[/]"
+        )
+    for p in parts:
+        t.add_row(p.name, p.start.isoformat(), p.end.isoformat(), "live")
+    state.console.print(t)
+
+
+@partitions.command("ensure")
+@dsn_option
+@click.option("--ahead", default=3, show_default=True, help="Partitions beyond the current one.")
+@click.pass_obj
+@handles_errors
+def partitions_ensure(state: State, dsn: str, ahead: int) -> None:
+    """Create the current and the next --ahead partitions if missing (run it from cron; the
+    consumer also does it hourly). Idempotent."""
+    from .partitions import ensure
+
+    with _connect(dsn) as conn:
+        made = ensure(conn, ahead)
+    state.console.print(f"created: {', '.join(made)}" if made else "all partitions exist")
+
+
+@partitions.command("archive")
+@dsn_option
+@click.option(
+    "--older-than",
+    "older",
+    required=True,
+    help="Age bound, e.g. 90d: partitions entirely older are archived.",
+)
+@click.option(
+    "--to",
+    "to_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("ledger-archive"),
+    show_default=True,
+    help="Directory for the exported partitions and their manifests.",
+)
+@click.pass_obj
+@handles_errors
+def partitions_archive(state: State, dsn: str, older: str, to_dir: Path) -> None:
+    """Archive partitions entirely older than --older-than: refused unless the consumer has
+    folded every session in them; each session gets a snapshot at or after its last event
+    there; the rows are exported (COPY, gzip) with a sha256 manifest, then the partition is
+    detached and dropped. The only way ledger data is removed."""
+    from .partitions import archive
+
+    bound = _duration(older)
+    with _connect(dsn) as conn, state.console.status("archiving…") as status:
+        done = archive(conn, bound, to_dir, on_partition=lambda n: status.update(f"archiving {n}…"))
+    if not done:
+        state.console.print(f"nothing to archive: no partition ends more than {older} ago")
+    for a in done:
+        state.console.print(
+            f"archived {a.name} ({a.start:%Y-%m-%d} – {a.end:%Y-%m-%d}): {a.events} events of "
+            f"{a.sessions} sessions → {a.file} (sha256 {a.file_sha256[:16]}…), "
+            f"{a.snapshots_taken} snapshot(s) taken; partition dropped"
+        )

@@ -34,7 +34,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .errors import DecodeError, InvalidEventError, LedgerError, format_lsn, parse_lsn
+from .errors import DecodeError, InvalidEventError, LedgerError, format_lsn
 from .events import LedgerEvent
 from .fold import (
     RUN_PENDING,
@@ -43,7 +43,7 @@ from .fold import (
     encode_context,
     reducer_version,
 )
-from .health import LOST, Thresholds, check_slots
+from .health import LOST, RateWatch, Thresholds, check_slots
 from .pgoutput import Decoder, Delete, Insert, LogicalMessage, Relation, Truncate, Update
 from .replay import load_events
 from .schema import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, drop_slot
@@ -91,6 +91,8 @@ class ConsumerConfig:
     health_interval: float = 10.0
     notify_channel: str = "ledger_runs"  # NOTIFY channel for runs ready to lease
     lease_watch_interval: float = 1.0  # seconds between looks for expired leases (0: off)
+    partition_ensure_interval: float = 3600.0  # partitioned ledgers: create partitions ahead
+    partitions_ahead: int = 3
     thresholds: Thresholds = field(default_factory=Thresholds)
     progress: Callable[[int, int], None] | None = None  # bootstrap progress (done, total)
 
@@ -397,6 +399,7 @@ class Consumer:
         self._start_heartbeat()
         self._start_guard()
         self._start_lease_watch()
+        self._start_partition_keeper()
         attempt = 0
         try:
             while not self._stop.is_set():
@@ -804,7 +807,8 @@ class Consumer:
         conn: psycopg.Connection[Any] | None = None
         last_status = 0
         last_log = 0.0
-        prev: tuple[float, int] | None = None
+        last_spike = 0.0
+        rates = RateWatch()
         while not self._stop.wait(interval):
             try:
                 if conn is None or conn.closed:
@@ -819,13 +823,21 @@ class Consumer:
                 conn = None
                 continue
             now = time.monotonic()
-            if h.current_wal_lsn:
-                cur = parse_lsn(h.current_wal_lsn)
-                if prev is not None and now > prev[0]:
-                    h.wal_rate_bytes_per_s = max(0.0, (cur - prev[1]) / (now - prev[0]))
-                    if h.safe_wal_size is not None and h.wal_rate_bytes_per_s:
-                        h.seconds_to_invalidation = h.safe_wal_size / h.wal_rate_bytes_per_s
-                prev = (now, cur)
+            try:
+                r = rates.sample(conn)
+            except psycopg.Error as e:
+                log.debug("rate sample failed: %s", e)
+                r = None
+            if r is not None:
+                h.wal_rate_bytes_per_s, h.ledger_insert_rate = r.wal_bytes_per_s, r.inserts_per_s
+                if h.safe_wal_size is not None and h.wal_rate_bytes_per_s:
+                    h.seconds_to_invalidation = h.safe_wal_size / h.wal_rate_bytes_per_s
+                if r.spike and now - last_spike > 60:
+                    last_spike = now
+                    log.warning("%s", r.spike)
+                    self.metrics.extra["rate_spikes_total"] = (
+                        self.metrics.extra.get("rate_spikes_total", 0.0) + 1
+                    )
             self._gauges(h)
             if h.status != last_status or (h.status >= 1 and now - last_log > 60):
                 last_log = now
@@ -851,12 +863,41 @@ class Consumer:
             ("slot_lag_bytes", h.lag_bytes),
             ("slot_seconds_to_invalidation", h.seconds_to_invalidation),
             ("wal_rate_bytes_per_second", h.wal_rate_bytes_per_s),
+            ("ledger_inserts_per_second", h.ledger_insert_rate),
             ("max_slot_wal_keep_size_bytes", h.max_slot_wal_keep_size),
         ):
             if value is None:
                 x.pop(key, None)
             else:
                 x[key] = float(value)
+
+    # -- partitions -----------------------------------------------------------------------------
+
+    def _start_partition_keeper(self) -> None:
+        """On a partitioned ledger, create the upcoming partitions now and every interval, so an
+        insert never lacks its partition even when no cron job runs ``partitions ensure``."""
+        interval = self.config.partition_ensure_interval
+        if not interval:
+            return
+
+        def keep() -> None:
+            from .partitions import ensure, is_partitioned
+
+            wait = 0.0
+            while not self._stop.wait(wait):
+                wait = interval
+                try:
+                    with psycopg.connect(self.config.dsn, autocommit=True, connect_timeout=5) as c:
+                        if not is_partitioned(c):
+                            return
+                        made = ensure(c, self.config.partitions_ahead)
+                    if made:
+                        log.info("partitions created: %s", ", ".join(made))
+                except (psycopg.Error, LedgerError) as e:
+                    wait = min(interval, 60.0)
+                    log.warning("could not create the upcoming partitions: %s", e)
+
+        threading.Thread(target=keep, name="ledger-cdc-partitions", daemon=True).start()
 
     # -- lease watch ----------------------------------------------------------------------------
 

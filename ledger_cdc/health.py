@@ -27,6 +27,8 @@ __all__ = [
     "HEALTHY",
     "LOST",
     "WARNING",
+    "RateWatch",
+    "Rates",
     "SlotHealth",
     "Thresholds",
     "check_slots",
@@ -72,6 +74,7 @@ class SlotHealth:
     heartbeat_age_seconds: float | None = None
     invalidation_reason: str | None = None
     wal_rate_bytes_per_s: float | None = None
+    ledger_insert_rate: float | None = None  # agent_events rows per second over the sample
     seconds_to_invalidation: float | None = None
     status: int = HEALTHY
     status_name: str = "healthy"
@@ -145,7 +148,14 @@ def check_slots(
     version = conn.info.server_version
     reason = "invalidation_reason" if version >= 170000 else "NULL::text"
     where = "AND slot_name = %s" if slot else ""
-    rate = wal_rate(conn, sample_seconds) if sample_seconds > 0 else None
+    rate = inserts = None
+    if sample_seconds > 0:
+        watch = RateWatch()
+        watch.sample(conn)
+        time.sleep(sample_seconds)
+        sampled = watch.sample(conn)
+        if sampled is not None:
+            rate, inserts = sampled.wal_bytes_per_s, sampled.inserts_per_s
     rows = conn.execute(
         _SLOTS.format(reason=reason, where=where).encode(), (slot,) if slot else ()
     ).fetchall()
@@ -191,6 +201,7 @@ def check_slots(
             max_slot_wal_keep_size=keep,
             invalidation_reason=why,
             wal_rate_bytes_per_s=rate,
+            ledger_insert_rate=inserts,
         )
         if keep and h.retained_bytes is not None:
             h.keep_size_share = h.retained_bytes / keep
@@ -245,3 +256,68 @@ def _classify(h: SlotHealth, th: Thresholds) -> None:
         elif h.lag_seconds >= th.warn_seconds:
             flag(WARNING, f"{h.lag_seconds:.0f} s behind")
     h.status_name = STATUS_NAMES[h.status]
+
+
+# -- WAL discipline: generation and insert rates, and spikes ------------------------------------
+
+
+@dataclass
+class Rates:
+    wal_bytes_per_s: float
+    inserts_per_s: float
+    spike: str | None = None  # set when a rate jumps far above its recent average
+
+
+_SAMPLE = (
+    "SELECT pg_current_wal_lsn()::text, "
+    "coalesce(pg_sequence_last_value(to_regclass('agent_events_seq_seq')), 0)"
+)
+
+
+class RateWatch:
+    """Rates from successive samples, with a slow moving average to tell a spike (an agent
+    retry storm writing the ledger many times faster than usual) from the usual load."""
+
+    def __init__(self, factor: float = 5.0, min_inserts: float = 50.0, alpha: float = 0.1) -> None:
+        self.factor = factor
+        self.min_inserts = min_inserts
+        self.alpha = alpha
+        self._prev: tuple[float, int, int] | None = None
+        self._avg: tuple[float, float] | None = None
+        self._samples = 0
+
+    def sample(self, conn: psycopg.Connection[Any]) -> Rates | None:
+        row = conn.execute(_SAMPLE).fetchone()
+        assert row is not None
+        now, lsn, seq = time.monotonic(), parse_lsn(row[0]), int(row[1])
+        prev, self._prev = self._prev, (now, lsn, seq)
+        if prev is None or now <= prev[0]:
+            return None
+        dt_s = now - prev[0]
+        rates = Rates(max(0.0, (lsn - prev[1]) / dt_s), max(0.0, (seq - prev[2]) / dt_s))
+        if self._avg is not None and self._samples >= 3:
+            wal_avg, ins_avg = self._avg
+            if rates.inserts_per_s >= self.min_inserts and rates.inserts_per_s > self.factor * max(
+                ins_avg, 1.0
+            ):
+                rates.spike = (
+                    f"ledger inserts at {rates.inserts_per_s:,.0f}/s, "
+                    f"{rates.inserts_per_s / max(ins_avg, 1.0):.0f}× their recent average "
+                    f"({ins_avg:,.0f}/s): an agent retry storm?"
+                )
+            elif rates.wal_bytes_per_s > self.factor * max(wal_avg, 1.0) and wal_avg > 0:
+                rates.spike = (
+                    f"WAL generated at {rates.wal_bytes_per_s / 1e6:,.1f} MB/s, "
+                    f"{rates.wal_bytes_per_s / wal_avg:.0f}× its recent average"
+                )
+        a = self.alpha
+        self._avg = (
+            (rates.wal_bytes_per_s, rates.inserts_per_s)
+            if self._avg is None
+            else (
+                (1 - a) * self._avg[0] + a * rates.wal_bytes_per_s,
+                (1 - a) * self._avg[1] + a * rates.inserts_per_s,
+            )
+        )
+        self._samples += 1
+        return rates

@@ -34,6 +34,7 @@ from .writer import AppendResult, OutboxItem, append, append_async
 
 __all__ = [
     "ForkResult",
+    "HistoryArchivedError",
     "NoSuchSessionError",
     "fold_all",
     "fork",
@@ -51,6 +52,10 @@ _COLUMNS = (
     "seq, session_id, position, agent_id, event_type, payload::text, created_at, idempotency_key"
 )
 _free = msgspec.json.Decoder()
+
+
+class HistoryArchivedError(LedgerError):
+    """The events a rebuild needs were archived and no snapshot covers them."""
 
 
 class NoSuchSessionError(LedgerError):
@@ -177,14 +182,36 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
+_ARCHIVED = b"SELECT upto_position FROM ledger_archived_heads WHERE session_id = %s"
+
+
+def _no_archived_history(sid: uuid.UUID, row: Sequence[Any] | None) -> None:
+    if row is not None and row[0] is not None:
+        raise HistoryArchivedError(
+            f"session {sid}: its history up to position {row[0]} was archived and no usable "
+            "snapshot covers the requested point (rebuild at a later upto_seq, or restore the "
+            "archive)"
+        )
+
+
 def _fold_tail(
     sid: uuid.UUID, ctx: SessionContext | None, rows: Iterable[Sequence[Any]]
 ) -> SessionContext:
     cur = ctx if ctx is not None else SessionContext(sid)
+    expect = cur.last_position + 1
     with _no_gc():
-        for ev in _typed(rows):
-            if not isinstance(ev, InvalidEventError):
-                apply(cur, ev)
+        for row in rows:
+            if expect and int(row[2]) != expect:
+                raise HistoryArchivedError(
+                    f"session {sid}: the log resumes at position {row[2]} after "
+                    f"{expect - 1}: the history before it was archived and no usable snapshot "
+                    "covers it (rebuild at a later upto_seq, or restore the archive)"
+                )
+            expect = 0
+            try:
+                apply(cur, row_event(row))
+            except InvalidEventError:
+                continue
     return cur
 
 
@@ -208,6 +235,8 @@ def rebuild_context(
         ctx = _snapshot_context(sid, row)
         after = int(row[1]) if ctx is not None else 0
         bound = int(row[0]) - 1
+    if ctx is None:
+        _no_archived_history(sid, conn.execute(_ARCHIVED, (sid,)).fetchone())
     query, params = _events_query(sid, after, upto_seq)
     with conn.cursor() as cur:
         cur.execute(query, params)
@@ -231,6 +260,8 @@ async def rebuild_context_async(
         ctx = _snapshot_context(sid, row)
         after = int(row[1]) if ctx is not None else 0
         bound = int(row[0]) - 1
+    if ctx is None:
+        _no_archived_history(sid, await (await conn.execute(_ARCHIVED, (sid,))).fetchone())
     query, params = _events_query(sid, after, upto_seq)
     async with conn.cursor() as cur:
         await cur.execute(query, params)

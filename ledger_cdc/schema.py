@@ -13,7 +13,7 @@ import hashlib
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -182,11 +182,22 @@ def create_publication(conn: psycopg.Connection[Any], name: str = DEFAULT_PUBLIC
         row = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (name,)).fetchone()
         if row is not None:
             return False
+        partitioned = conn.execute(
+            "SELECT EXISTS (SELECT FROM pg_partitioned_table WHERE partrelid = %s::regclass)",
+            (LEDGER_TABLE,),
+        ).fetchone()
+        # a partitioned ledger is published as its root: one relation, whatever the partition
+        options = (
+            sql.SQL(" WITH (publish_via_partition_root = true)")
+            if partitioned and partitioned[0]
+            else sql.SQL("")
+        )
         conn.execute(
-            sql.SQL("CREATE PUBLICATION {} FOR TABLE {} ({})").format(
+            sql.SQL("CREATE PUBLICATION {} FOR TABLE {} ({}){}").format(
                 sql.Identifier(name),
                 sql.Identifier(LEDGER_TABLE),
                 sql.SQL(", ").join(map(sql.Identifier, STREAMED_COLUMNS)),
+                options,
             )
         )
     return True
@@ -233,6 +244,7 @@ class InitResult:
     applied: list[int]
     publication_created: bool
     slot_created: bool | None
+    partitions_created: list[str] = field(default_factory=list)
 
 
 def init(
@@ -240,19 +252,32 @@ def init(
     *,
     publication: str = DEFAULT_PUBLICATION,
     slot: str | None = None,
+    partition_by: str | None = None,
+    partitions_ahead: int = 3,
 ) -> InitResult:
-    """Apply the migrations, create the publication and, if ``slot`` is given, the slot."""
+    """Apply the migrations, create the publication and, if ``slot`` is given, the slot.
+
+    ``partition_by`` (day, week, month) creates a new ledger partitioned by ``created_at``, with
+    the current and ``partitions_ahead`` next partitions (see :mod:`ledger_cdc.partitions`)."""
+    from . import partitions
+
     validate_publication_name(publication)
     if slot is not None:
         validate_slot_name(slot)
+    created: list[str] = []
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
+            fresh = partitions.setup(conn, partition_by) if partition_by else False
             applied = migrate(conn)
+            if fresh:
+                created = partitions.finish(conn, partitions_ahead)
+            elif partitions.is_partitioned(conn):
+                created = partitions.ensure(conn, partitions_ahead)
             pub = create_publication(conn, publication)
             made = create_slot(conn, slot) if slot is not None else None
     except psycopg.OperationalError as e:
         raise ConfigError(f"cannot connect to {_redact(dsn)}: {str(e).strip()}") from e
-    return InitResult(applied, pub, made)
+    return InitResult(applied, pub, made, created)
 
 
 def _redact(dsn: str) -> str:

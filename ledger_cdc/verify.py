@@ -16,6 +16,7 @@ import hashlib
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -30,6 +31,7 @@ from .fold import (
     encode_context,
     reducer_version,
 )
+from .partitions import archived_heads, check_archive
 from .replay import _COLUMNS, row_event
 from .timeline import field_differences
 
@@ -102,23 +104,36 @@ def _compare(
         )
 
 
+# The chain of a session whose history up to position P was archived starts at P + 1, linked to
+# the archived last hash (recorded with the archive); every other chain starts at position 1.
 _CHAIN = """
+WITH archived (session_id, upto, last_hash) AS (
+    SELECT * FROM unnest(%(a_ids)s::uuid[], %(a_pos)s::int8[], %(a_hash)s::bytea[])
+)
 SELECT DISTINCT ON (session_id) session_id, seq, position, problem FROM (
     SELECT session_id, seq, position,
            CASE
-               WHEN lag_pos IS NULL AND position <> 1 THEN 'first event is at position ' || position
+               WHEN lag_pos IS NULL AND position <> coalesce(upto, 0) + 1
+                   THEN 'first event is at position ' || position
+                        || coalesce(' (archived up to ' || upto || ')', '')
                WHEN lag_pos IS NOT NULL AND position <> lag_pos + 1
                    THEN 'gap: position ' || lag_pos || ' is followed by ' || position
-               WHEN prev_hash IS DISTINCT FROM lag_hash
-                   THEN 'prev_hash does not link to the hash of position ' || coalesce(lag_pos, 0)
-               WHEN hash <> ledger_event_hash(lag_hash, session_id, position, agent_id,
-                                              event_type, payload, idempotency_key, created_at)
+               WHEN prev_hash IS DISTINCT FROM coalesce(lag_hash, last_hash)
+                   THEN 'prev_hash does not link to the hash of position '
+                        || coalesce(lag_pos, upto, 0)
+               WHEN hash <> ledger_event_hash(coalesce(lag_hash, last_hash), session_id,
+                                              position, agent_id, event_type, payload,
+                                              idempotency_key, created_at)
                    THEN 'hash does not match the row''s contents (edited after it was written?)'
            END AS problem
     FROM (
-        SELECT e.*, lag(hash) OVER w AS lag_hash, lag(position) OVER w AS lag_pos
-        FROM agent_events e {where}
-        WINDOW w AS (PARTITION BY session_id ORDER BY position)
+        SELECT e.*, a.upto, a.last_hash,
+               lag(e.hash) OVER w AS lag_hash, lag(e.position) OVER w AS lag_pos
+        FROM agent_events e LEFT JOIN archived a ON a.session_id = e.session_id
+        -- events at or below an archived bound that stayed behind in a later partition (their
+        -- transaction began before the boundary) are covered by the archive's snapshot
+        WHERE e.position > coalesce(a.upto, 0) {where}
+        WINDOW w AS (PARTITION BY e.session_id ORDER BY e.position)
     ) chained
 ) checked
 WHERE problem IS NOT NULL
@@ -127,16 +142,24 @@ ORDER BY session_id, position
 
 
 def _chain(
-    conn: psycopg.Connection[Any], report: VerifyReport, ids: list[uuid.UUID] | None
+    conn: psycopg.Connection[Any],
+    report: VerifyReport,
+    ids: list[uuid.UUID] | None,
+    archived: dict[uuid.UUID, tuple[int, bytes, str]],
 ) -> None:
-    where = "WHERE session_id = ANY(%s)" if ids is not None else ""
-    params = (ids,) if ids is not None else ()
+    where = "AND e.session_id = ANY(%(ids)s)" if ids is not None else ""
+    params = {
+        "ids": ids,
+        "a_ids": list(archived),
+        "a_pos": [v[0] for v in archived.values()],
+        "a_hash": [v[1] for v in archived.values()],
+    }
     for sid, seq, pos, problem in conn.execute(_CHAIN.format(where=where).encode(), params):
         report.differences.append(
             Difference(sid, "chain", int(seq), int(pos), "hash", None, None, problem)
         )
     row = conn.execute(
-        f"SELECT count(*) FROM agent_events {where}".encode(),  # noqa: S608 - fixed text
+        f"SELECT count(*) FROM agent_events e WHERE true {where}".encode(),  # noqa: S608
         params,
     ).fetchone()
     report.chained_events = int(row[0]) if row else 0
@@ -149,6 +172,7 @@ def verify(
     chain: bool = True,
     fields_per_object: int = 5,
     on_session: Callable[[uuid.UUID], None] | None = None,
+    archive_dir: Path | None = None,
 ) -> VerifyReport:
     """Refold ``sessions`` (all if None) and compare; see the module docstring."""
     ids = None if sessions is None else list(sessions)
@@ -178,6 +202,7 @@ def verify(
                 params,
             ):
                 snapped.setdefault(sid, []).append(int(pos))
+            archived = archived_heads(conn)
             seen: set[uuid.UUID] = set()
             for sid, rows in _sessions(conn, ids):
                 seen.add(sid)
@@ -192,6 +217,7 @@ def verify(
                     snapped.get(sid, []),
                     version,
                     fields_per_object,
+                    archived.get(sid),
                 )
             for sid in sorted(set(projected) - seen):
                 report.differences.append(
@@ -224,7 +250,16 @@ def verify(
                     if sid not in seen and sid not in projected and sid not in snapped:
                         report.notes.append(f"session {sid}: no events, projection or snapshot")
             if chain:
-                _chain(conn, report, ids)
+                _chain(conn, report, ids, archived)
+            if archive_dir is not None:
+                for problem in check_archive(conn, archive_dir):
+                    report.differences.append(
+                        Difference(
+                            uuid.UUID(int=0), "archive", None, None, None, None, None, problem
+                        )
+                    )
+                if archived:
+                    report.notes.append(f"archives checked against their sha256 in {archive_dir}")
     return report
 
 
@@ -261,6 +296,7 @@ def _verify_session(
     snapshots_at: list[int],
     version: str,
     limit: int,
+    archived: tuple[int, bytes, str] | None = None,
 ) -> None:
     report.sessions += 1
     report.events += len(rows)
@@ -269,6 +305,32 @@ def _verify_session(
         due.add(projection_at)
     ctx = SessionContext(sid)
     head = int(rows[-1][2])
+    if archived is not None:
+        # history up to `upto` left with an archive (checked against its manifest and by the
+        # chain link): the refold starts from the first trusted snapshot at or after it
+        base = _archive_base(conn, sid, archived[0], version)
+        if base is None:
+            report.differences.append(
+                Difference(
+                    sid,
+                    "snapshot",
+                    None,
+                    archived[0],
+                    None,
+                    None,
+                    None,
+                    f"history up to position {archived[0]} was archived ({archived[2]}) "
+                    "but no usable snapshot covers it: the session cannot be refolded",
+                )
+            )
+            return
+        ctx = base
+        due = {p for p in due if p > ctx.last_position}
+        rows = [r for r in rows if int(r[2]) > ctx.last_position]
+        report.notes.append(
+            f"session {sid}: history up to position {archived[0]} archived ({archived[2]}); "
+            f"refolded from the snapshot at position {ctx.last_position}"
+        )
     for row in rows:
         # an invalid payload is dead-lettered by the consumer and skipped by every fold
         with contextlib.suppress(InvalidEventError):
@@ -296,6 +358,23 @@ def _verify_session(
         report.notes.append(
             f"session {sid}: projection at position {projection_at} of {head} (consumer behind?)"
         )
+
+
+def _archive_base(
+    conn: psycopg.Connection[Any], sid: uuid.UUID, upto: int, version: str
+) -> SessionContext | None:
+    for data, digest in conn.execute(
+        "SELECT data, content_hash FROM agent_snapshots WHERE session_id = %s "
+        "AND upto_position >= %s AND format_version = %s AND reducer_version = %s "
+        "AND data IS NOT NULL ORDER BY upto_position",
+        (sid, upto, FORMAT_VERSION, version),
+        binary=True,
+    ):
+        raw = bytes(data)
+        if hashlib.sha256(raw).digest() == bytes(digest):
+            with contextlib.suppress(msgspec.DecodeError):
+                return decode_context(raw)
+    return None
 
 
 def _check_at(

@@ -10,3 +10,6 @@ CREATE INDEX IF NOT EXISTS agent_sessions_runs ON agent_sessions (run_status)
 
 -- Writers learn their row's created_at (a lease's expiry is counted from it).
 GRANT SELECT (created_at) ON agent_events TO ledger_writer;
+
+-- The insert rate reported by `lag` and the consumer is read from the ledger's sequence.
+GRANT SELECT ON SEQUENCE agent_events_seq_seq TO ledger_consumer;

@@ -1,0 +1,423 @@
+"""Retention: a range-partitioned ledger, partitions created ahead, old ones archived.
+
+``ledger-cdc init --partition-by month|week|day`` creates ``agent_events`` partitioned by range
+on ``created_at`` (a fresh database only: converting a ledger would mean rewriting it). The
+publication uses ``publish_via_partition_root`` so the consumer sees one relation whatever the
+partition. PostgreSQL enforces a unique index on a partitioned table only when it contains the
+partition key; per-session uniqueness must hold for sessions that span partitions, so it is kept
+by two small unpartitioned tables the insert trigger writes in the event's transaction:
+``agent_session_heads`` (each session's head position and hash, advanced by compare-and-set, so
+of two inserts at one position exactly one commits — which also makes the hash chain's link
+across partitions exact) and ``agent_event_keys`` (idempotency keys). Both raise the same errors,
+with the same constraint names, as the unpartitioned ledger's unique indexes, so writers behave
+the same on either.
+
+:func:`ensure` creates the partitions for the current and the next ``ahead`` intervals (UTC),
+each with its own TRUNCATE guard (statement triggers are not inherited by partitions).
+:func:`archive` removes partitions entirely older than a bound: refused unless every session in
+the partition is folded past it; each such session gets a snapshot at or after its last event
+there; the rows are exported (COPY, gzip, sha256 in a manifest), then the partition is detached
+and dropped in one transaction that records the archive. It is the only path that removes
+ledger data.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import gzip
+import hashlib
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .errors import ConfigError, LedgerError
+from .fold import FORMAT_VERSION, encode_context, reducer_version
+from .replay import rebuild_context
+
+__all__ = [
+    "UNITS",
+    "ArchiveRefusedError",
+    "ArchivedPartition",
+    "Partition",
+    "archive",
+    "check_archive",
+    "ensure",
+    "is_partitioned",
+    "list_partitions",
+    "setup",
+]
+
+UNITS = ("day", "week", "month")
+
+
+class ArchiveRefusedError(LedgerError):
+    """Archiving was refused: it would lose something (the consumer is behind, or the target
+    directory already holds this partition's archive)."""
+
+
+def _sql(name: str) -> str:
+    packaged = resources.files("ledger_cdc") / "sql" / name
+    if packaged.is_file():
+        return packaged.read_text()
+    return (Path(__file__).resolve().parents[1] / "sql" / name).read_text()
+
+
+def is_partitioned(conn: psycopg.Connection[Any]) -> bool:
+    row = conn.execute(
+        "SELECT EXISTS (SELECT FROM pg_partitioned_table p JOIN pg_class c ON c.oid = p.partrelid "
+        "WHERE c.relname = 'agent_events' AND c.relnamespace = current_schema()::regnamespace)"
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def setup(conn: psycopg.Connection[Any], unit: str) -> bool:
+    """Before the migrations: create the partitioned ledger tables (True), or check an existing
+    ledger is partitioned (False)."""
+    if unit not in UNITS:
+        raise ConfigError(f"--partition-by must be one of {', '.join(UNITS)}, got {unit!r}")
+    row = conn.execute("SELECT to_regclass('agent_events') IS NOT NULL").fetchone()
+    if row and row[0]:
+        if not is_partitioned(conn):
+            raise ConfigError(
+                "agent_events exists and is not partitioned: --partition-by applies to a new "
+                "ledger only (converting one would rewrite it); run init without it"
+            )
+        return False
+    with conn.transaction():
+        conn.execute(_sql("partitioned/pre.sql").encode())
+        conn.execute("INSERT INTO ledger_partitioning (unit) VALUES (%s)", (unit,))
+    return True
+
+
+def finish(conn: psycopg.Connection[Any], ahead: int = 3) -> list[str]:
+    """After the migrations: the partition-aware insert trigger, then the first partitions."""
+    with conn.transaction():
+        conn.execute(_sql("partitioned/post.sql").encode())
+    return ensure(conn, ahead)
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    start: dt.datetime
+    end: dt.datetime
+    rows: int | None = None  # estimate (pg_class.reltuples), None if never analysed
+
+
+_PARTITIONS = """
+SELECT c.relname, pg_get_expr(c.relpartbound, c.oid), c.reltuples::bigint
+FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = 'agent_events'::regclass
+ORDER BY c.relname
+"""
+
+
+def _bounds(expr: str) -> tuple[dt.datetime, dt.datetime]:
+    # FOR VALUES FROM ('2026-11-01 00:00:00+00') TO ('2026-12-01 00:00:00+00')
+    parts = expr.split("'")
+    return dt.datetime.fromisoformat(parts[1]), dt.datetime.fromisoformat(parts[3])
+
+
+def list_partitions(conn: psycopg.Connection[Any]) -> list[Partition]:
+    conn.execute("SET TIME ZONE 'UTC'")
+    out = []
+    for name, expr, tuples in conn.execute(_PARTITIONS):
+        start, end = _bounds(expr)
+        out.append(Partition(name, start, end, None if tuples < 0 else int(tuples)))
+    return sorted(out, key=lambda p: p.start)
+
+
+def _unit(conn: psycopg.Connection[Any]) -> str:
+    row = conn.execute("SELECT unit FROM ledger_partitioning").fetchone()
+    if row is None:
+        raise ConfigError("this ledger is not partitioned (init --partition-by creates one)")
+    return str(row[0])
+
+
+def ensure(
+    conn: psycopg.Connection[Any], ahead: int = 3, *, at: dt.datetime | None = None
+) -> list[str]:
+    """Create the partitions for the interval holding ``at`` (now) and the next ``ahead``
+    intervals, if missing. Returns the names created. Idempotent, safe to run concurrently."""
+    unit = _unit(conn)
+    created = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (0x1ED6E2C1,))
+        existing = {p.name for p in list_partitions(conn)}
+        row = conn.execute(
+            "SELECT date_trunc(%s, coalesce(%s::timestamptz, now()) AT TIME ZONE 'UTC')",
+            (unit, at),
+        ).fetchone()
+        assert row is not None
+        start: dt.datetime = row[0].replace(tzinfo=dt.timezone.utc)
+        for _ in range(ahead + 1):
+            end = _next(start, unit)
+            name = f"agent_events_p{start:%Y%m%d}"
+            if name not in existing:
+                _create(conn, name, start, end)
+                created.append(name)
+            start = end
+    return created
+
+
+def _next(start: dt.datetime, unit: str) -> dt.datetime:
+    if unit == "day":
+        return start + dt.timedelta(days=1)
+    if unit == "week":
+        return start + dt.timedelta(days=7)
+    return (start.replace(day=28) + dt.timedelta(days=4)).replace(day=1)
+
+
+def _create(conn: psycopg.Connection[Any], name: str, start: dt.datetime, end: dt.datetime) -> None:
+    part = sql.Identifier(name)
+    conn.execute(
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} PARTITION OF agent_events FOR VALUES FROM ({}) TO ({})"
+        ).format(part, sql.Literal(start), sql.Literal(end))
+    )
+    # row triggers are cloned from the parent; statement triggers (TRUNCATE) are not
+    conn.execute(
+        sql.SQL(
+            "CREATE TRIGGER agent_events_no_truncate BEFORE TRUNCATE ON {} "
+            "FOR EACH STATEMENT EXECUTE FUNCTION ledger_refuse_change()"
+        ).format(part)
+    )
+    for trigger in (
+        "agent_events_no_truncate",
+        "agent_events_append_only",
+        "agent_events_before_insert",
+    ):
+        conn.execute(
+            sql.SQL("ALTER TABLE {} ENABLE ALWAYS TRIGGER {}").format(part, sql.Identifier(trigger))
+        )
+    conn.execute(sql.SQL("REVOKE ALL ON {} FROM PUBLIC").format(part))
+
+
+# -- archive ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ArchivedPartition:
+    name: str
+    start: dt.datetime
+    end: dt.datetime
+    events: int
+    sessions: int
+    snapshots_taken: int
+    file: Path
+    manifest: Path
+    file_sha256: str
+    skipped: str | None = None  # why nothing was done (empty partition: dropped only)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_PER_SESSION = """
+SELECT p.session_id, min(p.position), max(p.position), count(*), max(p.seq),
+       (array_agg(p.hash ORDER BY p.position DESC))[1], s.last_position
+FROM {part} p LEFT JOIN agent_sessions s ON s.session_id = p.session_id
+GROUP BY p.session_id, s.last_position
+"""
+_HAS_SNAPSHOT = """
+SELECT EXISTS (SELECT FROM agent_snapshots WHERE session_id = %s AND upto_position >= %s
+               AND format_version = %s AND reducer_version = %s)
+"""
+_SNAPSHOT = """
+INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version, reducer_version,
+                             content_hash, data)
+VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (session_id, upto_seq) DO NOTHING
+"""
+_EXPORT = (
+    "COPY (SELECT seq, session_id, position, agent_id, event_type, payload, idempotency_key, "
+    "created_at, encode(prev_hash, 'hex'), encode(hash, 'hex') FROM {part} "
+    "ORDER BY session_id, position) TO STDOUT WITH (FORMAT csv, HEADER)"
+)
+
+
+def archive(
+    conn: psycopg.Connection[Any],
+    older_than: dt.timedelta,
+    to_dir: Path,
+    *,
+    on_partition: Callable[[str], None] | None = None,
+) -> list[ArchivedPartition]:
+    """Archive every partition whose whole range ends at or before ``now - older_than``."""
+    _unit(conn)
+    to_dir.mkdir(parents=True, exist_ok=True)
+    now_row = conn.execute("SELECT now()").fetchone()
+    assert now_row is not None
+    bound = now_row[0] - older_than
+    out = []
+    for p in list_partitions(conn):
+        if p.end > bound:
+            continue
+        if on_partition is not None:
+            on_partition(p.name)
+        out.append(_archive_one(conn, p, to_dir))
+    return out
+
+
+def _archive_one(conn: psycopg.Connection[Any], p: Partition, to_dir: Path) -> ArchivedPartition:
+    part = sql.Identifier(p.name)
+    sessions = conn.execute(sql.SQL(_PER_SESSION).format(part=part)).fetchall()
+    behind = [
+        (sid, last, folded)
+        for sid, _, last, _, _, _, folded in sessions
+        if folded is None or folded < last
+    ]
+    if behind:
+        sid, last, folded = behind[0]
+        raise ArchiveRefusedError(
+            f"partition {p.name}: the consumer has not folded {len(behind)} session(s) past it "
+            f"(e.g. {sid}: position {last} in the partition, projection at "
+            f"{'none' if folded is None else folded}); archive refused — let the consumer catch up"
+        )
+    data_file = to_dir / f"{p.name}.csv.gz"
+    manifest_file = to_dir / f"{p.name}.manifest.json"
+    if manifest_file.exists():
+        raise ArchiveRefusedError(
+            f"{manifest_file} exists: archive {p.name} into another directory"
+        )
+    taken = 0
+    version = reducer_version()
+    for sid, _, last, _, _, _, _ in sessions:
+        row = conn.execute(_HAS_SNAPSHOT, (sid, last, FORMAT_VERSION, version)).fetchone()
+        if row and row[0]:
+            continue
+        ctx = rebuild_context(conn, sid)  # the whole log is still here
+        data = encode_context(ctx)
+        conn.execute(
+            _SNAPSHOT,
+            (
+                sid,
+                ctx.last_seq,
+                ctx.last_position,
+                FORMAT_VERSION,
+                version,
+                hashlib.sha256(data).digest(),
+                data,
+            ),
+        )
+        taken += 1
+    file_hash, content_hash, rows = _export(conn, part, data_file)
+    manifest = {
+        "partition": p.name,
+        "range": [p.start.isoformat(), p.end.isoformat()],
+        "events": rows,
+        "file": data_file.name,
+        "file_sha256": file_hash,
+        "content_sha256": content_hash,
+        "format": "csv with header: seq, session_id, position, agent_id, event_type, payload, "
+        "idempotency_key, created_at, prev_hash (hex), hash (hex)",
+        "sessions": {
+            str(sid): {
+                "first_position": int(first),
+                "last_position": int(last),
+                "events": int(n),
+                "last_seq": int(seq),
+                "last_hash": bytes(h).hex(),
+            }
+            for sid, first, last, n, seq, h, _ in sessions
+        },
+    }
+    manifest_file.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    with conn.transaction():
+        conn.execute(
+            "INSERT INTO ledger_archives (partition_name, range_start, range_end, events, "
+            "file_name, file_sha256, manifest) VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb)",
+            (p.name, p.start, p.end, rows, data_file.name, file_hash, json.dumps(manifest)),
+        )
+        for sid, _, last, _, _, h, _ in sessions:
+            conn.execute(
+                "INSERT INTO ledger_archived_heads (session_id, upto_position, last_hash, "
+                "partition_name) VALUES (%s, %s, %s, %s) ON CONFLICT (session_id) DO UPDATE SET "
+                "upto_position = EXCLUDED.upto_position, last_hash = EXCLUDED.last_hash, "
+                "partition_name = EXCLUDED.partition_name "
+                "WHERE ledger_archived_heads.upto_position < EXCLUDED.upto_position",
+                (sid, last, h, p.name),
+            )
+        conn.execute(
+            sql.SQL(
+                "DELETE FROM agent_event_keys k USING {} p WHERE k.session_id = p.session_id "
+                "AND k.idempotency_key = p.idempotency_key"
+            ).format(part)
+        )
+        conn.execute(sql.SQL("ALTER TABLE agent_events DETACH PARTITION {}").format(part))
+        conn.execute(sql.SQL("DROP TABLE {}").format(part))
+    return ArchivedPartition(
+        p.name, p.start, p.end, rows, len(sessions), taken, data_file, manifest_file, file_hash
+    )
+
+
+def _export(
+    conn: psycopg.Connection[Any], part: sql.Identifier, path: Path
+) -> tuple[str, str, int]:
+    """COPY the partition to a gzip file; (sha256 of the file, sha256 of the CSV, rows)."""
+    tmp = path.with_suffix(path.suffix + ".partial")
+    content = hashlib.sha256()
+    with (
+        conn.cursor() as cur,
+        open(tmp, "wb") as raw,
+        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz,
+        cur.copy(sql.SQL(_EXPORT).format(part=part)) as copy,
+    ):
+        for chunk in copy:
+            b = bytes(chunk)
+            content.update(b)
+            gz.write(b)
+    tmp.rename(path)
+    return _file_sha256(path), content.hexdigest(), _rows(path)
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _rows(path: Path) -> int:
+    with gzip.open(path, "rt", newline="") as f:
+        return sum(1 for _ in csv.reader(f)) - 1  # the header
+
+
+def check_archive(conn: psycopg.Connection[Any], directory: Path) -> list[str]:
+    """Problems with the archives recorded in the database, checked against ``directory``: a
+    missing file, a file whose sha256 is not the recorded one, a manifest that disagrees."""
+    problems = []
+    for name, file_name, recorded, events in conn.execute(
+        "SELECT partition_name, file_name, file_sha256, events FROM ledger_archives ORDER BY 1"
+    ):
+        path = directory / file_name
+        manifest = directory / f"{name}.manifest.json"
+        if not path.exists() or not manifest.exists():
+            problems.append(f"{name}: {path if not path.exists() else manifest} is missing")
+            continue
+        actual = _file_sha256(path)
+        m = json.loads(manifest.read_text())
+        if actual != recorded:
+            problems.append(f"{name}: {path.name} has sha256 {actual}, recorded {recorded}")
+        elif m.get("file_sha256") != recorded or m.get("events") != events:
+            problems.append(f"{name}: manifest does not match the database's record")
+        elif _rows(path) != events:
+            problems.append(f"{name}: {path.name} holds {_rows(path)} rows, recorded {events}")
+    return problems
+
+
+def archived_heads(conn: psycopg.Connection[Any]) -> dict[uuid.UUID, tuple[int, bytes, str]]:
+    """Per session: the last archived position, its hash and the partition (empty when the
+    ledger is not partitioned)."""
+    return {
+        sid: (int(pos), bytes(h), str(name))
+        for sid, pos, h, name in conn.execute(
+            "SELECT session_id, upto_position, last_hash, partition_name FROM ledger_archived_heads"
+        )
+    }
