@@ -55,6 +55,7 @@ LAG_KEYS = {
     "heartbeat_age_seconds",
     "invalidation_reason",
     "wal_rate_bytes_per_s",
+    "ledger_insert_rate",
     "seconds_to_invalidation",
     "status",
     "status_name",
@@ -156,7 +157,7 @@ def test_stalled_consumer_warning_critical_lost_then_resync(
         assert h["exists"] and h["plugin"] == "pgoutput" and h["wal_status"] == "reserved"
         assert h["max_slot_wal_keep_size"] == 48 * 1024 * 1024 and h["active"] is True
         assert isinstance(h["safe_wal_size"], int) and h["checkpoint_lsn"] is not None
-        assert h["wal_rate_bytes_per_s"] is not None
+        assert h["wal_rate_bytes_per_s"] is not None and h["ledger_insert_rate"] is not None
 
         assert proc.proc is not None
         os.kill(proc.proc.pid, signal.SIGSTOP)  # the consumer stalls; its slot holds WAL
@@ -333,3 +334,29 @@ def test_slot_commands(db: Database) -> None:
     assert cli("drop", "td").returncode == 0
     bad_name = cli("create", "Bad-Name")
     assert bad_name.returncode == 4 and "invalid slot name" in bad_name.stderr
+
+
+def test_rate_watch_reports_rates_and_flags_a_retry_storm(db: Database) -> None:
+    from ledger_cdc.health import RateWatch
+
+    watch = RateWatch(factor=5, min_inserts=50)
+    with db.connect() as conn:
+        assert watch.sample(conn) is None  # a rate needs two samples
+        calm = []
+        for _ in range(4):
+            conn.execute(
+                "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                "SELECT gen_random_uuid(), 'a', 'x.y', '{}' FROM generate_series(1, 5)"
+            )
+            time.sleep(0.1)
+            r = watch.sample(conn)
+            assert r is not None and r.inserts_per_s > 0 and r.wal_bytes_per_s > 0
+            calm.append(r.spike)
+        assert calm == [None] * 4
+        conn.execute(
+            "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+            "SELECT gen_random_uuid(), 'a', 'x.y', '{}' FROM generate_series(1, 2000)"
+        )
+        time.sleep(0.1)
+        storm = watch.sample(conn)
+        assert storm is not None and storm.spike is not None and "retry storm" in storm.spike

@@ -1,0 +1,213 @@
+"""Fan-out on NATS JetStream: every committed ledger event and every projection change.
+
+``consume --sink nats://host:4222[,nats://other:4222]`` adds this publisher to the PostgreSQL
+projections. For each batch, in commit order, it publishes each event to
+``ledger.events.<session_id>`` and each changed projection to ``ledger.sessions.<session_id>``,
+waits until JetStream has acknowledged every message, and only then lets the sink commit the
+batch's checkpoint. Each message carries ``Nats-Msg-Id`` derived from the slot and the event
+(``<slot>:ev:<session>:<position>``, ``<slot>:ctx:<session>:<position>``), so the batch a crashed
+consumer published but did not checkpoint is re-published after the restart and dropped by the
+server as a duplicate.
+
+Guarantee: a subscriber (a durable consumer with explicit acks) receives every event exactly
+once and, per session, in position order — provided the consumer is restarted within the
+stream's duplicate window (``duplicate_window``, 2 minutes by default). After a longer outage the
+one batch that was published but not checkpointed can appear twice; its messages carry session
+and position, so a subscriber can drop them. No order is promised across sessions beyond commit
+order within a batch.
+
+nats-py is asynchronous; the publisher runs its own event loop on a thread, and the sink thread
+waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from .errors import ConfigError
+from .events import LedgerEvent
+from .stream.transport import TransportError
+
+__all__ = ["JetStreamError", "JetStreamPublisher", "JetStreamSettings"]
+
+
+class JetStreamError(TransportError):
+    """A publish was not acknowledged in time (or the server refused it): the batch is retried
+    after a reconnect, under the same message ids."""
+
+
+@dataclass(frozen=True)
+class JetStreamSettings:
+    servers: list[str]
+    stream: str = "LEDGER"
+    prefix: str = "ledger"
+    replicas: int = 1
+    duplicate_window: float = 120.0
+    ack_timeout: float = 10.0
+
+    @classmethod
+    def from_url(cls, url: str, **kw: Any) -> JetStreamSettings:
+        servers = [u.strip() for u in url.split(",") if u.strip()]
+        bad = [s for s in servers if not s.startswith(("nats://", "tls://"))]
+        if not servers or bad:
+            raise ConfigError(f"--sink {url!r}: expected nats://host:port[,nats://host:port…]")
+        return cls(servers, **kw)
+
+
+class _Event(msgspec.Struct):
+    seq: int
+    session_id: uuid.UUID
+    position: int
+    agent_id: str
+    event_type: str
+    payload: Any
+    created_at: Any
+    idempotency_key: str | None
+    commit_lsn: str
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+class JetStreamPublisher:
+    """Publishes batches to one JetStream stream; :meth:`publish` blocks until all are acked."""
+
+    def __init__(self, settings: JetStreamSettings, slot: str) -> None:
+        try:
+            import nats  # noqa: F401
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise ConfigError(
+                "the JetStream sink needs nats-py: pip install 'ledger-cdc[nats]'"
+            ) from e
+        self.settings = settings
+        self.slot = slot
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="ledger-cdc-nats", daemon=True
+        )
+        self._thread.start()
+        self._nc: Any = None
+        self._js: Any = None
+        self.published = 0
+
+    def _run(self, coro: Any, timeout: float) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError as e:
+            fut.cancel()
+            raise JetStreamError(f"JetStream did not acknowledge within {timeout:.0f}s") from e
+
+    async def _connect(self) -> None:
+        import nats
+        from nats.js.api import StreamConfig
+        from nats.js.errors import NotFoundError
+
+        if self._nc is not None and self._nc.is_connected:
+            return
+        s = self.settings
+        self._nc = await nats.connect(
+            servers=s.servers,
+            connect_timeout=5,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            allow_reconnect=True,
+            name=f"ledger-cdc:{self.slot}",
+        )
+        self._js = self._nc.jetstream(timeout=s.ack_timeout)
+        subjects = [f"{s.prefix}.events.*", f"{s.prefix}.sessions.*"]
+        try:
+            await self._js.stream_info(s.stream)
+        except NotFoundError:
+            await self._js.add_stream(
+                StreamConfig(
+                    name=s.stream,
+                    subjects=subjects,
+                    num_replicas=s.replicas,
+                    duplicate_window=s.duplicate_window,
+                )
+            )
+
+    def connect(self) -> None:
+        try:
+            self._run(self._connect(), 30)
+        except JetStreamError:
+            raise
+        except Exception as e:
+            raise JetStreamError(
+                f"cannot reach JetStream at {', '.join(self.settings.servers)}: {e}"
+            ) from e
+
+    async def _publish(self, msgs: list[tuple[str, bytes, str]]) -> None:
+        await self._connect()
+        futures = []
+        for subject, data, msg_id in msgs:  # in order: one connection keeps the order
+            futures.append(
+                await self._js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id})
+            )
+        await asyncio.wait_for(asyncio.gather(*futures), self.settings.ack_timeout)
+
+    def publish(
+        self,
+        events: Sequence[tuple[LedgerEvent, int]],
+        sessions: Sequence[tuple[uuid.UUID, int, bytes]],
+    ) -> None:
+        """Publish (event, commit LSN) pairs, then (session, last position, context JSON)."""
+        from .errors import format_lsn
+
+        p = self.settings.prefix
+        msgs = [
+            (
+                f"{p}.events.{ev.session_id}",
+                _encode(
+                    _Event(
+                        ev.seq,
+                        ev.session_id,
+                        ev.position,
+                        ev.agent_id,
+                        ev.event_type,
+                        ev.payload,
+                        ev.created_at,
+                        ev.idempotency_key,
+                        format_lsn(lsn),
+                    )
+                ),
+                f"{self.slot}:ev:{ev.session_id}:{ev.position}",
+            )
+            for ev, lsn in events
+        ]
+        msgs += [
+            (f"{p}.sessions.{sid}", data, f"{self.slot}:ctx:{sid}:{pos}")
+            for sid, pos, data in sessions
+        ]
+        if not msgs:
+            return
+        try:
+            self._run(self._publish(msgs), self.settings.ack_timeout + 5)
+        except JetStreamError:
+            raise
+        except Exception as e:
+            raise JetStreamError(f"publish to JetStream failed: {type(e).__name__}: {e}") from e
+        self.published += len(msgs)
+
+    def close(self) -> None:
+        async def drain() -> None:
+            if self._nc is not None:
+                try:
+                    await asyncio.wait_for(self._nc.drain(), 5)
+                except Exception:
+                    await self._nc.close()
+
+        try:
+            self._run(drain(), 10)
+        except Exception:
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
