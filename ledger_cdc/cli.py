@@ -122,6 +122,12 @@ def cli(ctx: click.Context) -> None:
     show_default=True,
     help="Partitions created beyond the current one (partitioned ledgers).",
 )
+@click.option(
+    "--shards",
+    type=int,
+    default=None,
+    help="Also create N shard publications (row filter on the session id) and one slot each.",
+)
 @click.pass_obj
 @handles_errors
 def init(
@@ -132,6 +138,7 @@ def init(
     create_slot: bool,
     partition_by: str | None,
     partitions_ahead: int,
+    shards: int | None,
 ) -> None:
     """Apply the schema migrations and create the publication (idempotent).
 
@@ -149,6 +156,7 @@ def init(
         slot=slot if create_slot else None,
         partition_by=partition_by,
         partitions_ahead=partitions_ahead,
+        shards=shards,
     )
     applied = ", ".join(f"{v:04d}" for v in res.applied) or "none (already up to date)"
     state.console.print(f"migrations applied: {applied}")
@@ -159,6 +167,8 @@ def init(
         state.console.print(f"slot {slot}: {'created' if res.slot_created else 'exists'}")
     if res.partitions_created:
         state.console.print(f"partitions created: {', '.join(res.partitions_created)}")
+    for pub, sl in res.shards:
+        state.console.print(f"shard: publication {pub}, slot {sl}")
 
 
 @cli.command()
@@ -421,6 +431,28 @@ def _env(name: str) -> str:
     help="auto: a live status line on a terminal, text lines otherwise "
     "[env: LEDGER_CDC_LOG_FORMAT].",
 )
+@click.option(
+    "--sink",
+    "sinks",
+    multiple=True,
+    default=("postgres",),
+    show_default=True,
+    envvar=_env("SINKS"),
+    help="Where batches go, repeatable: postgres (the projections, always on: the checkpoint "
+    "lives there) and nats://host:4222[,nats://…] (JetStream fan-out) [env: LEDGER_CDC_SINKS].",
+)
+@click.option(
+    "--shard",
+    type=int,
+    default=None,
+    help="Stream shard K: slot <slot>_sK and publication <publication>_sK (init --shards).",
+)
+@click.option(
+    "--standby-poll",
+    default=0.5,
+    show_default=True,
+    help="Seconds between tries for a slot another consumer holds (hot standby).",
+)
 @click.pass_obj
 @handles_errors
 def consume(
@@ -440,6 +472,9 @@ def consume(
     on_slot_lost: str,
     health_interval: float,
     log_format: str,
+    sinks: tuple[str, ...],
+    shard: int | None,
+    standby_poll: float,
 ) -> None:
     """Stream the slot into per-session projections, exactly once, in commit order.
 
@@ -450,13 +485,27 @@ def consume(
 
     Runs until SIGINT or SIGTERM, then finishes the current batch, commits, confirms and exits 0.
     Reconnects by itself when the connection drops or the server restarts.
+
+    Run a second `consume` for the same slot as a hot standby: it waits while the slot is in
+    use and takes over within about a second of the active one's death; a consumer that lost
+    the slot is fenced (its checkpoint write is a compare-and-set) and cannot overwrite newer
+    projections. --shard K streams shard K (agent_slot_sK / agent_pub_sK, see init --shards).
+    --sink nats://… also publishes every event and projection change to JetStream.
     """
     from .consumer import Consumer, ConsumerConfig
     from .runner import bootstrap_progress, run_consumer
-    from .schema import validate_publication_name, validate_slot_name
+    from .schema import shard_names, validate_publication_name, validate_slot_name
 
+    if shard is not None:
+        publication, slot = shard_names(shard, publication, slot)
     validate_slot_name(slot)
     validate_publication_name(publication)
+    extra = tuple(u for u in sinks if u != "postgres")
+    for u in extra:
+        if not u.startswith(("nats://", "tls://")):
+            raise click.BadParameter(
+                f"{u!r}: use postgres or nats://host:port", param_hint="--sink"
+            )
     config = ConsumerConfig(
         dsn=dsn,
         slot=slot,
@@ -471,6 +520,8 @@ def consume(
         on_slot_lost=on_slot_lost,
         health_interval=health_interval,
         progress=bootstrap_progress(state.console, log_format),
+        sinks=extra,
+        standby_poll=standby_poll,
     )
     consumer = Consumer(config)
     consumer.install_signal_handlers()

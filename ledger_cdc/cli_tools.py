@@ -3,6 +3,7 @@ outbox dispatcher (``dispatch``, ``outbox``). Registered on the group defined in
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json as jsonlib
 import signal
@@ -821,3 +822,85 @@ def partitions_archive(state: State, dsn: str, older: str, to_dir: Path) -> None
             f"{a.sessions} sessions → {a.file} (sha256 {a.file_sha256[:16]}…), "
             f"{a.snapshots_taken} snapshot(s) taken; partition dropped"
         )
+
+
+# -- tail -----------------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@click.argument("session", type=SESSION)
+@click.option(
+    "--nats",
+    "nats_url",
+    default=None,
+    envvar=_env("NATS"),
+    help="Follow from JetStream (nats://host:4222[,…]) instead of PostgreSQL "
+    "[env: LEDGER_CDC_NATS].",
+)
+@click.option(
+    "--after",
+    default=0,
+    show_default=True,
+    help="Start after this position (0: from the first event).",
+)
+@click.option("--count", type=int, default=None, help="Exit after N events.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per event.")
+@click.pass_obj
+@handles_errors
+def tail(
+    state: State,
+    dsn: str,
+    session: uuid.UUID,
+    nats_url: str | None,
+    after: int,
+    count: int | None,
+    as_json: bool,
+) -> None:
+    """Follow one session live, event by event, as the consumer commits it: from JetStream
+    with --nats, else from PostgreSQL (woken by the consumer's notifications, no polling
+    loop). Replaces LISTEN/NOTIFY tails and `seq > last` pollers. Ctrl-C stops."""
+    import asyncio
+
+    from .tail import follow_jetstream, follow_postgres
+    from .timeline import summarise
+
+    async def run() -> None:
+        if nats_url:
+            from .jetstream import JetStreamSettings
+
+            events = follow_jetstream(
+                JetStreamSettings.from_url(nats_url).servers, session, after=after
+            )
+        else:
+            events = follow_postgres(dsn, session, after=after)
+        n = 0
+        async for ev in events:
+            if as_json:
+                click.echo(
+                    jsonlib.dumps(
+                        {
+                            "seq": ev.seq,
+                            "position": ev.position,
+                            "agent_id": ev.agent_id,
+                            "event_type": ev.event_type,
+                            "payload": msgspec.to_builtins(ev.payload),
+                            "created_at": ev.created_at.isoformat(),
+                        }
+                    ),
+                    nl=True,
+                )
+            else:
+                state.console.print(
+                    f"{ev.position:>6} {ev.created_at:%H:%M:%S.%f}"[:-3] + f"  {ev.agent_id}  "
+                    f"[bold]{ev.event_type}[/]  {summarise(ev)}",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+            sys.stdout.flush()
+            n += 1
+            if count is not None and n >= count:
+                return
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())

@@ -47,10 +47,16 @@ from .health import LOST, RateWatch, Thresholds, check_slots
 from .pgoutput import Decoder, Delete, Insert, LogicalMessage, Relation, Truncate, Update
 from .replay import load_events
 from .schema import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, drop_slot
-from .sink import BOOTSTRAPPING, Batch, DeadLetter, PgSink, SnapshotRow
+from .sink import BOOTSTRAPPING, Batch, DeadLetter, FencedError, PgSink, SnapshotRow
 from .stream.assemble import Assembler, Transaction
 from .stream.rows import LedgerRowDecoder
-from .stream.transport import ReplicationStream, SlotError, SlotLostError, TransportError
+from .stream.transport import (
+    ReplicationStream,
+    SlotBusyError,
+    SlotError,
+    SlotLostError,
+    TransportError,
+)
 
 __all__ = ["Consumer", "ConsumerConfig", "Metrics"]
 
@@ -93,6 +99,9 @@ class ConsumerConfig:
     lease_watch_interval: float = 1.0  # seconds between looks for expired leases (0: off)
     partition_ensure_interval: float = 3600.0  # partitioned ledgers: create partitions ahead
     partitions_ahead: int = 3
+    standby_poll: float = 0.5  # seconds between tries for a slot another consumer holds
+    sinks: tuple[str, ...] = ()  # extra sinks: nats://host:port[,…] (PostgreSQL is always on)
+    notify_sessions: bool = True  # NOTIFY ledger_sessions '<session>:<position>' per change
     thresholds: Thresholds = field(default_factory=Thresholds)
     progress: Callable[[int, int], None] | None = None  # bootstrap progress (done, total)
 
@@ -342,6 +351,12 @@ class Consumer:
         self.on_batch = on_batch
         self._stop = threading.Event()
         self.sink = PgSink(config.target_dsn or config.dsn, config.slot)
+        for url in config.sinks:
+            from .jetstream import JetStreamPublisher, JetStreamSettings
+
+            self.sink.publishers.append(
+                JetStreamPublisher(JetStreamSettings.from_url(url), config.slot)
+            )
         self.stream = ReplicationStream(
             config.dsn,
             config.slot,
@@ -352,6 +367,7 @@ class Consumer:
         )
         self._cache: OrderedDict[uuid.UUID, SessionContext] = OrderedDict()
         self._heartbeat: threading.Thread | None = None
+        self._standing_by = False
         self._worker = _SinkWorker(self.sink)
         self._lost = threading.Event()
         self._reset_stream_state(0)
@@ -406,10 +422,24 @@ class Consumer:
                 try:
                     self._connect()
                     attempt = 0
+                    if self._standing_by:
+                        self._standing_by = False
+                        self.metrics.extra["standby"] = 0.0
+                        log.warning(
+                            "slot %s acquired: this consumer is active now", self.config.slot
+                        )
                     self._stream_loop()
                 except SlotLostError as e:
                     self._recover()
                     self._slot_lost(e)
+                except SlotBusyError as e:
+                    self._stand_by(e)
+                except FencedError as e:
+                    # another consumer moved the checkpoint: we wrote nothing; wait for the slot
+                    log.warning("%s", e)
+                    self._recover()
+                    self._standing_by = True
+                    self._stop.wait(self.config.standby_poll)
                 except TransportError as e:
                     attempt = self._back_off(attempt, f"{e}")
                 except psycopg.OperationalError as e:
@@ -422,7 +452,18 @@ class Consumer:
                 self._worker.take()
             self._worker.close()
             self.stream.close()
-            self.sink.close()
+            self.sink.shutdown()
+
+    def _stand_by(self, e: SlotBusyError) -> None:
+        """Hot standby: another consumer streams the slot. Try again every ``standby_poll``
+        seconds (no backoff): the server frees the slot as soon as the active consumer's
+        connection closes, so a dead consumer is replaced within about a second."""
+        if not self._standing_by:
+            self._standing_by = True
+            log.warning("%s; standing by (retrying every %.1fs)", e, self.config.standby_poll)
+        self.metrics.extra["standby"] = 1.0
+        self._recover()
+        self._stop.wait(self.config.standby_poll)
 
     def _back_off(self, attempt: int, why: str) -> int:
         """Reconnect after a failure: capped exponential backoff with jitter; the next attempt."""
@@ -714,6 +755,7 @@ class Consumer:
             for sid, loaded in self.sink.load_contexts(missing).items():
                 self._cache[sid] = loaded
         changed: dict[uuid.UUID, tuple[SessionContext, int]] = {}
+        publish = bool(self.sink.publishers)
         runs_before: dict[uuid.UUID, tuple[str, int] | None] = {}
         for txn in txns:
             before: dict[uuid.UUID, tuple[int, str]] = {}
@@ -733,6 +775,8 @@ class Consumer:
                     apply(ctx, it)
                     changed[it.session_id] = (ctx, txn.commit_lsn)
                     batch.events += 1
+                    if publish:
+                        batch.published.append((it, txn.commit_lsn))
                 elif isinstance(it, _Bad):
                     batch.dead_letters.append(
                         DeadLetter(
@@ -784,6 +828,8 @@ class Consumer:
                 if was is None or was != (RUN_PENDING, run.leases):
                     batch.notify.append(sid)  # became ready to lease in this batch
         batch.channel = self.config.notify_channel
+        if self.config.notify_sessions:
+            batch.session_notices = [f"{sid}:{c.last_position}" for sid, (c, _) in changed.items()]
         if txns:
             batch.last_commit_ts = txns[-1].commit_ts
             batch.commit_times = [t.commit_ts for t in txns]

@@ -23,6 +23,7 @@ waits on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
 from collections.abc import Sequence
@@ -53,11 +54,33 @@ class JetStreamSettings:
     ack_timeout: float = 10.0
 
     @classmethod
-    def from_url(cls, url: str, **kw: Any) -> JetStreamSettings:
-        servers = [u.strip() for u in url.split(",") if u.strip()]
+    def from_url(cls, url: str) -> JetStreamSettings:
+        """``nats://h1:4222[,nats://h2:4222…][?stream=LEDGER&replicas=3&duplicate_window=120]``"""
+        base, _, query = url.partition("?")
+        servers = [u.strip() for u in base.split(",") if u.strip()]
         bad = [s for s in servers if not s.startswith(("nats://", "tls://"))]
         if not servers or bad:
             raise ConfigError(f"--sink {url!r}: expected nats://host:port[,nats://host:port…]")
+        kw: dict[str, Any] = {}
+        types = {
+            "stream": str,
+            "prefix": str,
+            "replicas": int,
+            "duplicate_window": float,
+            "ack_timeout": float,
+        }
+        for item in filter(None, query.split("&")):
+            key, _, value = item.partition("=")
+            if key not in types:
+                raise ConfigError(
+                    f"--sink {url!r}: unknown option {key!r} (use {', '.join(types)})"
+                )
+            try:
+                kw[key] = types[key](value)
+            except ValueError:
+                raise ConfigError(
+                    f"--sink {url!r}: {key}={value!r} is not a {types[key].__name__}"
+                ) from None
         return cls(servers, **kw)
 
 
@@ -95,6 +118,7 @@ class JetStreamPublisher:
         self._thread.start()
         self._nc: Any = None
         self._js: Any = None
+        self._stream_ready = False
         self.published = 0
 
     def _run(self, coro: Any, timeout: float) -> Any:
@@ -110,18 +134,21 @@ class JetStreamPublisher:
         from nats.js.api import StreamConfig
         from nats.js.errors import NotFoundError
 
-        if self._nc is not None and self._nc.is_connected:
-            return
         s = self.settings
-        self._nc = await nats.connect(
-            servers=s.servers,
-            connect_timeout=5,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            allow_reconnect=True,
-            name=f"ledger-cdc:{self.slot}",
-        )
-        self._js = self._nc.jetstream(timeout=s.ack_timeout)
+        if self._nc is None or self._nc.is_closed:
+            self._nc = await nats.connect(
+                servers=s.servers,
+                connect_timeout=5,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                allow_reconnect=True,
+                name=f"ledger-cdc:{self.slot}",
+            )
+            self._js = self._nc.jetstream(timeout=s.ack_timeout)
+            self._stream_ready = False
+        if self._stream_ready:
+            return
+        # until the stream exists (a forming cluster may refuse to create it for a while)
         subjects = [f"{s.prefix}.events.*", f"{s.prefix}.sessions.*"]
         try:
             await self._js.stream_info(s.stream)
@@ -134,6 +161,7 @@ class JetStreamPublisher:
                     duplicate_window=s.duplicate_window,
                 )
             )
+        self._stream_ready = True
 
     def connect(self) -> None:
         try:
@@ -205,9 +233,7 @@ class JetStreamPublisher:
                 except Exception:
                     await self._nc.close()
 
-        try:
+        with contextlib.suppress(Exception):  # closing anyway
             self._run(drain(), 10)
-        except Exception:
-            pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)

@@ -174,7 +174,50 @@ def validate_publication_name(name: str) -> str:
     return name
 
 
-def create_publication(conn: psycopg.Connection[Any], name: str = DEFAULT_PUBLICATION) -> bool:
+def shard_filter(shards: int, shard: int) -> sql.Composable:
+    """Row filter of shard ``shard`` of ``shards``: the last byte of the session id, modulo.
+    (Row filters admit only immutable built-in functions: hashtext() is refused.)"""
+    return sql.SQL("(get_byte(uuid_send(session_id), 15) % {} = {})").format(
+        sql.Literal(shards), sql.Literal(shard)
+    )
+
+
+def shard_names(
+    shard: int, publication: str = DEFAULT_PUBLICATION, slot: str = DEFAULT_SLOT
+) -> tuple[str, str]:
+    """(publication, slot) of a shard: ``agent_pub_s2``, ``agent_slot_s2``."""
+    return f"{publication}_s{shard}", f"{slot}_s{shard}"
+
+
+def create_shards(
+    conn: psycopg.Connection[Any],
+    shards: int,
+    *,
+    publication: str = DEFAULT_PUBLICATION,
+    slot: str = DEFAULT_SLOT,
+    create_slots: bool = True,
+) -> list[tuple[str, str]]:
+    """One publication with a row filter on the session id, and one slot, per shard (PG 15+)."""
+    if not 2 <= shards <= 256:
+        raise ConfigError(f"--shards must be between 2 and 256, got {shards}")
+    if conn.info.server_version < 150000:
+        raise ConfigError("sharding needs PostgreSQL 15+ (publication row filters)")
+    out = []
+    for k in range(shards):
+        pub, sl = shard_names(k, publication, slot)
+        create_publication(conn, pub, where=shard_filter(shards, k))
+        if create_slots:
+            create_slot(conn, sl)
+        out.append((pub, sl))
+    return out
+
+
+def create_publication(
+    conn: psycopg.Connection[Any],
+    name: str = DEFAULT_PUBLICATION,
+    *,
+    where: sql.Composable | None = None,
+) -> bool:
     """Create the publication for the ledger if missing; True if it was created now."""
     validate_publication_name(name)
     with conn.transaction():
@@ -193,10 +236,11 @@ def create_publication(conn: psycopg.Connection[Any], name: str = DEFAULT_PUBLIC
             else sql.SQL("")
         )
         conn.execute(
-            sql.SQL("CREATE PUBLICATION {} FOR TABLE {} ({}){}").format(
+            sql.SQL("CREATE PUBLICATION {} FOR TABLE {} ({}){}{}").format(
                 sql.Identifier(name),
                 sql.Identifier(LEDGER_TABLE),
                 sql.SQL(", ").join(map(sql.Identifier, STREAMED_COLUMNS)),
+                sql.SQL(" WHERE {}").format(where) if where is not None else sql.SQL(""),
                 options,
             )
         )
@@ -245,6 +289,7 @@ class InitResult:
     publication_created: bool
     slot_created: bool | None
     partitions_created: list[str] = field(default_factory=list)
+    shards: list[tuple[str, str]] = field(default_factory=list)  # (publication, slot) each
 
 
 def init(
@@ -254,6 +299,7 @@ def init(
     slot: str | None = None,
     partition_by: str | None = None,
     partitions_ahead: int = 3,
+    shards: int | None = None,
 ) -> InitResult:
     """Apply the migrations, create the publication and, if ``slot`` is given, the slot.
 
@@ -275,9 +321,14 @@ def init(
                 created = partitions.ensure(conn, partitions_ahead)
             pub = create_publication(conn, publication)
             made = create_slot(conn, slot) if slot is not None else None
+            sharded = (
+                create_shards(conn, shards, publication=publication, slot=slot or DEFAULT_SLOT)
+                if shards
+                else []
+            )
     except psycopg.OperationalError as e:
         raise ConfigError(f"cannot connect to {_redact(dsn)}: {str(e).strip()}") from e
-    return InitResult(applied, pub, made, created)
+    return InitResult(applied, pub, made, created, sharded)
 
 
 def _redact(dsn: str) -> str:

@@ -65,6 +65,8 @@ class Batch:
     epoch: int | None = None  # set the checkpoint's epoch (None: leave it)
     notify: list[uuid.UUID] = field(default_factory=list)  # runs that became ready to lease
     channel: str = "ledger_runs"
+    session_notices: list[str] = field(default_factory=list)  # '<session>:<position>' changed
+    published: list[tuple[Any, int]] = field(default_factory=list)  # (event, commit LSN) to fan out
 
 
 # Rows go in by COPY (one C-level call per row) into session-local staging tables, then one
@@ -122,6 +124,8 @@ ON CONFLICT (slot_name) DO UPDATE SET
 WHERE c.lsn IS NOT DISTINCT FROM %(prev)s::pg_lsn
 RETURNING 1
 """
+SESSIONS_CHANNEL = "ledger_sessions"
+"""NOTIFY channel of projection changes (payload ``<session_id>:<last_position>``)."""
 BOOTSTRAPPING = -1
 """Checkpoint epoch while a bootstrap / resync is under way: a restart must redo it."""
 
@@ -136,6 +140,7 @@ class PgSink:
         self._staged = False
         self.checkpoint: int | None = None
         self.epoch: int | None = None
+        self.publishers: list[Any] = []  # e.g. JetStreamPublisher: publish(events, sessions)
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -148,6 +153,11 @@ class PgSink:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+    def shutdown(self) -> None:
+        self.close()
+        for pub in self.publishers:
+            pub.close()
 
     def load_checkpoint(self) -> int | None:
         row = self.conn.execute(
@@ -187,7 +197,15 @@ class PgSink:
         return out
 
     def commit(self, batch: Batch) -> None:
-        """Write the batch in one transaction; raises FencedError if the checkpoint moved."""
+        """Write the batch in one transaction; raises FencedError if the checkpoint moved.
+
+        Publishers (JetStream) get the batch first: the checkpoint is only committed once every
+        publish is acknowledged, so a crash in between republishes under the same message ids."""
+        for pub in self.publishers:
+            pub.publish(
+                batch.published,
+                [(sid, ctx.last_position, data) for sid, (ctx, data, _) in batch.sessions.items()],
+            )
         conn = self.conn
         lsn_text = format_lsn(batch.end_lsn)
         if not self._staged:
@@ -231,11 +249,11 @@ class PgSink:
                                 )
                             )
                     cur.execute(_MERGE_SNAPSHOTS)
-                if batch.notify:
+                notices = [(batch.channel, str(s)) for s in batch.notify]
+                notices += [(SESSIONS_CHANNEL, n) for n in batch.session_notices]
+                if notices:
                     # delivered by PostgreSQL only when this transaction commits
-                    cur.executemany(
-                        "SELECT pg_notify(%s, %s)", [(batch.channel, str(s)) for s in batch.notify]
-                    )
+                    cur.executemany("SELECT pg_notify(%s, %s)", notices)
                 if batch.dead_letters:
                     cur.executemany(
                         _INSERT_DEAD, [_dead_params(self.slot, d) for d in batch.dead_letters]
@@ -254,7 +272,7 @@ class PgSink:
             if row is None:
                 raise FencedError(
                     f"checkpoint of slot {self.slot} is no longer {prev}: another consumer "
-                    "advanced it; this one stops without writing"
+                    "advanced it; this batch is dropped unwritten and this consumer stands by"
                 )
         self.checkpoint = batch.end_lsn
         if batch.epoch is not None:

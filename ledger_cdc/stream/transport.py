@@ -16,6 +16,7 @@ reply inside ``read_message`` and sends status updates every ``status_interval``
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import threading
 import time
@@ -29,7 +30,14 @@ import psycopg2.extras
 
 from ..errors import ConfigError, LedgerError, format_lsn
 
-__all__ = ["ReplicationStream", "SlotError", "SlotLostError", "TransportError", "XLogData"]
+__all__ = [
+    "ReplicationStream",
+    "SlotBusyError",
+    "SlotError",
+    "SlotLostError",
+    "TransportError",
+    "XLogData",
+]
 
 _SESSION_OPTIONS = (
     "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3"
@@ -38,6 +46,10 @@ _SESSION_OPTIONS = (
 
 class TransportError(LedgerError):
     """The replication connection failed in a way a reconnect can cure."""
+
+
+class SlotBusyError(TransportError):
+    """Another consumer streams the slot (a hot standby waits for it)."""
 
 
 class SlotError(ConfigError):
@@ -101,6 +113,8 @@ class ReplicationStream:
                 self.dsn,
                 connection_factory=psycopg2.extras.LogicalReplicationConnection,
                 options=_SESSION_OPTIONS,
+                # names this process in pg_stat_replication (which consumer holds the slot)
+                application_name=f"ledger-cdc:{self.slot}:{os.getpid()}"[:63],
                 connect_timeout=10,
                 keepalives=1,
                 keepalives_idle=10,
@@ -158,7 +172,7 @@ class ReplicationStream:
         except psycopg2.errors.ObjectInUse as e:
             conn.close()
             self._conn = self._cur = None
-            raise TransportError(
+            raise SlotBusyError(
                 f"slot {self.slot!r} is in use by another process: {_first_line(e)}"
             ) from e
         except psycopg2.errors.ObjectNotInPrerequisiteState as e:

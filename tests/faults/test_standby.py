@@ -1,0 +1,136 @@
+"""Hot standby: two consumers for one slot. The standby takes over within 5 s of the active
+one's SIGKILL; a paused (SIGSTOP) active consumer that resumes after the take-over is fenced and
+never overwrites newer projections."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+
+from ledger_cdc.errors import parse_lsn
+from tests.cdc import (
+    ConsumerProcess,
+    Writers,
+    assert_projections_equal_refold,
+    until,
+    wait_caught_up,
+)
+from tests.conftest import Database
+
+
+def _holder(conn: psycopg.Connection[object]) -> int | None:
+    """pid of the consumer process streaming agent_slot (from its application_name)."""
+    row = conn.execute(
+        "SELECT r.application_name FROM pg_replication_slots s JOIN pg_stat_replication r "
+        "ON r.pid = s.active_pid WHERE s.slot_name = 'agent_slot' AND s.database = current_database()"
+    ).fetchone()
+    if row is None or not str(row[0]).startswith("ledger-cdc:"):
+        return None
+    return int(str(row[0]).rsplit(":", 1)[1])
+
+
+class CheckpointWatch(threading.Thread):
+    """Samples the checkpoint LSN: it must never move backwards."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(daemon=True)
+        self.dsn = dsn
+        self.seen: list[int] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self.done.wait(0.02):
+                row = conn.execute(
+                    "SELECT lsn::text FROM ledger_checkpoints WHERE slot_name = 'agent_slot'"
+                ).fetchone()
+                if row:
+                    self.seen.append(parse_lsn(row[0]))
+
+    def monotonic(self) -> bool:
+        return all(a <= b for a, b in zip(self.seen, self.seen[1:], strict=False))
+
+
+def test_standby_takes_over_within_5s_of_a_sigkill(db: Database, tmp_path: Path) -> None:
+    a = ConsumerProcess(
+        db.dsn, "--create-slot", "--heartbeat-interval", "1", log=tmp_path / "a.log"
+    ).start()
+    b: ConsumerProcess | None = None
+    writers = Writers(db.dsn, n=3, pace=0.01).start()
+    try:
+        with db.connect() as conn:
+            until(lambda: _holder(conn) == a.proc.pid, timeout=60)  # type: ignore[union-attr]
+            b = ConsumerProcess(db.dsn, "--heartbeat-interval", "1", log=tmp_path / "b.log").start()
+            until(lambda: "standing by" in (tmp_path / "b.log").read_text(), timeout=30)
+            time.sleep(1)
+            a.kill()
+            t0 = time.monotonic()
+            until(lambda: _holder(conn) == b.proc.pid, timeout=10)  # type: ignore[union-attr]
+            took = time.monotonic() - t0
+            assert took < 5, f"take-over took {took:.1f}s"
+            (before,) = conn.execute("SELECT lsn::text FROM ledger_checkpoints").fetchone()  # type: ignore[misc]
+            until(
+                lambda: (
+                    conn.execute("SELECT lsn::text FROM ledger_checkpoints").fetchone()[0] != before
+                )
+            )  # type: ignore[index]
+    finally:
+        writers.stop()
+    wait_caught_up(db.dsn)
+    assert assert_projections_equal_refold(db.dsn) > 0
+    assert "acquired: this consumer is active now" in (tmp_path / "b.log").read_text()
+    if b is not None:
+        b.kill()
+
+
+def test_a_paused_consumer_that_resumes_cannot_overwrite_newer_projections(
+    db: Database, tmp_path: Path
+) -> None:
+    with psycopg.connect(db.server.dsn(), autocommit=True) as admin:
+        admin.execute("ALTER SYSTEM SET wal_sender_timeout = '2s'")
+        admin.execute("SELECT pg_reload_conf()")
+    watch = CheckpointWatch(db.dsn)
+    a = ConsumerProcess(db.dsn, "--create-slot", log=tmp_path / "a.log").start()
+    b = None
+    writers = Writers(db.dsn, n=3, pace=0.01)
+    try:
+        with db.connect() as conn:
+            until(lambda: _holder(conn) == a.proc.pid, timeout=60)  # type: ignore[union-attr]
+            b = ConsumerProcess(db.dsn, log=tmp_path / "b.log").start()
+            until(lambda: "standing by" in (tmp_path / "b.log").read_text(), timeout=30)
+            watch.start()
+            writers.start()
+            time.sleep(1)
+            assert a.proc is not None
+            a.proc.send_signal(signal.SIGSTOP)  # alive, silent: its walsender times out
+            until(lambda: _holder(conn) == b.proc.pid, timeout=30)  # type: ignore[union-attr]
+            (taken,) = conn.execute("SELECT lsn::text FROM ledger_checkpoints").fetchone()  # type: ignore[misc]
+            until(
+                lambda: (
+                    conn.execute("SELECT lsn::text FROM ledger_checkpoints").fetchone()[0] != taken
+                )
+            )  # type: ignore[index]
+            a.proc.send_signal(signal.SIGCONT)  # it still holds a batch it folded before
+            time.sleep(3)
+            assert a.alive() and _holder(conn) == b.proc.pid  # type: ignore[union-attr]
+    finally:
+        if a.proc is not None and a.alive():
+            a.proc.send_signal(signal.SIGCONT)
+        writers.stop()
+        with psycopg.connect(db.server.dsn(), autocommit=True) as admin:
+            admin.execute("ALTER SYSTEM RESET wal_sender_timeout")
+            admin.execute("SELECT pg_reload_conf()")
+    wait_caught_up(db.dsn)
+    watch.done.set()
+    watch.join(5)
+    assert len(watch.seen) > 10 and watch.monotonic()  # the checkpoint never went back
+    assert assert_projections_equal_refold(db.dsn) > 0
+    log_a = (tmp_path / "a.log").read_text()
+    assert "standing by" in log_a or "no longer" in log_a, log_a[-2000:]
+    a.kill()
+    if b is not None:
+        b.kill()
