@@ -1,0 +1,92 @@
+"""`ledger-cdc tail SESSION` follows a session live, from PostgreSQL (woken by the consumer's
+notifications) and from JetStream."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from ledger_cdc.writer import Ledger
+from tests.cdc import ROOT, ConsumerProcess, until
+from tests.conftest import Database
+from tests.natsserver import NatsServer, wait_jetstream
+
+
+def _tail(db: Database, sid: uuid.UUID, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ledger_cdc",
+            "tail",
+            str(sid),
+            "--dsn",
+            db.dsn,
+            "--json",
+            "--count",
+            "4",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def _write(db: Database, sid: uuid.UUID, first: int, n: int) -> None:
+    with Ledger(db.dsn) as ledger:
+        for i in range(first, first + n):
+            ledger.append(sid, "a", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
+
+
+def _follow(db: Database, sid: uuid.UUID, *extra: str) -> list[dict[str, object]]:
+    _write(db, sid, 1, 2)  # before the tail starts: printed from the beginning
+    tail = _tail(db, sid, *extra)
+    time.sleep(1.5)
+    _write(db, sid, 3, 2)  # while it follows: printed live
+    out, err = tail.communicate(timeout=60)
+    assert tail.returncode == 0, err
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_tail_from_postgres(db: Database) -> None:
+    sid = uuid.uuid4()
+    with ConsumerProcess(db.dsn, "--create-slot") as c, db.connect() as conn:
+        until(
+            lambda: (
+                conn.execute("SELECT count(*) FROM pg_replication_slots WHERE active").fetchone()
+                == (1,)
+            )
+        )
+        rows = _follow(db, sid)
+        c.kill()
+    assert [r["position"] for r in rows] == [1, 2, 3, 4]
+    assert [r["payload"]["call_id"] for r in rows] == ["c1", "c2", "c3", "c4"]  # type: ignore[index]
+
+
+def test_tail_from_jetstream(db: Database, tmp_path: Path) -> None:
+    srv = NatsServer(tmp_path / "js")
+    try:
+        wait_jetstream([srv.url])
+        with ConsumerProcess(db.dsn, "--create-slot", "--sink", srv.url) as c, db.connect() as conn:
+            until(
+                lambda: (
+                    conn.execute(
+                        "SELECT count(*) FROM pg_replication_slots WHERE active"
+                    ).fetchone()
+                    == (1,)
+                )
+            )
+            sid = uuid.uuid4()
+            _write(db, uuid.uuid4(), 1, 1)  # the stream exists once the consumer published
+            until(lambda: conn.execute("SELECT count(*) FROM agent_sessions").fetchone() == (1,))
+            rows = _follow(db, sid, "--nats", srv.url)
+            c.kill()
+        assert [r["position"] for r in rows] == [1, 2, 3, 4]
+    finally:
+        srv.kill()
