@@ -100,6 +100,7 @@ class ConsumerConfig:
     partition_ensure_interval: float = 3600.0  # partitioned ledgers: create partitions ahead
     partitions_ahead: int = 3
     standby_poll: float = 0.5  # seconds between tries for a slot another consumer holds
+    sink_idle_timeout: float = 10.0  # server ends a sink transaction left idle this long
     sinks: tuple[str, ...] = ()  # extra sinks: nats://host:port[,…] (PostgreSQL is always on)
     notify_sessions: bool = True  # NOTIFY ledger_sessions '<session>:<position>' per change
     thresholds: Thresholds = field(default_factory=Thresholds)
@@ -350,7 +351,9 @@ class Consumer:
         self.metrics = Metrics()
         self.on_batch = on_batch
         self._stop = threading.Event()
-        self.sink = PgSink(config.target_dsn or config.dsn, config.slot)
+        self.sink = PgSink(
+            config.target_dsn or config.dsn, config.slot, idle_timeout=config.sink_idle_timeout
+        )
         for url in config.sinks:
             from .jetstream import JetStreamPublisher, JetStreamSettings
 

@@ -133,9 +133,10 @@ BOOTSTRAPPING = -1
 class PgSink:
     """Projections in a PostgreSQL database (the source database, or ``--target-dsn``)."""
 
-    def __init__(self, dsn: str, slot: str) -> None:
+    def __init__(self, dsn: str, slot: str, *, idle_timeout: float = 10.0) -> None:
         self.dsn = dsn
         self.slot = slot
+        self.idle_timeout = idle_timeout
         self._conn: psycopg.Connection[Any] | None = None
         self._staged = False
         self.checkpoint: int | None = None
@@ -146,6 +147,13 @@ class PgSink:
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self.dsn, autocommit=True)
+            # A consumer frozen mid-transaction (SIGSTOP, a stalled VM) would hold the
+            # checkpoint row's lock and block the standby that took its slot: the server ends
+            # such a session after this long idle inside a transaction (ours never idle).
+            self._conn.execute(
+                "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
+                (f"{int(self.idle_timeout * 1000)}ms",),
+            )
             self._staged = False
         return self._conn
 
