@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import PGBENCH_SCRIPT, ROOT
+from common import PGBENCH_SCRIPT, ROOT, pgbench_argv
 
 from ledger_cdc.embedded import EmbeddedPostgres
 from ledger_cdc.schema import init
@@ -51,25 +51,7 @@ def main() -> None:
         results = {}
         try:
             for mode in ("on", "local", "off"):
-                argv = [
-                    pg.bin("pgbench"),
-                    "-n",
-                    "-f",
-                    str(script),
-                    "-c",
-                    str(args.clients),
-                    "-j",
-                    "2",
-                    "-T",
-                    str(args.seconds),
-                    "-h",
-                    "127.0.0.1",
-                    "-p",
-                    str(pg.port),
-                    "-U",
-                    "postgres",
-                    pg.url().rsplit("/", 1)[1],
-                ]
+                argv = pgbench_argv(pg, script, args.clients, args.seconds)
                 env = {**os.environ, "PGOPTIONS": f"-c synchronous_commit={mode}"}
                 res = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
                 m = re.search(r"tps = ([\d.]+)", res.stdout)

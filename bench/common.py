@@ -74,3 +74,26 @@ def wait_until(pred: object, timeout: float, every: float = 0.05) -> float:
 
 def run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, check=True, **kw)  # type: ignore[call-overload]
+
+
+def pgbench_argv(pg: object, script: object, clients: int, seconds: int) -> list[str]:
+    """pgbench running ``script`` with ``clients`` clients for ``seconds`` against ``pg``."""
+    return [
+        pg.bin("pgbench"),  # type: ignore[attr-defined]
+        "-n",
+        "-f",
+        str(script),
+        "-c",
+        str(clients),
+        "-j",
+        str(min(clients, 2)),
+        "-T",
+        str(seconds),
+        "-h",
+        "127.0.0.1",
+        "-p",
+        str(pg.port),  # type: ignore[attr-defined]
+        "-U",
+        "postgres",
+        pg.url().rsplit("/", 1)[1],  # type: ignore[attr-defined]
+    ]

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import psycopg
-from common import PGBENCH_SCRIPT, ROOT, percentile, wait_until
+from common import PGBENCH_SCRIPT, ROOT, percentile, pgbench_argv, wait_until
 
 from ledger_cdc.consumer import Consumer, ConsumerConfig
 from ledger_cdc.embedded import EmbeddedPostgres
@@ -120,25 +120,7 @@ def one_phase(
         side.start()
         with psycopg.connect(dsn, autocommit=True) as conn:
             (before,) = conn.execute("SELECT coalesce(max(seq), 0) FROM agent_events").fetchone()  # type: ignore[misc]
-        argv = [
-            pg.bin("pgbench"),
-            "-n",
-            "-f",
-            str(script),
-            "-c",
-            str(clients),
-            "-j",
-            str(min(clients, 2)),
-            "-T",
-            str(seconds),
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(pg.port),
-            "-U",
-            "postgres",
-            pg.url().rsplit("/", 1)[1],
-        ]
+        argv = pgbench_argv(pg, script, clients, seconds)
         if rate:
             argv[1:1] = ["-R", str(rate)]
         res = subprocess.run(argv, capture_output=True, text=True, check=True)

@@ -318,6 +318,19 @@ def _env(name: str) -> str:
     return f"LEDGER_CDC_{name}"
 
 
+def log_format_option(
+    what: str = "auto: a live status line on a terminal, text lines otherwise",
+) -> Callable[[F], F]:
+    return click.option(
+        "--log-format",
+        type=click.Choice(["auto", "text", "json"]),
+        default="auto",
+        show_default=True,
+        envvar=_env("LOG_FORMAT"),
+        help=f"{what} [env: LEDGER_CDC_LOG_FORMAT].",
+    )
+
+
 @cli.command()
 @dsn_option
 @click.option(
@@ -422,15 +435,7 @@ def _env(name: str) -> str:
     envvar=_env("HEALTH_INTERVAL"),
     help="Seconds between slot health checks (0: off) [env: LEDGER_CDC_HEALTH_INTERVAL].",
 )
-@click.option(
-    "--log-format",
-    type=click.Choice(["auto", "text", "json"]),
-    default="auto",
-    show_default=True,
-    envvar=_env("LOG_FORMAT"),
-    help="auto: a live status line on a terminal, text lines otherwise "
-    "[env: LEDGER_CDC_LOG_FORMAT].",
-)
+@log_format_option()
 @click.option(
     "--sink",
     "sinks",

@@ -18,7 +18,7 @@ import psycopg
 from rich.table import Table
 from rich.text import Text
 
-from .cli import EXIT_PROBLEM, State, _env, cli, dsn_option, handles_errors
+from .cli import EXIT_PROBLEM, State, _env, cli, dsn_option, handles_errors, log_format_option
 from .errors import ConfigError, LedgerError
 
 
@@ -499,14 +499,7 @@ def fork(
 @click.option(
     "--until-idle", is_flag=True, help="Exit when no row is left to dispatch (retries included)."
 )
-@click.option(
-    "--log-format",
-    type=click.Choice(["auto", "text", "json"]),
-    default="auto",
-    show_default=True,
-    envvar=_env("LOG_FORMAT"),
-    help="Log lines as text or JSON [env: LEDGER_CDC_LOG_FORMAT].",
-)
+@log_format_option("Log lines as text (auto) or JSON")
 @click.pass_obj
 @handles_errors
 def dispatch(

@@ -36,7 +36,7 @@ from .errors import ConfigError
 from .events import LedgerEvent
 from .stream.transport import TransportError
 
-__all__ = ["JetStreamError", "JetStreamPublisher", "JetStreamSettings"]
+__all__ = ["JetStreamError", "JetStreamPublisher", "JetStreamSettings", "WireEvent"]
 
 
 class JetStreamError(TransportError):
@@ -84,7 +84,9 @@ class JetStreamSettings:
         return cls(servers, **kw)
 
 
-class _Event(msgspec.Struct):
+class WireEvent(msgspec.Struct):
+    """The JSON body of a ``ledger.events.<session>`` message."""
+
     seq: int
     session_id: uuid.UUID
     position: int
@@ -92,8 +94,8 @@ class _Event(msgspec.Struct):
     event_type: str
     payload: Any
     created_at: Any
-    idempotency_key: str | None
-    commit_lsn: str
+    idempotency_key: str | None = None
+    commit_lsn: str | None = None
 
 
 _encode = msgspec.json.Encoder().encode
@@ -195,7 +197,7 @@ class JetStreamPublisher:
             (
                 f"{p}.events.{ev.session_id}",
                 _encode(
-                    _Event(
+                    WireEvent(
                         ev.seq,
                         ev.session_id,
                         ev.position,

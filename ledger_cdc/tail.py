@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import msgspec
 import psycopg
@@ -49,17 +48,6 @@ async def follow_postgres(
                     break
 
 
-class _Wire(msgspec.Struct):
-    seq: int
-    session_id: uuid.UUID
-    position: int
-    agent_id: str
-    event_type: str
-    payload: Any
-    created_at: Any
-    idempotency_key: str | None = None
-
-
 async def follow_jetstream(
     servers: list[str], session_id: uuid.UUID, *, after: int = 0, prefix: str = "ledger"
 ) -> AsyncIterator[LedgerEvent]:
@@ -69,12 +57,13 @@ async def follow_jetstream(
     import nats
 
     from .events import EVENT_TYPES, decode_payload
+    from .jetstream import WireEvent
 
     nc = await nats.connect(servers=servers, connect_timeout=5)
     try:
         js = nc.jetstream()
         sub = await js.subscribe(f"{prefix}.events.{session_id}", ordered_consumer=True)
-        dec = msgspec.json.Decoder(_Wire)
+        dec = msgspec.json.Decoder(WireEvent)
         while True:
             try:
                 msg = await sub.next_msg(timeout=3600)

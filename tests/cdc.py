@@ -206,6 +206,22 @@ def turn_events(ledger: Ledger, sid: uuid.UUID, agent: str, rng: random.Random) 
         )
 
 
+def wait_streaming(dsn: str, slot: str = "agent_slot", timeout: float = 60.0) -> None:
+    """Until a consumer streams ``slot`` of this database (the slot exists and is active)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        until(
+            lambda: (
+                conn.execute(
+                    "SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = %s "
+                    "AND database = current_database() AND active)",
+                    (slot,),
+                ).fetchone()
+                == (True,)
+            ),
+            timeout=timeout,
+        )
+
+
 def until(pred: Callable[[], bool], timeout: float = 30.0, every: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -31,7 +31,7 @@ from ledger_cdc.replay import (
 )
 from ledger_cdc.verify import verify
 from ledger_cdc.writer import Ledger
-from tests.cdc import ROOT, until, wait_caught_up
+from tests.cdc import ROOT, wait_caught_up, wait_streaming
 from tests.conftest import Database
 from tests.unit.test_fold import event_strategy
 
@@ -59,16 +59,8 @@ class RunningConsumer:
 @pytest.fixture
 def consumed(db: Database) -> Iterator[Database]:
     """A database whose consumer is streaming (slot created before the test writes anything)."""
-    with RunningConsumer(db.dsn), db.connect() as conn:
-        until(
-            lambda: (
-                conn.execute(
-                    "SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = 'agent_slot' "
-                    "AND database = current_database() AND active)"
-                ).fetchone()
-                == (True,)
-            )
-        )
+    with RunningConsumer(db.dsn):
+        wait_streaming(db.dsn)
         yield db
 
 

@@ -26,23 +26,14 @@ from ledger_cdc.runs import (
     submit,
 )
 from ledger_cdc.writer import AsyncLedger
-from tests.cdc import ROOT, ConsumerProcess, until, wait_caught_up
+from tests.cdc import ROOT, ConsumerProcess, wait_caught_up, wait_streaming
 from tests.conftest import Database
 
 
 @pytest.fixture
 def consumer(db: Database) -> Iterator[ConsumerProcess]:
-    with ConsumerProcess(db.dsn, "--create-slot") as c, db.connect() as conn:
-        until(
-            lambda: (
-                conn.execute(
-                    "SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = 'agent_slot' "
-                    "AND database = current_database() AND active)"
-                ).fetchone()
-                == (True,)
-            ),
-            timeout=60,
-        )
+    with ConsumerProcess(db.dsn, "--create-slot") as c:
+        wait_streaming(db.dsn)
         yield c
 
 
