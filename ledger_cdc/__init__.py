@@ -1,7 +1,8 @@
 """ledger-cdc: PostgreSQL's write-ahead log as the authoritative state ledger of agent systems.
 
-Public API: the writer (:func:`append`, :class:`Ledger`), the event types and their registry, and
-the error tree. Everything else lives in its stage's module.
+Public API: the writer (:func:`append`, :class:`Ledger`), recovery (:func:`rebuild_context`,
+:func:`retry_tool`, :class:`SessionContext`), the event types and their registry, and the error
+tree. Everything else lives in its stage's module (``runs``, ``dispatch``, ``partitions``, …).
 """
 
 from ._version import __version__
@@ -32,6 +33,8 @@ from .events import (
     Usage,
     register_event_type,
 )
+from .fold import SessionContext
+from .replay import rebuild_context, rebuild_context_async, retry_tool, retry_tool_async
 from .writer import AppendResult, AsyncLedger, Ledger, OutboxItem, append, append_async
 
 __all__ = [
@@ -54,6 +57,7 @@ __all__ = [
     "ModelRequested",
     "ModelResponded",
     "OutboxItem",
+    "SessionContext",
     "TaskCompleted",
     "TaskFailed",
     "ToolCall",
@@ -64,5 +68,9 @@ __all__ = [
     "__version__",
     "append",
     "append_async",
+    "rebuild_context",
+    "rebuild_context_async",
     "register_event_type",
+    "retry_tool",
+    "retry_tool_async",
 ]
