@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import random
 import signal
 import statistics
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Any
 
 import psycopg
 from common import ROOT, percentile, wait_until
@@ -90,6 +92,31 @@ def write_session(dsn: str, sid: uuid.UUID, events: int, verbose: bool) -> None:
             if n + 4 <= events:
                 ledger.append(sid, "planner", "tool.observed", {"call_id": call, "result": result})
             n += 4 if n + 4 <= events else 3
+
+
+def breakdown(conn: psycopg.Connection[Any], sid: uuid.UUID, runs: int) -> dict[str, float]:
+    """Where a rebuild at the head spends its time (medians, ms)."""
+    from ledger_cdc.fold import FORMAT_VERSION, decode_context, reducer_version
+    from ledger_cdc.replay import _SNAPSHOT
+
+    out: dict[str, list[float]] = {"fetch": [], "sha256": [], "decode": []}
+    for _ in range(runs):
+        gc.collect()
+        t0 = time.perf_counter()
+        row = conn.execute(
+            _SNAPSHOT, (sid, FORMAT_VERSION, reducer_version(), 2**63 - 1), binary=True
+        ).fetchone()
+        t1 = time.perf_counter()
+        assert row is not None
+        data = bytes(row[3])
+        hashlib.sha256(data).digest()
+        t2 = time.perf_counter()
+        decode_context(data)
+        t3 = time.perf_counter()
+        out["fetch"].append((t1 - t0) * 1000)
+        out["sha256"].append((t2 - t1) * 1000)
+        out["decode"].append((t3 - t2) * 1000)
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def main() -> None:
@@ -172,6 +199,7 @@ def main() -> None:
                     assert ctx == ref, f"rebuild at seq {upto} differs from a replay from zero"
                     del ctx, ref
                 results[label] = (fast, slow)
+            phases = breakdown(conn, sid, args.runs)
     for label, (fast, slow) in results.items():
         p50f, p99f = statistics.median(fast), percentile(fast, 99)
         p50s, p99s = statistics.median(slow), percentile(slow, 99)
@@ -180,6 +208,11 @@ def main() -> None:
             f"zero p50 {p50s:6.2f} ms p99 {p99s:6.2f} ms | {p50s / p50f:4.1f}x | target p50 < 5 ms "
             f"{'met' if p50f < 5 else 'NOT met'}"
         )
+
+    print(
+        "at the head, per part (p50): snapshot fetch {fetch:.2f} ms, sha256 {sha256:.2f} ms, "
+        "decode {decode:.2f} ms".format(**phases)
+    )
 
 
 if __name__ == "__main__":
