@@ -647,19 +647,13 @@ def lag(
     """
     import json as jsonlib
 
-    import psycopg
-
     from .health import Thresholds, check_slots
-    from .schema import validate_slot_name
+    from .schema import connect, validate_slot_name
 
     if slot is not None:
         validate_slot_name(slot)
     th = Thresholds(warn_share, crit_share, warn_bytes, crit_bytes, warn_seconds, crit_seconds)
-    try:
-        conn = psycopg.connect(dsn, autocommit=True, connect_timeout=10)
-    except psycopg.OperationalError as e:
-        raise ConfigError(f"cannot connect: {str(e).strip()}") from e
-    with conn:
+    with connect(dsn, autocommit=True, connect_timeout=10) as conn:
         while True:
             slots = check_slots(conn, slot, thresholds=th, sample_seconds=sample_seconds)
             if as_json:

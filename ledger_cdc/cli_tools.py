@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .cli import EXIT_PROBLEM, State, _env, cli, dsn_option, handles_errors, log_format_option
-from .errors import ConfigError, LedgerError
+from .errors import LedgerError
 
 
 class SessionId(click.ParamType):  # type: ignore[type-arg]
@@ -38,10 +38,9 @@ SESSION = SessionId()
 
 
 def _connect(dsn: str) -> psycopg.Connection[Any]:
-    try:
-        return psycopg.connect(dsn, autocommit=True)
-    except psycopg.OperationalError as e:
-        raise ConfigError(f"cannot connect to the ledger database: {str(e).strip()}") from e
+    from .schema import connect
+
+    return connect(dsn, autocommit=True)
 
 
 def _events(
@@ -557,6 +556,7 @@ def dispatch(
         "dispatching outbox rows for %s",
         ", ".join(f"{n} ({t!r})" for n, t in sorted(table.items())),
     )
+    d.open()
     for name, count in d.unserved():
         log.warning(
             "%d due row(s) for target %r, which this dispatcher does not serve", count, name

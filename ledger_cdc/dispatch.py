@@ -203,13 +203,17 @@ class Dispatcher:
     def stop(self) -> None:
         self._stop.set()
 
+    def open(self) -> None:
+        """Connect now: at start-up a database that cannot be reached is a ConfigError."""
+        from .schema import connect
+
+        self._conn = connect(self.config.dsn)
+
     @property
     def conn(self) -> psycopg.Connection[Any]:
+        # a reconnect inside run(): an OperationalError there is retried with backoff
         if self._conn is None or self._conn.closed:
-            try:
-                self._conn = psycopg.connect(self.config.dsn)
-            except psycopg.OperationalError as e:
-                raise ConfigError(f"cannot connect to the ledger database: {e}") from e
+            self._conn = psycopg.connect(self.config.dsn)
         return self._conn
 
     def close(self) -> None:

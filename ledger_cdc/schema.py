@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_SLOT",
     "Migration",
     "applied_migrations",
+    "connect",
     "create_publication",
     "create_slot",
     "drop_slot",
@@ -329,6 +330,14 @@ def init(
     except psycopg.OperationalError as e:
         raise ConfigError(f"cannot connect to {_redact(dsn)}: {str(e).strip()}") from e
     return InitResult(applied, pub, made, created, sharded)
+
+
+def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
+    """``psycopg.connect``, with a failure to connect as one ConfigError line (password hidden)."""
+    try:
+        return psycopg.connect(dsn, **kwargs)
+    except psycopg.OperationalError as e:
+        raise ConfigError(f"cannot connect to {_redact(dsn)}: {str(e).strip()}") from e
 
 
 def _redact(dsn: str) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import psycopg
 
-from .errors import ConfigError, InvalidEventError
+from .errors import InvalidEventError
 from .fold import (
     FORMAT_VERSION,
     SessionContext,
@@ -33,6 +33,7 @@ from .fold import (
 )
 from .partitions import archived_heads, check_archive
 from .replay import _COLUMNS, row_event
+from .schema import connect
 from .timeline import field_differences
 
 __all__ = ["Difference", "VerifyReport", "verify"]
@@ -178,11 +179,7 @@ def verify(
     ids = None if sessions is None else list(sessions)
     report = VerifyReport()
     version = reducer_version()
-    try:
-        conn = psycopg.connect(dsn)
-    except psycopg.OperationalError as e:
-        raise ConfigError(f"cannot connect to the ledger database: {e}") from e
-    with conn:
+    with connect(dsn) as conn:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         conn.read_only = True
         with conn.transaction():

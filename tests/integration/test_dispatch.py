@@ -8,10 +8,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
+import psycopg
 import pytest
+from psycopg import sql
 
 from ledger_cdc.writer import Ledger, OutboxItem
 from tests.cdc import ROOT, until
@@ -225,3 +228,36 @@ def test_sigterm_finishes_the_batch_and_exits(db: Database, sig: signal.Signals)
         out, _ = p.communicate(timeout=30)
         assert p.returncode == 0, out
         assert "dispatched 2" in out
+
+
+def test_a_database_that_is_briefly_unreachable_is_retried(db: Database) -> None:
+    with Target() as target:
+        p = _dispatcher(db, "--target", f"tool:search={target.url}")
+        try:
+            first = _outbox_rows(db, 1)
+            until(lambda: _rows(db)[first[0]][0], timeout=30)
+            with psycopg.connect(db.server.dsn(), autocommit=True) as admin:
+                # the dispatcher's session ends and, for a while, it cannot reconnect
+                admin.execute(
+                    sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS false").format(
+                        sql.Identifier(db.name)
+                    )
+                )
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                    (db.name,),
+                )
+                time.sleep(2)
+                admin.execute(
+                    sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(
+                        sql.Identifier(db.name)
+                    )
+                )
+            later = _outbox_rows(db, 2)
+            until(lambda: all(_rows(db)[k][0] for k in later), timeout=30)
+            assert p.poll() is None  # still running
+        finally:
+            p.send_signal(signal.SIGTERM)
+            out, _ = p.communicate(timeout=30)
+        assert "ledger database unavailable" in out
+        assert target.seen == {k: 1 for k in first + later}
