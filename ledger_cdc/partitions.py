@@ -362,18 +362,18 @@ def _export(
     """COPY the partition to a gzip file; (sha256 of the file, sha256 of the CSV, rows)."""
     tmp = path.with_suffix(path.suffix + ".partial")
     content = hashlib.sha256()
-    with (
-        conn.cursor() as cur,
-        open(tmp, "wb") as raw,
-        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz,
-        cur.copy(sql.SQL(_EXPORT).format(part=part)) as copy,
-    ):
-        for chunk in copy:
-            b = bytes(chunk)
-            content.update(b)
-            gz.write(b)
+    with conn.cursor() as cur, open(tmp, "wb") as raw:
+        with (
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz,
+            cur.copy(sql.SQL(_EXPORT).format(part=part)) as copy,
+        ):
+            for chunk in copy:
+                b = bytes(chunk)
+                content.update(b)
+                gz.write(b)
+        rows = cur.rowcount  # the server's "COPY n": no second pass over the file
     tmp.rename(path)
-    return _file_sha256(path), content.hexdigest(), _rows(path)
+    return _file_sha256(path), content.hexdigest(), rows
 
 
 def _file_sha256(path: Path) -> str:
@@ -407,8 +407,8 @@ def check_archive(conn: psycopg.Connection[Any], directory: Path) -> list[str]:
             problems.append(f"{name}: {path.name} has sha256 {actual}, recorded {recorded}")
         elif m.get("file_sha256") != recorded or m.get("events") != events:
             problems.append(f"{name}: manifest does not match the database's record")
-        elif _rows(path) != events:
-            problems.append(f"{name}: {path.name} holds {_rows(path)} rows, recorded {events}")
+        elif (rows := _rows(path)) != events:
+            problems.append(f"{name}: {path.name} holds {rows} rows, recorded {events}")
     return problems
 
 

@@ -32,7 +32,7 @@ from .fold import (
     reducer_version,
 )
 from .partitions import archived_heads, check_archive
-from .replay import _COLUMNS, row_event
+from .replay import _COLUMNS, _snapshot_context, row_event
 from .schema import connect
 from .timeline import field_differences
 
@@ -360,17 +360,17 @@ def _verify_session(
 def _archive_base(
     conn: psycopg.Connection[Any], sid: uuid.UUID, upto: int, version: str
 ) -> SessionContext | None:
-    for data, digest in conn.execute(
-        "SELECT data, content_hash FROM agent_snapshots WHERE session_id = %s "
-        "AND upto_position >= %s AND format_version = %s AND reducer_version = %s "
-        "AND data IS NOT NULL ORDER BY upto_position",
+    """The first snapshot at or after the archived bound that rebuild_context would trust."""
+    for row in conn.execute(
+        "SELECT upto_seq, upto_position, content_hash, data, true FROM agent_snapshots "
+        "WHERE session_id = %s AND upto_position >= %s AND format_version = %s "
+        "AND reducer_version = %s AND data IS NOT NULL ORDER BY upto_position",
         (sid, upto, FORMAT_VERSION, version),
         binary=True,
     ):
-        raw = bytes(data)
-        if hashlib.sha256(raw).digest() == bytes(digest):
-            with contextlib.suppress(msgspec.DecodeError):
-                return decode_context(raw)
+        ctx = _snapshot_context(sid, row)
+        if ctx is not None:
+            return ctx
     return None
 
 
