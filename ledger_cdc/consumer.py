@@ -956,29 +956,17 @@ class Consumer:
         interval = self.config.lease_watch_interval
         if not interval:
             return
-        dsn, channel = self.config.target_dsn or self.config.dsn, self.config.notify_channel
+        channel = self.config.notify_channel
+        last: list[Any] = [None]  # the first look also notifies leases that expired while down
 
-        def watch() -> None:
-            conn: psycopg.Connection[Any] | None = None
-            last: Any = None  # the first look also notifies leases that expired while we were down
-            while not self._stop.wait(interval):
-                try:
-                    if conn is None or conn.closed:
-                        conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
-                    row = conn.execute(_EXPIRED_LEASES, {"ch": channel, "last": last}).fetchone()
-                    if row is not None:
-                        last = row[0]
-                        if row[1]:
-                            log.info("%d lease(s) expired: schedulers notified", row[1])
-                except psycopg.Error as e:
-                    log.debug("lease watch failed: %s", e)
-                    if conn is not None:
-                        conn.close()
-                    conn = None
-            if conn is not None:
-                conn.close()
+        def watch(conn: psycopg.Connection[Any]) -> None:
+            row = conn.execute(_EXPIRED_LEASES, {"ch": channel, "last": last[0]}).fetchone()
+            if row is not None:
+                last[0] = row[0]
+                if row[1]:
+                    log.info("%d lease(s) expired: schedulers notified", row[1])
 
-        threading.Thread(target=watch, name="ledger-cdc-lease-watch", daemon=True).start()
+        self._every("lease-watch", interval, self.config.target_dsn or self.config.dsn, watch)
 
     # -- heartbeat ------------------------------------------------------------------------------
 
@@ -987,23 +975,37 @@ class Consumer:
         if not interval:
             return
 
-        def beat() -> None:
+        def beat(conn: psycopg.Connection[Any]) -> None:
+            body = json.dumps({"slot": self.config.slot, "ts": time.time()})
+            conn.execute("SELECT pg_logical_emit_message(false, %s, %s)", (HEARTBEAT_PREFIX, body))
+
+        self._heartbeat = self._every("heartbeat", interval, self.config.dsn, beat)
+
+    def _every(
+        self,
+        name: str,
+        interval: float,
+        dsn: str,
+        step: Callable[[psycopg.Connection[Any]], None],
+    ) -> threading.Thread:
+        """Run ``step`` every ``interval`` seconds on a connection of its own (reconnecting after
+        a failure, which is logged at debug level) until the consumer stops."""
+
+        def loop() -> None:
             conn: psycopg.Connection[Any] | None = None
             while not self._stop.wait(interval):
                 try:
                     if conn is None or conn.closed:
-                        conn = psycopg.connect(self.config.dsn, autocommit=True, connect_timeout=5)
-                    body = json.dumps({"slot": self.config.slot, "ts": time.time()})
-                    conn.execute(
-                        "SELECT pg_logical_emit_message(false, %s, %s)", (HEARTBEAT_PREFIX, body)
-                    )
+                        conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+                    step(conn)
                 except psycopg.Error as e:
-                    log.debug("heartbeat failed: %s", e)
+                    log.debug("%s failed: %s", name, e)
                     if conn is not None:
                         conn.close()
                     conn = None
             if conn is not None:
                 conn.close()
 
-        self._heartbeat = threading.Thread(target=beat, name="ledger-cdc-heartbeat", daemon=True)
-        self._heartbeat.start()
+        thread = threading.Thread(target=loop, name=f"ledger-cdc-{name}", daemon=True)
+        thread.start()
+        return thread

@@ -32,7 +32,6 @@ __all__ = [
     "SlotHealth",
     "Thresholds",
     "check_slots",
-    "wal_rate",
 ]
 
 HEALTHY, WARNING, CRITICAL, LOST = 0, 1, 2, 3
@@ -110,14 +109,6 @@ def current_wal_lsn(conn: psycopg.Connection[Any]) -> int:
     row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
     assert row is not None
     return parse_lsn(row[0])
-
-
-def wal_rate(conn: psycopg.Connection[Any], seconds: float) -> float:
-    """WAL bytes per second written by the server, sampled over ``seconds``."""
-    a, t0 = current_wal_lsn(conn), time.monotonic()
-    time.sleep(seconds)
-    b, t1 = current_wal_lsn(conn), time.monotonic()
-    return max(0.0, (b - a) / max(1e-6, t1 - t0))
 
 
 def _checkpoints(
