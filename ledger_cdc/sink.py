@@ -109,11 +109,16 @@ SELECT session_id, upto_seq, upto_position, format_version, reducer_version, con
        data FROM stage_snapshots
 ON CONFLICT (session_id, upto_seq) DO NOTHING
 """
+# One statement each, never a pipeline (executemany): a consumer frozen mid-pipeline leaves a
+# backend that is neither idle (no Sync yet) nor timed out, holding the batch's row locks.
 _INSERT_DEAD = """
 INSERT INTO ledger_dead_letters (slot_name, seq, session_id, lsn, kind, reason, row_data)
-VALUES (%s, %s, %s, %s::pg_lsn, %s, %s, %s::jsonb)
+SELECT %s, seq, session_id, lsn::pg_lsn, kind, reason, row_data::jsonb
+FROM unnest(%s::int8[], %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[])
+     AS d(seq, session_id, lsn, kind, reason, row_data)
 ON CONFLICT DO NOTHING
 """
+_NOTIFY = "SELECT count(pg_notify(c, p)) FROM unnest(%s::text[], %s::text[]) AS n(c, p)"
 _CHECKPOINT = """
 INSERT INTO ledger_checkpoints AS c (slot_name, lsn, epoch, heartbeat_at, updated_at)
 VALUES (%(slot)s, %(lsn)s::pg_lsn, coalesce(%(epoch)s, 0), to_timestamp(%(hb)s), now())
@@ -149,7 +154,8 @@ class PgSink:
             self._conn = psycopg.connect(self.dsn, autocommit=True)
             # A consumer frozen mid-transaction (SIGSTOP, a stalled VM) would hold the
             # checkpoint row's lock and block the standby that took its slot: the server ends
-            # such a session after this long idle inside a transaction (ours never idle).
+            # such a session after this long idle inside a transaction (ours never idle: every
+            # statement is a round trip of its own, and rows are staged before any lock).
             self._conn.execute(
                 "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
                 (f"{int(self.idle_timeout * 1000)}ms",),
@@ -241,7 +247,6 @@ class PgSink:
                                     lease.until if lease is not None else None,
                                 )
                             )
-                    cur.execute(_MERGE_SESSIONS)
                 if batch.snapshots:
                     with cur.copy(_COPY_SNAPSHOTS) as copy:
                         for snap in batch.snapshots:
@@ -256,16 +261,21 @@ class PgSink:
                                     snap.context,
                                 )
                             )
+                # Only now, with every row staged, take locks on shared rows: a consumer frozen
+                # mid-COPY (its backend waiting for data, not idle) must not hold them, or it
+                # would block the standby that took its slot; frozen between the statements
+                # below, it is ended by idle_in_transaction_session_timeout.
+                if batch.sessions:
+                    cur.execute(_MERGE_SESSIONS)
+                if batch.snapshots:
                     cur.execute(_MERGE_SNAPSHOTS)
                 notices = [(batch.channel, str(s)) for s in batch.notify]
                 notices += [(SESSIONS_CHANNEL, n) for n in batch.session_notices]
                 if notices:
                     # delivered by PostgreSQL only when this transaction commits
-                    cur.executemany("SELECT pg_notify(%s, %s)", notices)
+                    cur.execute(_NOTIFY, ([c for c, _ in notices], [p for _, p in notices]))
                 if batch.dead_letters:
-                    cur.executemany(
-                        _INSERT_DEAD, [_dead_params(self.slot, d) for d in batch.dead_letters]
-                    )
+                    cur.execute(_INSERT_DEAD, _dead_params(self.slot, batch.dead_letters))
             prev = None if self.checkpoint is None else format_lsn(self.checkpoint)
             row = conn.execute(
                 _CHECKPOINT,
@@ -287,6 +297,14 @@ class PgSink:
             self.epoch = batch.epoch
 
 
-def _dead_params(slot: str, d: DeadLetter) -> Sequence[Any]:
-    row = None if d.row is None else msgspec.json.encode(d.row).decode()
-    return (slot, d.seq, d.session_id, format_lsn(d.lsn), d.kind, d.reason, row)
+def _dead_params(slot: str, dead: Sequence[DeadLetter]) -> Sequence[Any]:
+    """The arrays of one INSERT … SELECT FROM unnest(…) of the dead letters."""
+    return (
+        slot,
+        [d.seq for d in dead],
+        [d.session_id for d in dead],
+        [format_lsn(d.lsn) for d in dead],
+        [d.kind for d in dead],
+        [d.reason for d in dead],
+        [None if d.row is None else msgspec.json.encode(d.row).decode() for d in dead],
+    )
