@@ -5,13 +5,15 @@ one transaction, then the tool's result), folded by a real ``ledger-cdc consume`
 snapshots every ``--snapshot-every`` events. Then, in one run, ``--runs`` calls of
 ``rebuild_context`` at random points of the log (``upto_seq``; the head included) and the same
 number of replays from zero of the same prefixes (no snapshot: every event read and folded).
-Prints p50/p99 of both, the ratio, and the snapshot size.
+Prints p50/p99 of both, the ratio, and the snapshot size. Then what a restarted worker does
+next: look up one memoised call completed before the snapshot (one indexed read of
+``agent_memo``), and, for comparison, a rebuild that loads the whole memo (``memo=True``).
 
     sh scripts/dev.sh bench rebuild [--events 10000] [--snapshot-every 100] [--profile compact|verbose]
 
 Profiles: ``compact`` (short model replies and tool results, as in the tests) and ``verbose``
-(replies of about 150 characters, results of about 100): the snapshot grows with the memoised
-results, and its decode is most of a rebuild.
+(replies of about 150 characters, results of about 100). The snapshot holds the context window
+and what is in flight, not the memo, which stays one row per call in ``agent_memo``.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ import psycopg
 from common import ROOT, percentile, wait_until
 
 from ledger_cdc.embedded import EmbeddedPostgres
-from ledger_cdc.fold import fold
-from ledger_cdc.replay import load_events, rebuild_context
+from ledger_cdc.fold import SessionContext, encode_context, fold
+from ledger_cdc.replay import load_events, memoised_model, memoised_tool, rebuild_context
 from ledger_cdc.schema import init
 from ledger_cdc.writer import Ledger
 
@@ -92,6 +94,13 @@ def write_session(dsn: str, sid: uuid.UUID, events: int, verbose: bool) -> None:
             if n + 4 <= events:
                 ledger.append(sid, "planner", "tool.observed", {"call_id": call, "result": result})
             n += 4 if n + 4 <= events else 3
+
+
+def without_memo(ctx: SessionContext) -> bytes:
+    import msgspec
+
+    bare = msgspec.structs.replace(ctx, completed_tools={}, completed_models={}, memo_seq=0)
+    return encode_context(bare)
 
 
 def breakdown(conn: psycopg.Connection[Any], sid: uuid.UUID, runs: int) -> dict[str, float]:
@@ -196,10 +205,35 @@ def main() -> None:
                     t = time.perf_counter()
                     ref = fold(list(load_events(conn, sid, upto_seq=upto)), session_id=sid)  # type: ignore[arg-type]
                     slow.append((time.perf_counter() - t) * 1000)
-                    assert ctx == ref, f"rebuild at seq {upto} differs from a replay from zero"
+                    assert without_memo(ctx) == without_memo(ref), f"rebuild at seq {upto}"
+                    old = [
+                        c for c, t in ref.completed_tools.items() if t.observed_seq <= ctx.memo_seq
+                    ]
+                    if old:  # answered from agent_memo, as the replay from zero answers it
+                        call = rng.choice(old)
+                        assert memoised_tool(conn, ctx, call) == ref.completed_tools[call]
                     del ctx, ref
                 results[label] = (fast, slow)
             phases = breakdown(conn, sid, args.runs)
+            ctx = rebuild_context(conn, sid)
+            assert ctx.memo_seq > 0, "the rebuild did not start from a snapshot"
+            calls = [f"call-{rng.randint(1, ctx.memo_seq // 4 - 1)}" for _ in range(args.runs)]
+            lookups, whole = [], []
+            for call in calls:
+                t = time.perf_counter()
+                tool = memoised_tool(conn, ctx, call)
+                model = memoised_model(conn, ctx, "r" + call[5:])
+                lookups.append((time.perf_counter() - t) * 1000 / 2)
+                assert tool is not None and model is not None, call
+            for _ in range(max(10, args.runs // 10)):
+                gc.collect()
+                t = time.perf_counter()
+                full = rebuild_context(conn, sid, memo=True)
+                whole.append((time.perf_counter() - t) * 1000)
+                del full
+            (memo_rows,) = conn.execute(  # type: ignore[misc]
+                "SELECT count(*) FROM agent_memo WHERE session_id = %s", (sid,)
+            ).fetchone()
     for label, (fast, slow) in results.items():
         p50f, p99f = statistics.median(fast), percentile(fast, 99)
         p50s, p99s = statistics.median(slow), percentile(slow, 99)
@@ -212,6 +246,14 @@ def main() -> None:
     print(
         "at the head, per part (p50): snapshot fetch {fetch:.2f} ms, sha256 {sha256:.2f} ms, "
         "decode {decode:.2f} ms".format(**phases)
+    )
+    print(
+        f"memo lookup of a call completed before the snapshot (agent_memo, by id): p50 "
+        f"{statistics.median(lookups):.3f} ms p99 {percentile(lookups, 99):.3f} ms"
+    )
+    print(
+        f"rebuild_context(memo=True), the whole memo ({memo_rows:,} calls) loaded: p50 "
+        f"{statistics.median(whole):.2f} ms p99 {percentile(whole, 99):.2f} ms"
     )
 
 

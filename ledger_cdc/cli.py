@@ -300,7 +300,8 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
         con.print(
             ("[green]verify passed[/]" if checked.ok else "[red]verify found differences[/]")
             + f": {checked.sessions} sessions, {checked.events} events refolded, "
-            f"{checked.projections} projections and {checked.snapshots} snapshots compared, "
+            f"{checked.projections} projections, {checked.snapshots} snapshots and "
+            f"{checked.memo} memoised calls compared, "
             "hash chains intact" * checked.ok
         )
         consumer.stop()

@@ -81,12 +81,13 @@ def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_
     the tail of the log, folded by the consumer's reducers.
 
     Shows the tool calls in flight (to retry with their idempotency keys) and the memoised
-    calls a restarted worker answers from the ledger instead of calling again.
+    calls a restarted worker answers from the ledger instead of calling again (all of them:
+    those before the snapshot are read from agent_memo).
     """
     from .replay import rebuild_context
 
     with _connect(dsn) as conn:
-        ctx = rebuild_context(conn, session, upto_seq)
+        ctx = rebuild_context(conn, session, upto_seq, memo=True)
     if ctx.last_position == 0:
         raise LedgerError(
             f"session {session} has no events"
@@ -226,6 +227,7 @@ def verify(
                     "events": report.events,
                     "projections": report.projections,
                     "snapshots": report.snapshots,
+                    "memo": report.memo,
                     "chained_events": report.chained_events,
                     "differences": [d.as_dict() for d in report.differences],
                     "notes": report.notes,
@@ -266,7 +268,8 @@ def verify(
         verdict = "[green]verified[/]" if report.ok else "[bold red]differences found[/]"
         con.print(
             f"{verdict}: {report.sessions} sessions, {report.events} events refolded, "
-            f"{report.projections} projections and {report.snapshots} snapshots compared{chain}"
+            f"{report.projections} projections, {report.snapshots} snapshots and "
+            f"{report.memo} memoised calls compared{chain}"
         )
     if not report.ok:
         sys.exit(EXIT_PROBLEM)

@@ -40,7 +40,9 @@ from .fold import (
     RUN_PENDING,
     SessionContext,
     apply,
+    completion,
     encode_context,
+    encode_snapshot,
     reducer_version,
 )
 from .health import LOST, RateWatch, Thresholds, check_slots
@@ -776,6 +778,9 @@ class Consumer:
                         r = ctx.run
                         runs_before[it.session_id] = None if r is None else (r.status, r.leases)
                     apply(ctx, it)
+                    done = completion(ctx, it)
+                    if done is not None:
+                        batch.memo.append((it.session_id, done))
                     changed[it.session_id] = (ctx, txn.commit_lsn)
                     batch.events += 1
                     if publish:
@@ -811,7 +816,7 @@ class Consumer:
                 due = every > 0 and ctx.event_count // every != count_before // every
                 ended = ctx.status != status_before and ctx.status in ("completed", "failed")
                 if due or ended:
-                    data = encode_context(ctx)
+                    data = encode_snapshot(ctx)
                     batch.snapshots.append(
                         SnapshotRow(
                             sid,

@@ -39,7 +39,7 @@ from .events import (
     Usage,
 )
 from .fold import SessionContext
-from .replay import rebuild_context, retry_tool
+from .replay import memoised_model, memoised_tool, rebuild_context, retry_tool
 from .writer import Ledger
 
 __all__ = ["CrashStory", "ToolService", "run_crash_story"]
@@ -134,7 +134,7 @@ def work(dsn: str, sid: uuid.UUID, service: str, agent: str) -> WorkerLog:
             )
             ctx = rebuild_context(conn, sid)
         for request_id, calls in PLAN:
-            if ctx.memoised_model(request_id) is not None:
+            if memoised_model(conn, ctx, request_id) is not None:
                 out.answered_from_ledger.append(request_id)
             else:
                 key = f"{sid}:{request_id}"
@@ -170,7 +170,7 @@ def work(dsn: str, sid: uuid.UUID, service: str, agent: str) -> WorkerLog:
                         )
                 ctx = rebuild_context(conn, sid)
             for call_id, tool, args in calls:
-                if ctx.memoised_tool(call_id) is not None:
+                if memoised_tool(conn, ctx, call_id) is not None:
                     out.answered_from_ledger.append(call_id)
                     continue
                 pending = ctx.pending_tools[call_id]

@@ -14,6 +14,7 @@ what to do about it.
     │   ├── UnknownEventTypeError   event type that was never registered
     │   ├── ConcurrentAppendError   stale ``expected_position``
     │   └── IdempotencyConflictError   same key, different event
+    ├── MemoNotLoadedError          a rebuilt context asked for a memo it does not hold
     └── DecodeError                 bytes that are not a valid pgoutput message
 """
 
@@ -86,6 +87,11 @@ class IdempotencyConflictError(AppendError):
             f"session {session_id}: idempotency key {key!r} already names event seq {seq} "
             "with a different type or payload; use a new key for a different event"
         )
+
+
+class MemoNotLoadedError(LedgerError):
+    """A context rebuilt from a snapshot does not hold the calls completed before it (they are
+    in ``agent_memo``): look them up with ``ledger_cdc.replay.memoised_tool(conn, ctx, …)``."""
 
 
 class DecodeError(LedgerError):

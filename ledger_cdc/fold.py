@@ -5,6 +5,14 @@ crash: the context window (``context.loaded``, then model replies and tool resul
 tool calls in flight (invoked, never observed) and the completed ones memoised by call id, the
 model calls likewise, handoffs, token usage, status and the position reached.
 
+A completed call never changes, so snapshots do not carry the memo: each completed call is one
+row of ``agent_memo``, written by the consumer in the batch that folds it (:func:`completion`
+names it), and a snapshot records ``memo_seq``, the seq up to which its memo lives there
+(:func:`encode_snapshot`). A context rebuilt from a snapshot therefore holds only the calls
+completed after it, and answers memo lookups through ``ledger_cdc.replay.memoised_tool`` /
+``memoised_model``; rewriting every completed call into every snapshot would make a rebuild and
+the snapshot table grow with the whole history.
+
 The reducers are pure functions of (context, event): no clock, no I/O, no globals consulted. For
 speed they update the context they are handed — :func:`fold` and :class:`Folder` only ever hand
 them a context nobody else holds (a fresh one, or a copy of a snapshot), so folding a log in one
@@ -24,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from .errors import MemoNotLoadedError
 from .events import (
     ContextLoaded,
     HandoffEmitted,
@@ -47,6 +56,7 @@ from .events import (
 
 __all__ = [
     "FORMAT_VERSION",
+    "PROJECTION_FORMAT",
     "REDUCER_VERSION",
     "CompletedModel",
     "CompletedTool",
@@ -60,16 +70,21 @@ __all__ = [
     "Signal",
     "TokenUsage",
     "apply",
+    "completion",
     "copy_context",
     "decode_context",
     "encode_context",
+    "encode_snapshot",
     "fold",
     "reducer_version",
     "register_reducer",
 ]
 
-FORMAT_VERSION = 1
-"""Version of the stored context format (snapshots of another version are not used)."""
+FORMAT_VERSION = 2
+"""Version of the snapshot format (snapshots of another version are not used). 2: the memo is
+not in the snapshot but in ``agent_memo`` up to ``memo_seq``; 1 held the whole memo."""
+PROJECTION_FORMAT = 1
+"""Version of the projection's context format (``agent_sessions.context``, the whole context)."""
 REDUCER_VERSION = "core-2"
 """Version of the built-in reducers' semantics (bump when a reducer changes its output)."""
 
@@ -176,6 +191,9 @@ class SessionContext(msgspec.Struct):
     completed_tools: dict[str, CompletedTool] = {}
     pending_models: dict[str, PendingModel] = {}
     completed_models: dict[str, CompletedModel] = {}
+    # calls completed at or below this seq are not in completed_tools / completed_models but in
+    # agent_memo (a context rebuilt from a snapshot); 0: this context holds its whole memo
+    memo_seq: int = 0
     handoffs_emitted: list[Handoff] = []
     handoffs_received: list[Handoff] = []
     usage: TokenUsage = msgspec.field(default_factory=TokenUsage)
@@ -196,14 +214,25 @@ class SessionContext(msgspec.Struct):
     def memoised_tool(
         self, call_id: str | None = None, *, idempotency_key: str | None = None
     ) -> CompletedTool | None:
-        """The completed tool call with this call id (or idempotency key), if there is one."""
+        """The completed tool call with this call id (or idempotency key: the latest such
+        completion), if there is one.
+
+        Raises :class:`MemoNotLoadedError` when the answer may be in ``agent_memo`` instead
+        (``memo_seq > 0``): use ``ledger_cdc.replay.memoised_tool(conn, ctx, …)`` then."""
+        found: CompletedTool | None = None
         if call_id is not None:
-            return self.completed_tools.get(call_id)
-        if idempotency_key is not None:
+            found = self.completed_tools.get(call_id)
+        elif idempotency_key is not None:  # the latest completion with this key
             for done in self.completed_tools.values():
-                if done.idempotency_key == idempotency_key:
-                    return done
-        return None
+                if done.idempotency_key == idempotency_key and (
+                    found is None or done.observed_seq > found.observed_seq
+                ):
+                    found = done
+        else:
+            return None
+        if found is None and self.memo_seq:
+            raise self._not_loaded("tool", call_id or idempotency_key)
+        return found
 
     def memoised_model(
         self,
@@ -213,16 +242,32 @@ class SessionContext(msgspec.Struct):
         prompt_hash: str | None = None,
     ) -> CompletedModel | None:
         """The completed model call with this request id (or idempotency key, or prompt hash:
-        the latest such response), if there is one."""
+        the latest such response), if there is one. Raises :class:`MemoNotLoadedError` as
+        :meth:`memoised_tool` does."""
+        found: CompletedModel | None = None
         if request_id is not None:
-            return self.completed_models.get(request_id)
-        found = None
-        for done in self.completed_models.values():
-            if (idempotency_key is not None and done.idempotency_key == idempotency_key) or (
-                prompt_hash is not None and done.prompt_hash == prompt_hash
-            ):
-                found = done
+            found = self.completed_models.get(request_id)
+        elif idempotency_key is None and prompt_hash is None:
+            return None
+        else:
+            for done in self.completed_models.values():
+                if (
+                    (idempotency_key is not None and done.idempotency_key == idempotency_key)
+                    or (prompt_hash is not None and done.prompt_hash == prompt_hash)
+                ) and (found is None or done.responded_seq > found.responded_seq):
+                    found = done
+        if found is None and self.memo_seq:
+            raise self._not_loaded("model", request_id or idempotency_key or prompt_hash)
         return found
+
+    def _not_loaded(self, kind: str, what: str | None) -> MemoNotLoadedError:
+        fn = "memoised_tool" if kind == "tool" else "memoised_model"
+        return MemoNotLoadedError(
+            f"session {self.session_id}: {kind} call {what!r} is not among the calls completed "
+            f"after seq {self.memo_seq}, and this context does not hold the ones before (they "
+            f"are in agent_memo): look it up with ledger_cdc.replay.{fn}(conn, ctx, ...), or "
+            "rebuild with memo=True"
+        )
 
 
 Reducer = Callable[[SessionContext, LedgerEvent], None]
@@ -508,6 +553,26 @@ def encode_context(ctx: SessionContext) -> bytes:
 
 def decode_context(data: bytes | str) -> SessionContext:
     return _decoder.decode(data)
+
+
+def encode_snapshot(ctx: SessionContext) -> bytes:
+    """What a snapshot stores: the context without its completed calls (in ``agent_memo``, one
+    row each, written no later than the snapshot), with ``memo_seq`` set to its last seq."""
+    return _encoder.encode(
+        msgspec.structs.replace(ctx, completed_tools={}, completed_models={}, memo_seq=ctx.last_seq)
+    )
+
+
+def completion(ctx: SessionContext, ev: LedgerEvent) -> CompletedTool | CompletedModel | None:
+    """The memo entry that ``ev``, just folded into ``ctx``, completed (None for other events)."""
+    p = ev.payload
+    if isinstance(p, ToolObserved):
+        tool = ctx.completed_tools.get(p.call_id)
+        return tool if tool is not None and tool.observed_seq == ev.seq else None
+    if isinstance(p, ModelResponded):
+        model = ctx.completed_models.get(p.request_id)
+        return model if model is not None and model.responded_seq == ev.seq else None
+    return None
 
 
 def copy_context(ctx: SessionContext) -> SessionContext:

@@ -39,7 +39,7 @@ import psycopg
 from psycopg import sql
 
 from .errors import ConfigError, LedgerError
-from .fold import FORMAT_VERSION, encode_context, reducer_version
+from .fold import FORMAT_VERSION, encode_snapshot, reducer_version
 from .replay import rebuild_context
 
 __all__ = [
@@ -291,8 +291,8 @@ def _archive_one(conn: psycopg.Connection[Any], p: Partition, to_dir: Path) -> A
         row = conn.execute(_HAS_SNAPSHOT, (sid, last, FORMAT_VERSION, version)).fetchone()
         if row and row[0]:
             continue
-        ctx = rebuild_context(conn, sid)  # the whole log is still here
-        data = encode_context(ctx)
+        ctx = rebuild_context(conn, sid)  # the whole log is still here; the memo is folded
+        data = encode_snapshot(ctx)
         conn.execute(
             _SNAPSHOT,
             (

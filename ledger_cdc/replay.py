@@ -6,8 +6,15 @@ the events after it, folded by :mod:`ledger_cdc.fold` — the consumer's reducer
 implementation. A snapshot of another format is skipped and the fold starts from zero. The
 context it returns lists the tool calls in flight when the worker died (``pending_tools``, with
 their idempotency keys) and memoises the completed tool and model calls, so the runtime answers a
-repeated call from the ledger (:meth:`SessionContext.memoised_tool`) instead of calling again;
-:func:`retry_tool` records the retry of an in-flight call under its original key.
+repeated call from the ledger (:func:`memoised_tool`, :func:`memoised_model`) instead of calling
+again; :func:`retry_tool` records the retry of an in-flight call under its original key.
+
+Snapshots do not copy the memo (see :mod:`ledger_cdc.fold`): the rebuilt context holds the calls
+completed after its snapshot, and ``memo_seq`` says up to where the others are in ``agent_memo``.
+:func:`memoised_tool` looks in the context first and then in that table, by index, bounded by
+``memo_seq`` (a context rebuilt at an earlier ``upto_seq`` never sees a later completion).
+``rebuild_context(..., memo=True)`` loads the whole memo instead, for a context equal to a fold
+from zero (what ``ledger-cdc replay`` prints).
 :func:`fork` copies a session's prefix into a new session (time travel); ``fold_all`` refolds
 every session from zero (what ``verify`` compares against).
 """
@@ -27,9 +34,17 @@ from typing import Any
 import msgspec
 import psycopg
 
-from .errors import ConcurrentAppendError, InvalidEventError, LedgerError
+from .errors import ConcurrentAppendError, InvalidEventError, LedgerError, MemoNotLoadedError
 from .events import EVENT_TYPES, LedgerEvent, SessionForked, ToolInvoked, decode_payload
-from .fold import FORMAT_VERSION, SessionContext, apply, decode_context, reducer_version
+from .fold import (
+    FORMAT_VERSION,
+    CompletedModel,
+    CompletedTool,
+    SessionContext,
+    apply,
+    decode_context,
+    reducer_version,
+)
 from .writer import AppendResult, OutboxItem, append, append_async
 
 __all__ = [
@@ -39,6 +54,12 @@ __all__ = [
     "fold_all",
     "fork",
     "load_events",
+    "load_memo",
+    "load_memo_async",
+    "memoised_model",
+    "memoised_model_async",
+    "memoised_tool",
+    "memoised_tool_async",
     "rebuild_context",
     "rebuild_context_async",
     "retry_tool",
@@ -194,6 +215,40 @@ def _no_archived_history(sid: uuid.UUID, row: Sequence[Any] | None) -> None:
         )
 
 
+def _tail_query(
+    sid: uuid.UUID, after_seq: int, after_position: int, upto_seq: int
+) -> tuple[bytes, list[Any]]:
+    """The events after a snapshot (at ``after_seq`` / ``after_position``) up to ``upto_seq``,
+    by the session's seq range. ``position > after`` alone reads on to the end of the session,
+    and ``seq <= upto`` alone from its start (what the planner picks once the statistics lag a
+    growing session: 2-4 ms at 10k events instead of 0.2). Within a session seq grows with
+    position (an append needs the previous position committed, and draws its seq after), so the
+    range is the tail; an append that raced that order shows as a gap, and the rebuild re-reads
+    by position. ``position + 0``: the seq range is always the index used."""
+    query = (
+        f"SELECT {_COLUMNS} FROM agent_events WHERE session_id = %s AND seq > %s "  # noqa: S608 - fixed text
+        "AND seq <= %s AND position + 0 > %s ORDER BY position"
+    )
+    return query.encode(), [sid, after_seq, upto_seq, after_position]
+
+
+def _contiguous(rows: Sequence[Sequence[Any]], after_position: int) -> bool:
+    return all(int(row[2]) == after_position + i for i, row in enumerate(rows, 1))
+
+
+_Query = tuple[bytes, list[Any]]
+
+
+def _tail_reads(
+    sid: uuid.UUID, after_seq: int, after: int, upto_seq: int | None
+) -> tuple[_Query, _Query | None]:
+    """(the query for the tail, and the exact one to fall back to if its rows have a gap)."""
+    exact = _events_query(sid, after, upto_seq)  # at the head: position > after, the tail
+    if upto_seq is None or after_seq == 0:
+        return exact, None
+    return _tail_query(sid, after_seq, after, upto_seq), exact
+
+
 def _fold_tail(
     sid: uuid.UUID, ctx: SessionContext | None, rows: Iterable[Sequence[Any]]
 ) -> SessionContext:
@@ -216,56 +271,235 @@ def _fold_tail(
 
 
 def rebuild_context(
-    conn: psycopg.Connection[Any], session_id: uuid.UUID | str, upto_seq: int | None = None
+    conn: psycopg.Connection[Any],
+    session_id: uuid.UUID | str,
+    upto_seq: int | None = None,
+    *,
+    memo: bool = False,
 ) -> SessionContext:
     """The session's context from its latest usable snapshot plus the tail of the log.
 
-    A session without any event gives an empty context (``last_position == 0``), so a worker
-    can start a new session the same way it resumes one.
+    The calls completed up to the snapshot stay in ``agent_memo`` (``ctx.memo_seq``): answer a
+    repeated call with :func:`memoised_tool` / :func:`memoised_model`. ``memo=True`` loads them
+    all into ``completed_tools`` / ``completed_models`` (``memo_seq`` 0), for a context equal to
+    a fold from zero. A session without any event gives an empty context (``last_position ==
+    0``), so a worker can start a new session the same way it resumes one.
     """
     sid = _session(session_id)
     bound = _NO_LIMIT if upto_seq is None else upto_seq
     version = reducer_version()
     ctx: SessionContext | None = None
-    after = 0
+    after = after_seq = 0
     while ctx is None:
         row = conn.execute(_SNAPSHOT, (sid, FORMAT_VERSION, version, bound), binary=True).fetchone()
         if row is None:
             break
         ctx = _snapshot_context(sid, row)
-        after = int(row[1]) if ctx is not None else 0
+        if ctx is not None:
+            after_seq, after = int(row[0]), int(row[1])
         bound = int(row[0]) - 1
     if ctx is None:
         _no_archived_history(sid, conn.execute(_ARCHIVED, (sid,)).fetchone())
-    query, params = _events_query(sid, after, upto_seq)
-    with conn.cursor() as cur:
-        cur.execute(query, params)
-        return _fold_tail(sid, ctx, cur)
+    (query, params), exact = _tail_reads(sid, after_seq, after, upto_seq)
+    rows = conn.execute(query, params).fetchall()
+    if exact is not None and not _contiguous(rows, after):
+        rows = conn.execute(*exact).fetchall()
+    ctx = _fold_tail(sid, ctx, rows)
+    return load_memo(conn, ctx) if memo else ctx
 
 
 async def rebuild_context_async(
-    conn: psycopg.AsyncConnection[Any], session_id: uuid.UUID | str, upto_seq: int | None = None
+    conn: psycopg.AsyncConnection[Any],
+    session_id: uuid.UUID | str,
+    upto_seq: int | None = None,
+    *,
+    memo: bool = False,
 ) -> SessionContext:
     """The async twin of :func:`rebuild_context`."""
     sid = _session(session_id)
     bound = _NO_LIMIT if upto_seq is None else upto_seq
     version = reducer_version()
     ctx: SessionContext | None = None
-    after = 0
+    after = after_seq = 0
     while ctx is None:
         cur0 = await conn.execute(_SNAPSHOT, (sid, FORMAT_VERSION, version, bound), binary=True)
         row = await cur0.fetchone()
         if row is None:
             break
         ctx = _snapshot_context(sid, row)
-        after = int(row[1]) if ctx is not None else 0
+        if ctx is not None:
+            after_seq, after = int(row[0]), int(row[1])
         bound = int(row[0]) - 1
     if ctx is None:
         _no_archived_history(sid, await (await conn.execute(_ARCHIVED, (sid,))).fetchone())
-    query, params = _events_query(sid, after, upto_seq)
-    async with conn.cursor() as cur:
-        await cur.execute(query, params)
-        return _fold_tail(sid, ctx, await cur.fetchall())
+    (query, params), exact = _tail_reads(sid, after_seq, after, upto_seq)
+    rows = await (await conn.execute(query, params)).fetchall()
+    if exact is not None and not _contiguous(rows, after):
+        rows = await (await conn.execute(*exact)).fetchall()
+    ctx = _fold_tail(sid, ctx, rows)
+    return await load_memo_async(conn, ctx) if memo else ctx
+
+
+# -- the memo: completed calls, in the context or in agent_memo ---------------------------------
+
+_MEMO_WHERE = b"SELECT entry::text FROM agent_memo WHERE session_id = %s AND completed_seq <= %s "
+_MEMO_BY = {
+    ("tool", "id"): b"AND kind = 'tool' AND call_id = %s",
+    ("tool", "key"): b"AND kind = 'tool' AND idempotency_key = %s",
+    ("model", "id"): b"AND kind = 'model' AND call_id = %s",
+    ("model", "key"): b"AND kind = 'model' AND idempotency_key = %s",
+    ("model", "prompt"): b"AND kind = 'model' AND prompt_hash = %s",
+}
+_LATEST = b" ORDER BY completed_seq DESC LIMIT 1"
+_MEMO_ALL = (
+    b"SELECT kind, entry::text FROM (SELECT DISTINCT ON (kind, call_id) kind, completed_seq, "
+    b"entry FROM agent_memo WHERE session_id = %s AND completed_seq <= %s "
+    b"ORDER BY kind, call_id, completed_seq DESC) AS m ORDER BY completed_seq"
+)
+_tool_entry = msgspec.json.Decoder(CompletedTool)
+_model_entry = msgspec.json.Decoder(CompletedModel)
+
+_Lookup = tuple[bytes, tuple[Any, ...]] | None
+
+
+def _tool_lookup(
+    ctx: SessionContext, call_id: str | None, idempotency_key: str | None
+) -> tuple[CompletedTool | None, _Lookup]:
+    """(the answer from the context, or None and the agent_memo query that has it)."""
+    try:
+        return ctx.memoised_tool(call_id, idempotency_key=idempotency_key), None
+    except MemoNotLoadedError:
+        by, value = ("id", call_id) if call_id is not None else ("key", idempotency_key)
+        query = _MEMO_WHERE + _MEMO_BY["tool", by] + _LATEST
+        return None, (query, (ctx.session_id, ctx.memo_seq, value))
+
+
+def _model_lookup(
+    ctx: SessionContext,
+    request_id: str | None,
+    idempotency_key: str | None,
+    prompt_hash: str | None,
+) -> tuple[CompletedModel | None, _Lookup]:
+    try:
+        found = ctx.memoised_model(
+            request_id, idempotency_key=idempotency_key, prompt_hash=prompt_hash
+        )
+        return found, None
+    except MemoNotLoadedError:
+        value: str | None
+        if request_id is not None:
+            by, value = "id", request_id
+        elif idempotency_key is not None and prompt_hash is not None:
+            # either may match: the latest completion of the two
+            either = b"AND kind = 'model' AND (idempotency_key = %s OR prompt_hash = %s)"
+            return None, (
+                _MEMO_WHERE + either + _LATEST,
+                (ctx.session_id, ctx.memo_seq, idempotency_key, prompt_hash),
+            )
+        elif idempotency_key is not None:
+            by, value = "key", idempotency_key
+        else:
+            by, value = "prompt", prompt_hash
+        query = _MEMO_WHERE + _MEMO_BY["model", by] + _LATEST
+        return None, (query, (ctx.session_id, ctx.memo_seq, value))
+
+
+def memoised_tool(
+    conn: psycopg.Connection[Any],
+    ctx: SessionContext,
+    call_id: str | None = None,
+    *,
+    idempotency_key: str | None = None,
+) -> CompletedTool | None:
+    """The completed tool call with this call id (or idempotency key) as of ``ctx``: from the
+    context if it completed after its snapshot, else from ``agent_memo`` (one indexed read)."""
+    found, lookup = _tool_lookup(ctx, call_id, idempotency_key)
+    if lookup is None:
+        return found
+    row = conn.execute(lookup[0], lookup[1]).fetchone()
+    return None if row is None else _tool_entry.decode(row[0])
+
+
+def memoised_model(
+    conn: psycopg.Connection[Any],
+    ctx: SessionContext,
+    request_id: str | None = None,
+    *,
+    idempotency_key: str | None = None,
+    prompt_hash: str | None = None,
+) -> CompletedModel | None:
+    """The completed model call with this request id (or idempotency key, or prompt hash: the
+    latest such response) as of ``ctx``; see :func:`memoised_tool`."""
+    found, lookup = _model_lookup(ctx, request_id, idempotency_key, prompt_hash)
+    if lookup is None:
+        return found
+    row = conn.execute(lookup[0], lookup[1]).fetchone()
+    return None if row is None else _model_entry.decode(row[0])
+
+
+async def memoised_tool_async(
+    conn: psycopg.AsyncConnection[Any],
+    ctx: SessionContext,
+    call_id: str | None = None,
+    *,
+    idempotency_key: str | None = None,
+) -> CompletedTool | None:
+    """The async twin of :func:`memoised_tool`."""
+    found, lookup = _tool_lookup(ctx, call_id, idempotency_key)
+    if lookup is None:
+        return found
+    row = await (await conn.execute(lookup[0], lookup[1])).fetchone()
+    return None if row is None else _tool_entry.decode(row[0])
+
+
+async def memoised_model_async(
+    conn: psycopg.AsyncConnection[Any],
+    ctx: SessionContext,
+    request_id: str | None = None,
+    *,
+    idempotency_key: str | None = None,
+    prompt_hash: str | None = None,
+) -> CompletedModel | None:
+    """The async twin of :func:`memoised_model`."""
+    found, lookup = _model_lookup(ctx, request_id, idempotency_key, prompt_hash)
+    if lookup is None:
+        return found
+    row = await (await conn.execute(lookup[0], lookup[1])).fetchone()
+    return None if row is None else _model_entry.decode(row[0])
+
+
+def _merge_memo(ctx: SessionContext, rows: Iterable[Sequence[Any]]) -> SessionContext:
+    tools: dict[str, CompletedTool] = {}
+    models: dict[str, CompletedModel] = {}
+    with _no_gc():
+        for kind, text in rows:
+            if kind == "tool":
+                tool = _tool_entry.decode(text)
+                tools[tool.call_id] = tool
+            else:
+                model = _model_entry.decode(text)
+                models[model.request_id] = model
+    tools.update(ctx.completed_tools)  # completed after the snapshot: the context's own
+    models.update(ctx.completed_models)
+    ctx.completed_tools, ctx.completed_models, ctx.memo_seq = tools, models, 0
+    return ctx
+
+
+def load_memo(conn: psycopg.Connection[Any], ctx: SessionContext) -> SessionContext:
+    """Load the calls ``ctx`` leaves in ``agent_memo`` into it (in place; ``memo_seq`` 0)."""
+    if not ctx.memo_seq:
+        return ctx
+    return _merge_memo(ctx, conn.execute(_MEMO_ALL, (ctx.session_id, ctx.memo_seq)).fetchall())
+
+
+async def load_memo_async(
+    conn: psycopg.AsyncConnection[Any], ctx: SessionContext
+) -> SessionContext:
+    """The async twin of :func:`load_memo`."""
+    if not ctx.memo_seq:
+        return ctx
+    cur = await conn.execute(_MEMO_ALL, (ctx.session_id, ctx.memo_seq))
+    return _merge_memo(ctx, await cur.fetchall())
 
 
 # -- retrying an in-flight tool call ------------------------------------------------------------
@@ -274,10 +508,10 @@ async def rebuild_context_async(
 def _retry_request(ctx: SessionContext, call_id: str) -> tuple[ToolInvoked, str]:
     pending = ctx.pending_tools.get(call_id)
     if pending is None:
-        done = "completed" if call_id in ctx.completed_tools else "unknown"
         raise LedgerError(
-            f"tool call {call_id!r} of session {ctx.session_id} is not in flight ({done}); "
-            "answer a completed call from ctx.memoised_tool() instead of calling it again"
+            f"tool call {call_id!r} of session {ctx.session_id} is not in flight; if it "
+            "completed, answer it with ledger_cdc.replay.memoised_tool(conn, ctx, call_id) "
+            "instead of calling it again"
         )
     payload = ToolInvoked(
         pending.call_id, pending.tool, pending.arguments, idempotency_key=pending.idempotency_key

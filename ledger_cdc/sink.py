@@ -1,7 +1,8 @@
 """Where folded state becomes durable: projections, snapshots, dead letters and the checkpoint.
 
-One PostgreSQL transaction per batch writes the changed session projections, the snapshots that
-came due, the dead letters and the checkpoint row ``(slot, end_lsn)``. Because the checkpoint is in
+One PostgreSQL transaction per batch writes the changed session projections, the calls the batch
+completed (``agent_memo``), the snapshots that came due, the dead letters and the checkpoint row
+``(slot, end_lsn)``. Because the checkpoint is in
 the same transaction as the projections it covers, a crash at any moment leaves both before or
 both after the batch (exactly-once effect). The checkpoint write is fenced: it only succeeds if
 the stored LSN is still the one this consumer read, so a consumer that lost its slot to another
@@ -19,7 +20,14 @@ import msgspec
 import psycopg
 
 from .errors import LedgerError, format_lsn, parse_lsn
-from .fold import FORMAT_VERSION, SessionContext, decode_context
+from .fold import (
+    FORMAT_VERSION,
+    PROJECTION_FORMAT,
+    CompletedModel,
+    CompletedTool,
+    SessionContext,
+    decode_context,
+)
 
 __all__ = ["BOOTSTRAPPING", "Batch", "DeadLetter", "FencedError", "PgSink", "SnapshotRow"]
 
@@ -45,7 +53,7 @@ class SnapshotRow:
     upto_position: int
     reducer_version: str
     content_hash: bytes
-    context: bytes  # canonical JSON
+    context: bytes  # canonical JSON of the snapshot (fold.encode_snapshot)
 
 
 @dataclass
@@ -55,6 +63,7 @@ class Batch:
     end_lsn: int
     sessions: dict[uuid.UUID, tuple[SessionContext, bytes, int]] = field(default_factory=dict)
     snapshots: list[SnapshotRow] = field(default_factory=list)
+    memo: list[tuple[uuid.UUID, CompletedTool | CompletedModel]] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
     heartbeat_at: float | None = None
     transactions: int = 0
@@ -79,6 +88,20 @@ CREATE TEMP TABLE IF NOT EXISTS stage_sessions (
 CREATE TEMP TABLE IF NOT EXISTS stage_snapshots (
     session_id uuid, upto_seq bigint, upto_position bigint, format_version int,
     reducer_version text, content_hash bytea, data bytea) ON COMMIT DELETE ROWS;
+CREATE TEMP TABLE IF NOT EXISTS stage_memo (
+    session_id uuid, kind text, call_id text, completed_seq bigint, idempotency_key text,
+    prompt_hash text, entry text) ON COMMIT DELETE ROWS;
+"""
+_COPY_MEMO = (
+    "COPY stage_memo (session_id, kind, call_id, completed_seq, idempotency_key, prompt_hash, "
+    "entry) FROM STDIN"
+)
+_MERGE_MEMO = """
+INSERT INTO agent_memo (session_id, kind, call_id, completed_seq, idempotency_key, prompt_hash,
+                        entry)
+SELECT session_id, kind, call_id, completed_seq, idempotency_key, prompt_hash, entry::jsonb
+FROM stage_memo
+ON CONFLICT DO NOTHING
 """
 _COPY_SESSIONS = (
     "COPY stage_sessions (session_id, status, last_seq, last_position, event_count, "
@@ -206,7 +229,7 @@ class PgSink:
         ).fetchall()
         out: dict[uuid.UUID, SessionContext] = {}
         for sid, version, text in rows:
-            if version == FORMAT_VERSION:
+            if version == PROJECTION_FORMAT:
                 out[sid] = decode_context(text)
         return out
 
@@ -239,7 +262,7 @@ class PgSink:
                                     ctx.last_seq,
                                     ctx.last_position,
                                     ctx.event_count,
-                                    FORMAT_VERSION,
+                                    PROJECTION_FORMAT,
                                     data.decode(),
                                     format_lsn(commit_lsn),
                                     run.status if run is not None else None,
@@ -261,12 +284,18 @@ class PgSink:
                                     snap.context,
                                 )
                             )
+                if batch.memo:
+                    with cur.copy(_COPY_MEMO) as copy:
+                        for sid, done in batch.memo:
+                            copy.write_row(_memo_row(sid, done))
                 # Only now, with every row staged, take locks on shared rows: a consumer frozen
                 # mid-COPY (its backend waiting for data, not idle) must not hold them, or it
                 # would block the standby that took its slot; frozen between the statements
                 # below, it is ended by idle_in_transaction_session_timeout.
                 if batch.sessions:
                     cur.execute(_MERGE_SESSIONS)
+                if batch.memo:
+                    cur.execute(_MERGE_MEMO)  # before the snapshots that leave their memo to it
                 if batch.snapshots:
                     cur.execute(_MERGE_SNAPSHOTS)
                 notices = [(batch.channel, str(s)) for s in batch.notify]
@@ -295,6 +324,31 @@ class PgSink:
         self.checkpoint = batch.end_lsn
         if batch.epoch is not None:
             self.epoch = batch.epoch
+
+
+_json = msgspec.json.Encoder()
+
+
+def _memo_row(sid: uuid.UUID, done: CompletedTool | CompletedModel) -> tuple[Any, ...]:
+    if isinstance(done, CompletedTool):
+        return (
+            sid,
+            "tool",
+            done.call_id,
+            done.observed_seq,
+            done.idempotency_key,
+            None,
+            _json.encode(done).decode(),
+        )
+    return (
+        sid,
+        "model",
+        done.request_id,
+        done.responded_seq,
+        done.idempotency_key,
+        done.prompt_hash,
+        _json.encode(done).decode(),
+    )
 
 
 def _dead_params(slot: str, dead: Sequence[DeadLetter]) -> Sequence[Any]:

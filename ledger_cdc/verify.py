@@ -3,7 +3,8 @@
 Projections and snapshots are derived data: a bug in the code that wrote them (or a hand edit)
 would make them look authoritative while disagreeing with the log. ``verify`` folds each session
 from its first event with the consumer's reducers and compares the fold, at the position each
-stored object claims, with every stored snapshot and with the projection, field by field. It also
+stored object claims, with every stored snapshot and with the projection, field by field, and
+the memo table (``agent_memo``) with the calls the refold completed, call by call. It also
 recomputes each session's hash chain and reports the first event that no longer matches — an
 edited row (the append-only guard bypassed) or a broken link. Everything is read in one
 REPEATABLE READ snapshot, so a consumer writing meanwhile cannot cause false differences.
@@ -25,14 +26,15 @@ import psycopg
 from .errors import InvalidEventError
 from .fold import (
     FORMAT_VERSION,
+    PROJECTION_FORMAT,
     SessionContext,
     apply,
     decode_context,
-    encode_context,
+    encode_snapshot,
     reducer_version,
 )
 from .partitions import archived_heads, check_archive
-from .replay import _COLUMNS, _snapshot_context, row_event
+from .replay import _COLUMNS, _snapshot_context, load_memo, row_event
 from .schema import connect
 from .timeline import field_differences
 
@@ -44,7 +46,7 @@ class Difference:
     """One disagreement between the log and what is stored (or within the log itself)."""
 
     session_id: uuid.UUID
-    kind: str  # projection | snapshot | chain | orphan
+    kind: str  # projection | snapshot | memo | chain | orphan | archive
     seq: int | None  # the seq of the stored object (or of the event) that differs
     position: int | None
     field: str | None  # dotted path in the context, e.g. pending_tools.call-3.attempts
@@ -71,6 +73,7 @@ class VerifyReport:
     events: int = 0
     projections: int = 0
     snapshots: int = 0
+    memo: int = 0  # completed calls compared with agent_memo
     chained_events: int = 0
     differences: list[Difference] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -370,7 +373,7 @@ def _archive_base(
     ):
         ctx = _snapshot_context(sid, row)
         if ctx is not None:
-            return ctx
+            return load_memo(conn, ctx)  # the refold goes on with the whole memo
     return None
 
 
@@ -392,10 +395,13 @@ def _check_at(
         ).fetchone()
         if row is not None:
             report.projections += 1
-            if row[1] != FORMAT_VERSION:
+            if row[1] != PROJECTION_FORMAT:
                 report.notes.append(f"session {sid}: projection has format {row[1]}: not compared")
             else:
                 _compare(report, "projection", ctx, decode_context(row[2]), int(row[0]), pos, limit)
+        _check_memo(conn, report, ctx, pos, limit)
+    snapshot: SessionContext | None = None
+    canonical = b""
     for seq, fmt, rv, digest, data, hashed in conn.execute(
         "SELECT upto_seq, format_version, reducer_version, content_hash, "
         "coalesce(data, convert_to(context::text, 'UTF8')), data IS NOT NULL "
@@ -433,7 +439,10 @@ def _check_at(
                 )
             )
             continue
-        if hashed and encode_context(ctx) != raw and stored == ctx:
+        if snapshot is None:  # what a snapshot of the refold holds: no memo, memo_seq set
+            canonical = encode_snapshot(ctx)
+            snapshot = decode_context(canonical)
+        if hashed and canonical != raw and stored == snapshot:
             report.differences.append(
                 Difference(
                     sid,
@@ -446,4 +455,55 @@ def _check_at(
                     "snapshot bytes are not the canonical encoding of its context",
                 )
             )
-        _compare(report, "snapshot", ctx, stored, int(seq), pos, limit)
+        _compare(report, "snapshot", snapshot, stored, int(seq), pos, limit)
+
+
+def _check_memo(
+    conn: psycopg.Connection[Any],
+    report: VerifyReport,
+    ctx: SessionContext,
+    pos: int,
+    limit: int,
+) -> None:
+    """agent_memo (the latest row of each call at or below the refold's seq) against the calls
+    the refold completed: a missing row would make a rebuilt worker call again."""
+    sid = ctx.session_id
+    stored = load_memo(conn, msgspec.structs.replace(SessionContext(sid), memo_seq=ctx.last_seq))
+    pairs: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+        ("completed_tools", dict(ctx.completed_tools), dict(stored.completed_tools)),
+        ("completed_models", dict(ctx.completed_models), dict(stored.completed_models)),
+    ]
+    for name, expected, actual in pairs:
+        report.memo += len(actual)
+        for call in sorted(expected.keys() | actual.keys()):
+            exp, act = expected.get(call), actual.get(call)
+            path = f"{name}.{call}"
+            if exp is None:
+                detail = "agent_memo holds a call the log never completed"
+                report.differences.append(
+                    Difference(sid, "memo", None, pos, path, None, "row", detail)
+                )
+            elif act is None:
+                detail = (
+                    "the log completed this call but agent_memo has no row for it: a rebuilt "
+                    "worker would call it again"
+                )
+                report.differences.append(
+                    Difference(sid, "memo", None, pos, path, "row", None, detail)
+                )
+            elif exp != act:
+                for sub, e, a in field_differences(
+                    msgspec.to_builtins(exp), msgspec.to_builtins(act), path, limit
+                ):
+                    report.differences.append(
+                        Difference(
+                            sid,
+                            "memo",
+                            None,
+                            pos,
+                            sub,
+                            e,
+                            a,
+                            "agent_memo row differs from a refold of the log",
+                        )
+                    )

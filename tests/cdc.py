@@ -15,11 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psycopg
 
 from ledger_cdc.errors import InvalidEventError
-from ledger_cdc.fold import SessionContext, decode_context, fold
-from ledger_cdc.replay import fold_all, load_events
+from ledger_cdc.fold import SessionContext, decode_context, encode_snapshot, fold
+from ledger_cdc.replay import fold_all, load_events, load_memo
 from ledger_cdc.writer import Ledger
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,9 +121,14 @@ def assert_projections_equal_refold(dsn: str) -> int:
             "SELECT session_id, upto_position, data FROM agent_snapshots"
         ):
             prefix = [e for e in events[sid] if e.position <= upto_pos]
-            assert decode_context(data) == fold(prefix, session_id=sid), (
-                f"snapshot {sid}@{upto_pos}"
-            )
+            as_snapshot = decode_context(encode_snapshot(fold(prefix, session_id=sid)))
+            assert decode_context(data) == as_snapshot, f"snapshot {sid}@{upto_pos}"
+        # agent_memo holds exactly the calls each session completed, once each
+        for sid, ctx in expected.items():
+            blank = msgspec.structs.replace(SessionContext(sid), memo_seq=ctx.last_seq)
+            stored = load_memo(conn, blank)
+            assert stored.completed_tools == ctx.completed_tools, f"memo of {sid}"
+            assert stored.completed_models == ctx.completed_models, f"memo of {sid}"
         return sum(len(v) for v in events.values())
 
 

@@ -18,7 +18,7 @@ import psycopg
 
 from ledger_cdc.errors import ConcurrentAppendError
 from ledger_cdc.events import ToolInvoked, ToolObserved
-from ledger_cdc.replay import retry_tool_async
+from ledger_cdc.replay import memoised_tool_async, retry_tool_async
 from ledger_cdc.runs import (
     AsyncLeasedRun,
     LeaseLostError,
@@ -44,11 +44,11 @@ async def work(run: AsyncLeasedRun, target: str) -> None:
     call = "tool"
     if call in run.ctx.pending_tools:  # taken over: the dead worker's call was in flight
         await retry_tool_async(run.conn, run.ctx, call, run.worker)
-    elif run.ctx.memoised_tool(call) is None:
+    elif await memoised_tool_async(run.conn, run.ctx, call) is None:
         await run.append(
             "tool.invoked", ToolInvoked(call, "http", {"n": 1}, idempotency_key=f"{sid}:{call}")
         )
-    if run.ctx.memoised_tool(call) is None:
+    if await memoised_tool_async(run.conn, run.ctx, call) is None:
         key = run.ctx.pending_tools[call].idempotency_key or ""
         status = await asyncio.to_thread(_post, target, key, {"session": str(sid)})
         await run.append("tool.observed", ToolObserved(call, {"status": status}))

@@ -157,7 +157,9 @@ def test_archive_under_load_loses_nothing(empty_db: Database, tmp_path: Path) ->
         wait_caught_up(dsn)
         with empty_db.connect() as conn:
             (head,) = conn.execute("SELECT max(seq) FROM agent_events").fetchone()  # type: ignore[misc]
-            before = {sid: encode_context(rebuild_context(conn, sid)) for sid in sessions}
+            before = {
+                sid: encode_context(rebuild_context(conn, sid, memo=True)) for sid in sessions
+            }
         writers = Writers(dsn, n=2, pace=0.005)
         writers.sessions = sessions + [uuid.uuid4() for _ in range(4)]
         writers.start()
@@ -174,10 +176,10 @@ def test_archive_under_load_loses_nothing(empty_db: Database, tmp_path: Path) ->
             assert len(list_partitions(conn)) == 4  # the old partition is gone
             # rebuild as of before the archive: unchanged, from the snapshots
             for sid in sessions:
-                assert encode_context(rebuild_context(conn, sid, upto_seq=head)) == before[sid]
+                assert encode_context(rebuild_context(conn, sid, head, memo=True)) == before[sid]
             # the current state rebuilt from snapshot + tail equals the consumer's projections
             for sid, text in conn.execute("SELECT session_id, context::text FROM agent_sessions"):
-                assert rebuild_context(conn, sid) == decode_context(text), sid
+                assert rebuild_context(conn, sid, memo=True) == decode_context(text), sid
             # history before the archived bound cannot be rebuilt without a snapshot covering it
             conn.execute(
                 "DELETE FROM agent_snapshots WHERE session_id = %s AND upto_position <= 5",

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,11 +20,15 @@ from hypothesis import strategies as st
 
 from ledger_cdc import ConcurrentAppendError, register_event_type
 from ledger_cdc.consumer import Consumer, ConsumerConfig
-from ledger_cdc.errors import InvalidEventError
+from ledger_cdc.errors import InvalidEventError, MemoNotLoadedError
 from ledger_cdc.fold import SessionContext, encode_context, fold
 from ledger_cdc.replay import (
     fork,
     load_events,
+    memoised_model,
+    memoised_model_async,
+    memoised_tool,
+    memoised_tool_async,
     rebuild_context,
     rebuild_context_async,
     retry_tool,
@@ -71,6 +76,42 @@ def _prefix_fold(conn: psycopg.Connection[Any], sid: uuid.UUID, upto_seq: int) -
     return fold(evs, session_id=sid)
 
 
+def _without_memo(ctx: SessionContext) -> bytes:
+    return encode_context(
+        msgspec.structs.replace(ctx, completed_tools={}, completed_models={}, memo_seq=0)
+    )
+
+
+def _check_rebuild(
+    conn: psycopg.Connection[Any],
+    sid: uuid.UUID,
+    truth: SessionContext,
+    upto_seq: int | None = None,
+    later: SessionContext | None = None,
+) -> SessionContext:
+    """rebuild_context at upto_seq against ``truth`` (a fold from zero to the same point): the
+    same state; in memory the calls completed after its snapshot, the others from agent_memo;
+    with memo=True the whole memo. ``later`` (a fold to the head): what completed after
+    ``upto_seq`` is not memoised as of it."""
+    lazy = rebuild_context(conn, sid, upto_seq)
+    assert _without_memo(lazy) == _without_memo(truth)
+    assert lazy.completed_tools == {
+        k: v for k, v in truth.completed_tools.items() if v.observed_seq > lazy.memo_seq
+    }
+    assert lazy.completed_models == {
+        k: v for k, v in truth.completed_models.items() if v.responded_seq > lazy.memo_seq
+    }
+    for call_id, tool in truth.completed_tools.items():
+        assert memoised_tool(conn, lazy, call_id) == tool
+    for request_id, model in truth.completed_models.items():
+        assert memoised_model(conn, lazy, request_id) == model
+    for call_id in (later.completed_tools if later else {}).keys() - truth.completed_tools:
+        assert memoised_tool(conn, lazy, call_id) is None
+    full = rebuild_context(conn, sid, upto_seq, memo=True)
+    assert full == truth and full.memo_seq == 0
+    return lazy
+
+
 def _write_turns(
     db: Database, sid: uuid.UUID, turns: list[list[tuple[str, dict[str, Any]]]]
 ) -> None:
@@ -103,10 +144,10 @@ def test_rebuild_from_snapshot_equals_fold_from_zero_for_every_prefix(
         ).fetchone()
         if len(seqs) >= 3:
             assert snaps >= 1  # the consumer snapshots every 3 events: some prefixes use one
+        head = _prefix_fold(conn, sid, seqs[-1])
         for seq in seqs:
-            rebuilt = rebuild_context(conn, sid, upto_seq=seq)
-            assert encode_context(rebuilt) == encode_context(_prefix_fold(conn, sid, seq)), seq
-        assert rebuild_context(conn, sid) == _prefix_fold(conn, sid, seqs[-1])
+            _check_rebuild(conn, sid, _prefix_fold(conn, sid, seq), seq, later=head)
+        _check_rebuild(conn, sid, head)
 
 
 def _agent_run(db: Database, sid: uuid.UUID, *, finish_tool: bool = False) -> None:
@@ -180,6 +221,57 @@ def test_rebuild_reports_in_flight_calls_and_memoises_completed_ones(db: Databas
     assert ctx.memoised_model(idempotency_key="mk1") is model
 
 
+def test_memo_before_the_snapshot_is_read_from_agent_memo(consumed: Database) -> None:
+    sid = uuid.uuid4()
+    _agent_run(consumed, sid)
+    wait_caught_up(consumed.dsn)
+    with Ledger(consumed.dsn) as ledger:  # past the next snapshot (every 3 events)
+        for i in range(4):
+            ledger.append(sid, "w1", "tool.invoked", {"call_id": f"x{i}", "tool": "t"})
+        ledger.append(sid, "w1", "tool.observed", {"call_id": "x3", "result": "late"})
+    wait_caught_up(consumed.dsn)
+    with consumed.connect() as conn:
+        (c1_seq,) = conn.execute(  # type: ignore[misc]
+            "SELECT seq FROM agent_events WHERE session_id = %s AND event_type = 'tool.observed' "
+            "ORDER BY seq LIMIT 1",
+            (sid,),
+        ).fetchone()
+        ctx = rebuild_context(conn, sid)
+        assert ctx.memo_seq > c1_seq  # c1 and r1 completed before the snapshot it started from
+        assert set(ctx.completed_tools) == {"x3"} and ctx.completed_models == {}
+        with pytest.raises(MemoNotLoadedError, match="memoised_tool"):
+            ctx.memoised_tool("c1")
+        with pytest.raises(MemoNotLoadedError):
+            ctx.memoised_model(prompt_hash="p1")
+        c1 = memoised_tool(conn, ctx, "c1")
+        assert c1 is not None and c1.result == {"hits": 3} and c1.observed_seq == c1_seq
+        assert memoised_tool(conn, ctx, idempotency_key=f"{sid}:c1") == c1
+        late = memoised_tool(conn, ctx, "x3")
+        assert late is not None and late is ctx.completed_tools["x3"]  # from memory
+        assert memoised_tool(conn, ctx, "c2") is None and memoised_tool(conn, ctx, "nope") is None
+        r1 = memoised_model(conn, ctx, prompt_hash="p1")
+        assert r1 is not None and r1.content == "use tools" and r1.idempotency_key == "mk1"
+        assert memoised_model(conn, ctx, idempotency_key="mk1") == r1
+        assert memoised_model(conn, ctx, "r1", prompt_hash="zz") == r1
+        assert memoised_model(conn, ctx, idempotency_key="zz", prompt_hash="p1") == r1
+        # as of a point before c1 completed: not memoised, though agent_memo has the row
+        early = rebuild_context(conn, sid, upto_seq=c1_seq - 1)
+        assert memoised_tool(conn, early, "c1") is None and "c1" in early.pending_tools
+        full = rebuild_context(conn, sid, memo=True)
+        assert set(full.completed_tools) == {"c1", "x3"} and full.memoised_tool("c1") == c1
+
+        async def lookups() -> tuple[Any, Any]:
+            async with await psycopg.AsyncConnection.connect(consumed.dsn) as aconn:
+                actx = await rebuild_context_async(aconn, sid)
+                assert actx == ctx
+                return (
+                    await memoised_tool_async(aconn, actx, "c1"),
+                    await memoised_model_async(aconn, actx, "r1"),
+                )
+
+        assert asyncio.run(lookups()) == (c1, r1)
+
+
 def test_retry_tool_records_the_same_key_and_refuses_a_stale_context(db: Database) -> None:
     sid = uuid.uuid4()
     _agent_run(db, sid)
@@ -241,15 +333,22 @@ def test_snapshot_of_another_format_or_corrupted_is_skipped(consumed: Database) 
             "reducer_version, content_hash, data) VALUES (%s, %s, %s, 0, 'core-0', '\\x00', %s)",
             (sid, last_seq + 1, truth.last_position, b'{"not": "a context"}'),
         )
-        assert rebuild_context(conn, sid) == truth
+        _check_rebuild(conn, sid, truth)
         # the latest current snapshot corrupted in place: skipped, an older one is used
         conn.execute("ALTER TABLE agent_snapshots DISABLE TRIGGER ALL")
         conn.execute(
             "UPDATE agent_snapshots SET data = convert_to(replace(convert_from(data, 'UTF8'), "
-            "'\"hits\":3', '\"hits\":4'), 'UTF8') WHERE session_id = %s AND upto_seq = %s",
+            '\'"task":"t"\', \'"task":"u"\'), \'UTF8\') '
+            "WHERE session_id = %s AND upto_seq = %s",
             (sid, snaps[-1][0]),
         )
-        assert rebuild_context(conn, sid) == truth
+        (changed,) = conn.execute(  # type: ignore[misc]
+            "SELECT count(*) FROM agent_snapshots WHERE session_id = %s "
+            "AND convert_from(data, 'UTF8') LIKE '%%\"task\":\"u\"%%'",
+            (sid,),
+        ).fetchone()
+        assert changed == 1  # the corruption took
+        _check_rebuild(conn, sid, truth)
 
 
 def test_fork_copies_the_prefix_and_diff_starts_at_the_fork_point(db: Database) -> None:
@@ -337,6 +436,24 @@ def test_verify_catches_corrupted_projection_snapshot_and_chain(consumed: Databa
     diff_a = next(d for d in report.differences if d.session_id == a)
     assert diff_a.expected == 10 and diff_a.actual == 999 and diff_a.seq is not None
     assert not any(d.kind == "chain" for d in report.differences)
+    assert not any(d.kind == "memo" for d in report.differences)
+    # the memo table: a result edited, a row lost
+    with consumed.connect() as conn:
+        conn.execute(
+            "UPDATE agent_memo SET entry = jsonb_set(entry, '{result}', '\"edited\"') "
+            "WHERE session_id = %s AND call_id = 'c2'",
+            (a,),
+        )
+        conn.execute("DELETE FROM agent_memo WHERE session_id = %s AND call_id = 'r1'", (b,))
+    memo = {
+        (d.session_id, d.field): (d.expected, d.actual)
+        for d in verify(consumer_dsn).differences
+        if d.kind == "memo"
+    }
+    assert memo == {
+        (a, "completed_tools.c2.result"): ("page", "edited"),
+        (b, "completed_models.r1"): ("row", None),
+    }
     # a row edited behind the guard's back: the chain walk names it
     with consumed.connect() as conn:
         conn.execute("ALTER TABLE agent_events DISABLE TRIGGER agent_events_append_only")

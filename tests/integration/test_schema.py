@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import uuid
 
+import msgspec
 import psycopg
 import pytest
 
@@ -235,3 +236,58 @@ def test_consumer_role_reads_ledger_and_writes_only_its_tables(roles: Database) 
             "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
         ).fetchone()  # type: ignore[misc]
         assert is_super is False
+
+
+def test_memo_migration_copies_the_calls_folded_before_it(empty_db: Database) -> None:
+    """An upgrade from projections that held the whole memo: 0008 copies it into agent_memo, so
+    a context rebuilt from a new snapshot still answers the calls completed before it."""
+    from ledger_cdc.fold import PROJECTION_FORMAT, encode_context, fold
+    from ledger_cdc.replay import load_events, memoised_model, memoised_tool, rebuild_context
+
+    migs = load_migrations()
+    sid = uuid.uuid4()
+    with empty_db.connect() as conn:
+        migrate(conn, [m for m in migs if m.version < 8])
+    with Ledger(empty_db.dsn) as ledger:
+        ledger.append(
+            sid, "w", "model.requested", {"request_id": "r1", "model": "m", "prompt_hash": "p1"}
+        )
+        ledger.append(
+            sid, "w", "model.responded", {"request_id": "r1", "model": "m", "content": "hi"}
+        )
+        ledger.append(
+            sid, "w", "tool.invoked", {"call_id": "c1", "tool": "t", "idempotency_key": "k1"}
+        )
+        ledger.append(sid, "w", "tool.observed", {"call_id": "c1", "result": [1, 2]})
+    with empty_db.connect() as conn:
+        ctx = fold([e for e in load_events(conn, sid)], session_id=sid)  # type: ignore[misc]
+        conn.execute(  # the projection as the consumer before 0008 wrote it
+            "INSERT INTO agent_sessions (session_id, status, last_seq, last_position, "
+            "event_count, format_version, context) VALUES (%s, 'running', %s, %s, %s, %s, %s)",
+            (
+                sid,
+                ctx.last_seq,
+                ctx.last_position,
+                ctx.event_count,
+                PROJECTION_FORMAT,
+                encode_context(ctx).decode(),
+            ),
+        )
+        assert migrate(conn, migs) == [m.version for m in migs if m.version >= 8]
+        rows = conn.execute(
+            "SELECT kind, call_id, completed_seq, idempotency_key, prompt_hash FROM agent_memo "
+            "WHERE session_id = %s ORDER BY completed_seq",
+            (sid,),
+        ).fetchall()
+        assert rows == [
+            ("model", "r1", ctx.completed_models["r1"].responded_seq, None, "p1"),
+            ("tool", "c1", ctx.completed_tools["c1"].observed_seq, "k1", None),
+        ]
+        lazy = msgspec.structs.replace(
+            rebuild_context(conn, sid),
+            completed_tools={},
+            completed_models={},
+            memo_seq=ctx.last_seq,
+        )  # as if rebuilt from a snapshot at the head
+        assert memoised_tool(conn, lazy, "c1") == ctx.completed_tools["c1"]
+        assert memoised_model(conn, lazy, prompt_hash="p1") == ctx.completed_models["r1"]

@@ -7,15 +7,21 @@ import datetime as dt
 import uuid
 from typing import Any
 
+import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ledger_cdc.errors import MemoNotLoadedError
 from ledger_cdc.events import LedgerEvent, decode_payload, encode_payload
 from ledger_cdc.fold import (
+    CompletedTool,
     SessionContext,
     apply,
+    completion,
     decode_context,
     encode_context,
+    encode_snapshot,
     fold,
     reducer_version,
     register_reducer,
@@ -201,3 +207,56 @@ def test_a_signal_that_came_first_wakes_the_suspension_at_once() -> None:
     assert released.run is not None and released.run.status == "running"  # not x's lease
     released = fold([ev(7, "run.released", {"worker": "w"})], released)
     assert released.run is not None and released.run.status == "pending"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(event_strategy, min_size=1, max_size=40), st.data())
+def test_a_snapshot_plus_its_completions_equals_the_fold(
+    raw: list[tuple[str, dict[str, Any]]], data: st.DataObject
+) -> None:
+    """What a snapshot stores (no memo) plus the completions the consumer writes to agent_memo
+    (one per completing event, by ``completion``) give back the whole context."""
+    log = [ev(i + 1, t, p) for i, (t, p) in enumerate(raw)]
+    whole = fold(log)
+    cut = data.draw(st.integers(1, len(log)))
+    prefix = fold(log[:cut], session_id=SID)
+    stored = decode_context(encode_snapshot(prefix))
+    assert stored.memo_seq == prefix.last_seq
+    assert stored.completed_tools == {} and stored.completed_models == {}
+    memo: dict[tuple[str, str], Any] = {}  # agent_memo: the latest completion of each call
+    ctx = SessionContext(SID)
+    for e in log[:cut]:
+        apply(ctx, e)
+        done = completion(ctx, e)
+        if isinstance(done, CompletedTool):
+            memo["tool", done.call_id] = done
+        elif done is not None:
+            memo["model", done.request_id] = done
+    assert {k for k in memo if k[0] == "tool"} == {("tool", c) for c in prefix.completed_tools}
+    assert {k for k in memo if k[0] == "model"} == {("model", r) for r in prefix.completed_models}
+    assert all(memo["tool", c] == t for c, t in prefix.completed_tools.items())
+    assert all(memo["model", r] == m for r, m in prefix.completed_models.items())
+    resumed = fold(log[cut:], stored)
+    tail_tools = {c: t for c, t in whole.completed_tools.items() if t.observed_seq > cut * 10}
+    assert resumed.completed_tools == tail_tools
+    assert msgspec.structs.replace(
+        resumed, completed_tools={}, completed_models={}, memo_seq=0
+    ) == (msgspec.structs.replace(whole, completed_tools={}, completed_models={}))
+
+
+def test_a_context_without_its_memo_refuses_to_say_not_completed() -> None:
+    log = [
+        ev(1, "tool.invoked", {"call_id": "c1", "tool": "t", "idempotency_key": "k1"}),
+        ev(2, "tool.observed", {"call_id": "c1", "result": 1}),
+        ev(3, "tool.invoked", {"call_id": "c2", "tool": "t", "idempotency_key": "k2"}),
+        ev(4, "tool.observed", {"call_id": "c2", "result": 2}),
+    ]
+    stored = decode_context(encode_snapshot(fold(log[:2])))
+    ctx = fold(log[2:], stored)
+    assert ctx.memoised_tool("c2") is ctx.completed_tools["c2"]
+    assert ctx.memoised_tool(idempotency_key="k2") is ctx.completed_tools["c2"]
+    with pytest.raises(MemoNotLoadedError, match="c1"):
+        ctx.memoised_tool("c1")
+    with pytest.raises(MemoNotLoadedError):
+        ctx.memoised_model("r1")
+    assert ctx.memoised_tool() is None and fold(log).memoised_tool("c9") is None
