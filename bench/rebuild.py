@@ -99,7 +99,7 @@ def write_session(dsn: str, sid: uuid.UUID, events: int, verbose: bool) -> None:
 def without_memo(ctx: SessionContext) -> bytes:
     import msgspec
 
-    bare = msgspec.structs.replace(ctx, completed_tools={}, completed_models={}, memo_seq=0)
+    bare = msgspec.structs.replace(ctx, completed_tools={}, completed_models={}, memo_position=0)
     return encode_context(bare)
 
 
@@ -113,7 +113,7 @@ def breakdown(conn: psycopg.Connection[Any], sid: uuid.UUID, runs: int) -> dict[
         gc.collect()
         t0 = time.perf_counter()
         row = conn.execute(
-            _SNAPSHOT, (sid, FORMAT_VERSION, reducer_version(), 2**63 - 1), binary=True
+            _SNAPSHOT, (sid, FORMAT_VERSION, reducer_version(), 2**63 - 1, 2**63 - 1), binary=True
         ).fetchone()
         t1 = time.perf_counter()
         assert row is not None
@@ -206,9 +206,7 @@ def main() -> None:
                     ref = fold(list(load_events(conn, sid, upto_seq=upto)), session_id=sid)  # type: ignore[arg-type]
                     slow.append((time.perf_counter() - t) * 1000)
                     assert without_memo(ctx) == without_memo(ref), f"rebuild at seq {upto}"
-                    old = [
-                        c for c, t in ref.completed_tools.items() if t.observed_seq <= ctx.memo_seq
-                    ]
+                    old = [c for c in ref.completed_tools if c not in ctx.completed_tools]
                     if old:  # answered from agent_memo, as the replay from zero answers it
                         call = rng.choice(old)
                         assert memoised_tool(conn, ctx, call) == ref.completed_tools[call]
@@ -216,8 +214,8 @@ def main() -> None:
                 results[label] = (fast, slow)
             phases = breakdown(conn, sid, args.runs)
             ctx = rebuild_context(conn, sid)
-            assert ctx.memo_seq > 0, "the rebuild did not start from a snapshot"
-            calls = [f"call-{rng.randint(1, ctx.memo_seq // 4 - 1)}" for _ in range(args.runs)]
+            assert ctx.memo_position > 0, "the rebuild did not start from a snapshot"
+            calls = [f"call-{rng.randint(1, ctx.memo_position // 4 - 1)}" for _ in range(args.runs)]
             lookups, whole = [], []
             for call in calls:
                 t = time.perf_counter()

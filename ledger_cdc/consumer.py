@@ -780,7 +780,7 @@ class Consumer:
                     apply(ctx, it)
                     done = completion(ctx, it)
                     if done is not None:
-                        batch.memo.append((it.session_id, done))
+                        batch.memo.append((it.session_id, it.position, done))
                     changed[it.session_id] = (ctx, txn.commit_lsn)
                     batch.events += 1
                     if publish:

@@ -203,6 +203,8 @@ EVENT_TYPES: dict[str, Any] = {
 _BUILTIN = frozenset(EVENT_TYPES)
 _decoders: dict[str, msgspec.json.Decoder[Any]] = {}
 _encoder = msgspec.json.Encoder()
+# A NUL character, as JSON writes it: an escape preceded by an even number of backslashes.
+_NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def register_event_type(name: str, payload: Any = FreeForm, *, replace: bool = False) -> None:
@@ -253,6 +255,11 @@ def encode_payload(event_type: str, payload: Any) -> bytes:
         raise InvalidEventError(f"{event_type} payload is not JSON-serialisable: {e}") from e
     if not data.startswith(b"{"):
         raise InvalidEventError(f"{event_type} payload must be a JSON object, got {data[:40]!r}")
+    if b"\\u0000" in data and _NUL.search(data):
+        raise InvalidEventError(
+            f"{event_type} payload contains a NUL character (\\u0000), which PostgreSQL's jsonb "
+            "cannot store: remove it or encode the value (base64, hex) first"
+        )
     return data
 
 

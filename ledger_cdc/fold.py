@@ -7,11 +7,11 @@ model calls likewise, handoffs, token usage, status and the position reached.
 
 A completed call never changes, so snapshots do not carry the memo: each completed call is one
 row of ``agent_memo``, written by the consumer in the batch that folds it (:func:`completion`
-names it), and a snapshot records ``memo_seq``, the seq up to which its memo lives there
-(:func:`encode_snapshot`). A context rebuilt from a snapshot therefore holds only the calls
-completed after it, and answers memo lookups through ``ledger_cdc.replay.memoised_tool`` /
-``memoised_model``; rewriting every completed call into every snapshot would make a rebuild and
-the snapshot table grow with the whole history.
+names it), and a snapshot records ``memo_position``, the session position up to which its memo
+lives there (:func:`encode_snapshot`). A context rebuilt from a snapshot therefore holds only
+the calls completed after it, and answers memo lookups through
+``ledger_cdc.replay.memoised_tool`` / ``memoised_model``; rewriting every completed call into
+every snapshot would make a rebuild and the snapshot table grow with the whole history.
 
 The reducers are pure functions of (context, event): no clock, no I/O, no globals consulted. For
 speed they update the context they are handed — :func:`fold` and :class:`Folder` only ever hand
@@ -82,7 +82,7 @@ __all__ = [
 
 FORMAT_VERSION = 2
 """Version of the snapshot format (snapshots of another version are not used). 2: the memo is
-not in the snapshot but in ``agent_memo`` up to ``memo_seq``; 1 held the whole memo."""
+not in the snapshot but in ``agent_memo`` up to ``memo_position``; 1 held the whole memo."""
 PROJECTION_FORMAT = 1
 """Version of the projection's context format (``agent_sessions.context``, the whole context)."""
 REDUCER_VERSION = "core-2"
@@ -191,9 +191,9 @@ class SessionContext(msgspec.Struct):
     completed_tools: dict[str, CompletedTool] = {}
     pending_models: dict[str, PendingModel] = {}
     completed_models: dict[str, CompletedModel] = {}
-    # calls completed at or below this seq are not in completed_tools / completed_models but in
-    # agent_memo (a context rebuilt from a snapshot); 0: this context holds its whole memo
-    memo_seq: int = 0
+    # calls completed at or below this position are not in completed_tools / completed_models
+    # but in agent_memo (a context rebuilt from a snapshot); 0: this context holds its whole memo
+    memo_position: int = 0
     handoffs_emitted: list[Handoff] = []
     handoffs_received: list[Handoff] = []
     usage: TokenUsage = msgspec.field(default_factory=TokenUsage)
@@ -218,7 +218,7 @@ class SessionContext(msgspec.Struct):
         completion), if there is one.
 
         Raises :class:`MemoNotLoadedError` when the answer may be in ``agent_memo`` instead
-        (``memo_seq > 0``): use ``ledger_cdc.replay.memoised_tool(conn, ctx, …)`` then."""
+        (``memo_position > 0``): use ``ledger_cdc.replay.memoised_tool(conn, ctx, …)`` then."""
         found: CompletedTool | None = None
         if call_id is not None:
             found = self.completed_tools.get(call_id)
@@ -230,7 +230,7 @@ class SessionContext(msgspec.Struct):
                     found = done
         else:
             return None
-        if found is None and self.memo_seq:
+        if found is None and self.memo_position:
             raise self._not_loaded("tool", call_id or idempotency_key)
         return found
 
@@ -256,7 +256,7 @@ class SessionContext(msgspec.Struct):
                     or (prompt_hash is not None and done.prompt_hash == prompt_hash)
                 ) and (found is None or done.responded_seq > found.responded_seq):
                     found = done
-        if found is None and self.memo_seq:
+        if found is None and self.memo_position:
             raise self._not_loaded("model", request_id or idempotency_key or prompt_hash)
         return found
 
@@ -264,9 +264,9 @@ class SessionContext(msgspec.Struct):
         fn = "memoised_tool" if kind == "tool" else "memoised_model"
         return MemoNotLoadedError(
             f"session {self.session_id}: {kind} call {what!r} is not among the calls completed "
-            f"after seq {self.memo_seq}, and this context does not hold the ones before (they "
-            f"are in agent_memo): look it up with ledger_cdc.replay.{fn}(conn, ctx, ...), or "
-            "rebuild with memo=True"
+            f"after position {self.memo_position}, and this context does not hold the ones "
+            f"before (they are in agent_memo): look it up with "
+            f"ledger_cdc.replay.{fn}(conn, ctx, ...), or rebuild with memo=True"
         )
 
 
@@ -557,9 +557,12 @@ def decode_context(data: bytes | str) -> SessionContext:
 
 def encode_snapshot(ctx: SessionContext) -> bytes:
     """What a snapshot stores: the context without its completed calls (in ``agent_memo``, one
-    row each, written no later than the snapshot), with ``memo_seq`` set to its last seq."""
+    row each, written no later than the snapshot), with ``memo_position`` set to its last
+    position."""
     return _encoder.encode(
-        msgspec.structs.replace(ctx, completed_tools={}, completed_models={}, memo_seq=ctx.last_seq)
+        msgspec.structs.replace(
+            ctx, completed_tools={}, completed_models={}, memo_position=ctx.last_position
+        )
     )
 
 

@@ -10,9 +10,10 @@ repeated call from the ledger (:func:`memoised_tool`, :func:`memoised_model`) in
 again; :func:`retry_tool` records the retry of an in-flight call under its original key.
 
 Snapshots do not copy the memo (see :mod:`ledger_cdc.fold`): the rebuilt context holds the calls
-completed after its snapshot, and ``memo_seq`` says up to where the others are in ``agent_memo``.
+completed after its snapshot, and ``memo_position`` says up to where the others are in
+``agent_memo``.
 :func:`memoised_tool` looks in the context first and then in that table, by index, bounded by
-``memo_seq`` (a context rebuilt at an earlier ``upto_seq`` never sees a later completion).
+``memo_position`` (a context rebuilt at an earlier ``upto_seq`` never sees a later completion).
 ``rebuild_context(..., memo=True)`` loads the whole memo instead, for a context equal to a fold
 from zero (what ``ledger-cdc replay`` prints).
 :func:`fork` copies a session's prefix into a new session (time travel); ``fold_all`` refolds
@@ -146,11 +147,15 @@ def fold_all(conn: psycopg.Connection[Any]) -> dict[uuid.UUID, SessionContext]:
 
 # -- rebuild_context ----------------------------------------------------------------------------
 
+# The latest usable snapshot by position (two appends racing on one session can take seq and
+# position in opposite orders; positions are the session's own order). With upto_seq, a snapshot
+# whose last event has seq <= upto_seq is taken; across such a race an event before it by
+# position may have a later seq (time travel to that exact point is approximate by that event).
 _SNAPSHOT = (
     b"SELECT upto_seq, upto_position, content_hash, "
     b"coalesce(data, convert_to(context::text, 'UTF8')), data IS NOT NULL FROM agent_snapshots "
     b"WHERE session_id = %s AND format_version = %s AND reducer_version = %s AND upto_seq <= %s "
-    b"ORDER BY upto_seq DESC LIMIT 1"
+    b"AND upto_position < %s ORDER BY upto_position DESC LIMIT 1"
 )
 _NO_LIMIT = 2**63 - 1
 
@@ -279,25 +284,27 @@ def rebuild_context(
 ) -> SessionContext:
     """The session's context from its latest usable snapshot plus the tail of the log.
 
-    The calls completed up to the snapshot stay in ``agent_memo`` (``ctx.memo_seq``): answer a
-    repeated call with :func:`memoised_tool` / :func:`memoised_model`. ``memo=True`` loads them
-    all into ``completed_tools`` / ``completed_models`` (``memo_seq`` 0), for a context equal to
-    a fold from zero. A session without any event gives an empty context (``last_position ==
-    0``), so a worker can start a new session the same way it resumes one.
+    The calls completed up to the snapshot stay in ``agent_memo`` (``ctx.memo_position``):
+    answer a repeated call with :func:`memoised_tool` / :func:`memoised_model`. ``memo=True``
+    loads them all into ``completed_tools`` / ``completed_models`` (``memo_position`` 0), for a
+    context equal to a fold from zero. A session without any event gives an empty context
+    (``last_position == 0``), so a worker can start a new session the same way it resumes one.
     """
     sid = _session(session_id)
     bound = _NO_LIMIT if upto_seq is None else upto_seq
     version = reducer_version()
     ctx: SessionContext | None = None
     after = after_seq = 0
+    below = _NO_LIMIT  # a snapshot found unusable: look below its position
     while ctx is None:
-        row = conn.execute(_SNAPSHOT, (sid, FORMAT_VERSION, version, bound), binary=True).fetchone()
+        key = (sid, FORMAT_VERSION, version, bound, below)
+        row = conn.execute(_SNAPSHOT, key, binary=True).fetchone()
         if row is None:
             break
         ctx = _snapshot_context(sid, row)
         if ctx is not None:
             after_seq, after = int(row[0]), int(row[1])
-        bound = int(row[0]) - 1
+        below = int(row[1])
     if ctx is None:
         _no_archived_history(sid, conn.execute(_ARCHIVED, (sid,)).fetchone())
     (query, params), exact = _tail_reads(sid, after_seq, after, upto_seq)
@@ -321,15 +328,17 @@ async def rebuild_context_async(
     version = reducer_version()
     ctx: SessionContext | None = None
     after = after_seq = 0
+    below = _NO_LIMIT
     while ctx is None:
-        cur0 = await conn.execute(_SNAPSHOT, (sid, FORMAT_VERSION, version, bound), binary=True)
+        key = (sid, FORMAT_VERSION, version, bound, below)
+        cur0 = await conn.execute(_SNAPSHOT, key, binary=True)
         row = await cur0.fetchone()
         if row is None:
             break
         ctx = _snapshot_context(sid, row)
         if ctx is not None:
             after_seq, after = int(row[0]), int(row[1])
-        bound = int(row[0]) - 1
+        below = int(row[1])
     if ctx is None:
         _no_archived_history(sid, await (await conn.execute(_ARCHIVED, (sid,))).fetchone())
     (query, params), exact = _tail_reads(sid, after_seq, after, upto_seq)
@@ -342,7 +351,9 @@ async def rebuild_context_async(
 
 # -- the memo: completed calls, in the context or in agent_memo ---------------------------------
 
-_MEMO_WHERE = b"SELECT entry::text FROM agent_memo WHERE session_id = %s AND completed_seq <= %s "
+_MEMO_WHERE = (
+    b"SELECT entry::text FROM agent_memo WHERE session_id = %s AND completed_position <= %s "
+)
 _MEMO_BY = {
     ("tool", "id"): b"AND kind = 'tool' AND call_id = %s",
     ("tool", "key"): b"AND kind = 'tool' AND idempotency_key = %s",
@@ -350,11 +361,11 @@ _MEMO_BY = {
     ("model", "key"): b"AND kind = 'model' AND idempotency_key = %s",
     ("model", "prompt"): b"AND kind = 'model' AND prompt_hash = %s",
 }
-_LATEST = b" ORDER BY completed_seq DESC LIMIT 1"
+_LATEST = b" ORDER BY completed_position DESC LIMIT 1"
 _MEMO_ALL = (
-    b"SELECT kind, entry::text FROM (SELECT DISTINCT ON (kind, call_id) kind, completed_seq, "
-    b"entry FROM agent_memo WHERE session_id = %s AND completed_seq <= %s "
-    b"ORDER BY kind, call_id, completed_seq DESC) AS m ORDER BY completed_seq"
+    b"SELECT kind, entry::text FROM (SELECT DISTINCT ON (kind, call_id) kind, "
+    b"completed_position, entry FROM agent_memo WHERE session_id = %s AND completed_position "
+    b"<= %s ORDER BY kind, call_id, completed_position DESC) AS m ORDER BY completed_position"
 )
 _tool_entry = msgspec.json.Decoder(CompletedTool)
 _model_entry = msgspec.json.Decoder(CompletedModel)
@@ -371,7 +382,7 @@ def _tool_lookup(
     except MemoNotLoadedError:
         by, value = ("id", call_id) if call_id is not None else ("key", idempotency_key)
         query = _MEMO_WHERE + _MEMO_BY["tool", by] + _LATEST
-        return None, (query, (ctx.session_id, ctx.memo_seq, value))
+        return None, (query, (ctx.session_id, ctx.memo_position, value))
 
 
 def _model_lookup(
@@ -394,14 +405,14 @@ def _model_lookup(
             either = b"AND kind = 'model' AND (idempotency_key = %s OR prompt_hash = %s)"
             return None, (
                 _MEMO_WHERE + either + _LATEST,
-                (ctx.session_id, ctx.memo_seq, idempotency_key, prompt_hash),
+                (ctx.session_id, ctx.memo_position, idempotency_key, prompt_hash),
             )
         elif idempotency_key is not None:
             by, value = "key", idempotency_key
         else:
             by, value = "prompt", prompt_hash
         query = _MEMO_WHERE + _MEMO_BY["model", by] + _LATEST
-        return None, (query, (ctx.session_id, ctx.memo_seq, value))
+        return None, (query, (ctx.session_id, ctx.memo_position, value))
 
 
 def memoised_tool(
@@ -481,24 +492,24 @@ def _merge_memo(ctx: SessionContext, rows: Iterable[Sequence[Any]]) -> SessionCo
                 models[model.request_id] = model
     tools.update(ctx.completed_tools)  # completed after the snapshot: the context's own
     models.update(ctx.completed_models)
-    ctx.completed_tools, ctx.completed_models, ctx.memo_seq = tools, models, 0
+    ctx.completed_tools, ctx.completed_models, ctx.memo_position = tools, models, 0
     return ctx
 
 
 def load_memo(conn: psycopg.Connection[Any], ctx: SessionContext) -> SessionContext:
-    """Load the calls ``ctx`` leaves in ``agent_memo`` into it (in place; ``memo_seq`` 0)."""
-    if not ctx.memo_seq:
+    """Load the calls ``ctx`` leaves in ``agent_memo`` into it (in place; ``memo_position`` 0)."""
+    if not ctx.memo_position:
         return ctx
-    return _merge_memo(ctx, conn.execute(_MEMO_ALL, (ctx.session_id, ctx.memo_seq)).fetchall())
+    return _merge_memo(ctx, conn.execute(_MEMO_ALL, (ctx.session_id, ctx.memo_position)).fetchall())
 
 
 async def load_memo_async(
     conn: psycopg.AsyncConnection[Any], ctx: SessionContext
 ) -> SessionContext:
     """The async twin of :func:`load_memo`."""
-    if not ctx.memo_seq:
+    if not ctx.memo_position:
         return ctx
-    cur = await conn.execute(_MEMO_ALL, (ctx.session_id, ctx.memo_seq))
+    cur = await conn.execute(_MEMO_ALL, (ctx.session_id, ctx.memo_position))
     return _merge_memo(ctx, await cur.fetchall())
 
 

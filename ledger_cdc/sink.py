@@ -63,7 +63,8 @@ class Batch:
     end_lsn: int
     sessions: dict[uuid.UUID, tuple[SessionContext, bytes, int]] = field(default_factory=dict)
     snapshots: list[SnapshotRow] = field(default_factory=list)
-    memo: list[tuple[uuid.UUID, CompletedTool | CompletedModel]] = field(default_factory=list)
+    # (session, position of the completing event, the call it completed): agent_memo rows
+    memo: list[tuple[uuid.UUID, int, CompletedTool | CompletedModel]] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
     heartbeat_at: float | None = None
     transactions: int = 0
@@ -89,17 +90,18 @@ CREATE TEMP TABLE IF NOT EXISTS stage_snapshots (
     session_id uuid, upto_seq bigint, upto_position bigint, format_version int,
     reducer_version text, content_hash bytea, data bytea) ON COMMIT DELETE ROWS;
 CREATE TEMP TABLE IF NOT EXISTS stage_memo (
-    session_id uuid, kind text, call_id text, completed_seq bigint, idempotency_key text,
-    prompt_hash text, entry text) ON COMMIT DELETE ROWS;
+    session_id uuid, kind text, call_id text, completed_seq bigint, completed_position bigint,
+    idempotency_key text, prompt_hash text, entry text) ON COMMIT DELETE ROWS;
 """
 _COPY_MEMO = (
-    "COPY stage_memo (session_id, kind, call_id, completed_seq, idempotency_key, prompt_hash, "
-    "entry) FROM STDIN"
+    "COPY stage_memo (session_id, kind, call_id, completed_seq, completed_position, "
+    "idempotency_key, prompt_hash, entry) FROM STDIN"
 )
 _MERGE_MEMO = """
-INSERT INTO agent_memo (session_id, kind, call_id, completed_seq, idempotency_key, prompt_hash,
-                        entry)
-SELECT session_id, kind, call_id, completed_seq, idempotency_key, prompt_hash, entry::jsonb
+INSERT INTO agent_memo (session_id, kind, call_id, completed_seq, completed_position,
+                        idempotency_key, prompt_hash, entry)
+SELECT session_id, kind, call_id, completed_seq, completed_position, idempotency_key,
+       prompt_hash, entry::jsonb
 FROM stage_memo
 ON CONFLICT DO NOTHING
 """
@@ -286,8 +288,8 @@ class PgSink:
                             )
                 if batch.memo:
                     with cur.copy(_COPY_MEMO) as copy:
-                        for sid, done in batch.memo:
-                            copy.write_row(_memo_row(sid, done))
+                        for sid, position, done in batch.memo:
+                            copy.write_row(_memo_row(sid, position, done))
                 # Only now, with every row staged, take locks on shared rows: a consumer frozen
                 # mid-COPY (its backend waiting for data, not idle) must not hold them, or it
                 # would block the standby that took its slot; frozen between the statements
@@ -329,25 +331,30 @@ class PgSink:
 _json = msgspec.json.Encoder()
 
 
-def _memo_row(sid: uuid.UUID, done: CompletedTool | CompletedModel) -> tuple[Any, ...]:
+def _memo_row(
+    sid: uuid.UUID, position: int, done: CompletedTool | CompletedModel
+) -> tuple[Any, ...]:
+    entry = _json.encode(done).decode()
     if isinstance(done, CompletedTool):
         return (
             sid,
             "tool",
             done.call_id,
             done.observed_seq,
+            position,
             done.idempotency_key,
             None,
-            _json.encode(done).decode(),
+            entry,
         )
     return (
         sid,
         "model",
         done.request_id,
         done.responded_seq,
+        position,
         done.idempotency_key,
         done.prompt_hash,
-        _json.encode(done).decode(),
+        entry,
     )
 
 

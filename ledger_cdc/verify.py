@@ -439,7 +439,7 @@ def _check_at(
                 )
             )
             continue
-        if snapshot is None:  # what a snapshot of the refold holds: no memo, memo_seq set
+        if snapshot is None:  # what a snapshot of the refold holds: no memo, memo_position set
             canonical = encode_snapshot(ctx)
             snapshot = decode_context(canonical)
         if hashed and canonical != raw and stored == snapshot:
@@ -465,10 +465,12 @@ def _check_memo(
     pos: int,
     limit: int,
 ) -> None:
-    """agent_memo (the latest row of each call at or below the refold's seq) against the calls
+    """agent_memo (the latest row of each call at or below the refold's position) against the calls
     the refold completed: a missing row would make a rebuilt worker call again."""
     sid = ctx.session_id
-    stored = load_memo(conn, msgspec.structs.replace(SessionContext(sid), memo_seq=ctx.last_seq))
+    stored = load_memo(
+        conn, msgspec.structs.replace(SessionContext(sid), memo_position=ctx.last_position)
+    )
     pairs: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         ("completed_tools", dict(ctx.completed_tools), dict(stored.completed_tools)),
         ("completed_models", dict(ctx.completed_models), dict(stored.completed_models)),

@@ -3,35 +3,43 @@
 -- of format 2 leave their completed calls here instead of copying the whole memo into every
 -- snapshot: a rebuild reads a snapshot that does not grow with the history, and a restarted
 -- worker looks up the call it is about to repeat by index.
--- A call observed twice has a row per completion; lookups take the latest at or below a seq.
+-- A call observed twice has a row per completion; lookups take the latest at or below a
+-- position (positions, not seqs: a snapshot's bound is exact by position).
 CREATE TABLE IF NOT EXISTS agent_memo (
     session_id      UUID   NOT NULL,
     kind            TEXT   NOT NULL CHECK (kind IN ('tool', 'model')),
     call_id         TEXT   NOT NULL,  -- tool: call_id; model: request_id
     completed_seq   BIGINT NOT NULL,  -- tool: observed_seq; model: responded_seq
+    completed_position BIGINT NOT NULL,  -- the completing event's position in its session
     idempotency_key TEXT,
     prompt_hash     TEXT,
     entry           JSONB  NOT NULL,  -- the CompletedTool / CompletedModel, as in the projection
-    PRIMARY KEY (session_id, kind, call_id, completed_seq)
+    PRIMARY KEY (session_id, kind, call_id, completed_position)
 );
 CREATE INDEX IF NOT EXISTS agent_memo_key ON agent_memo (session_id, kind, idempotency_key,
-    completed_seq) WHERE idempotency_key IS NOT NULL;
+    completed_position) WHERE idempotency_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS agent_memo_prompt ON agent_memo (session_id, prompt_hash,
-    completed_seq) WHERE prompt_hash IS NOT NULL;
+    completed_position) WHERE prompt_hash IS NOT NULL;
 
--- Calls folded before this migration: copied from the projections, which hold the whole memo.
-INSERT INTO agent_memo (session_id, kind, call_id, completed_seq, idempotency_key, prompt_hash,
-                        entry)
-SELECT s.session_id, 'tool', t.key, (t.value ->> 'observed_seq')::bigint,
-       t.value ->> 'idempotency_key', NULL, t.value
-FROM agent_sessions s, jsonb_each(s.context -> 'completed_tools') AS t
-WHERE s.format_version = 1
-ON CONFLICT DO NOTHING;
-INSERT INTO agent_memo (session_id, kind, call_id, completed_seq, idempotency_key, prompt_hash,
-                        entry)
-SELECT s.session_id, 'model', m.key, (m.value ->> 'responded_seq')::bigint,
-       m.value ->> 'idempotency_key', m.value ->> 'prompt_hash', m.value
-FROM agent_sessions s, jsonb_each(s.context -> 'completed_models') AS m
+-- rebuild_context takes the latest snapshot by position (seq and position may disagree across
+-- racing appends to one session; positions never do).
+CREATE INDEX IF NOT EXISTS agent_snapshots_position ON agent_snapshots (session_id, upto_position);
+
+-- Calls folded before this migration: copied from the projections, which hold the whole memo;
+-- the position is the completing event's (1 if that event was archived: before any snapshot).
+INSERT INTO agent_memo (session_id, kind, call_id, completed_seq, completed_position,
+                        idempotency_key, prompt_hash, entry)
+SELECT s.session_id, c.kind, c.call_id, c.seq,
+       coalesce((SELECT e.position FROM agent_events e
+                 WHERE e.session_id = s.session_id AND e.seq = c.seq), 1),
+       c.entry ->> 'idempotency_key', c.entry ->> 'prompt_hash', c.entry
+FROM agent_sessions s,
+     LATERAL (SELECT 'tool' AS kind, t.key AS call_id, (t.value ->> 'observed_seq')::bigint AS seq,
+                     t.value AS entry
+              FROM jsonb_each(s.context -> 'completed_tools') AS t
+              UNION ALL
+              SELECT 'model', m.key, (m.value ->> 'responded_seq')::bigint, m.value
+              FROM jsonb_each(s.context -> 'completed_models') AS m) AS c
 WHERE s.format_version = 1
 ON CONFLICT DO NOTHING;
 

@@ -125,7 +125,7 @@ def assert_projections_equal_refold(dsn: str) -> int:
             assert decode_context(data) == as_snapshot, f"snapshot {sid}@{upto_pos}"
         # agent_memo holds exactly the calls each session completed, once each
         for sid, ctx in expected.items():
-            blank = msgspec.structs.replace(SessionContext(sid), memo_seq=ctx.last_seq)
+            blank = msgspec.structs.replace(SessionContext(sid), memo_position=ctx.last_position)
             stored = load_memo(conn, blank)
             assert stored.completed_tools == ctx.completed_tools, f"memo of {sid}"
             assert stored.completed_models == ctx.completed_models, f"memo of {sid}"

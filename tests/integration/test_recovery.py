@@ -78,7 +78,7 @@ def _prefix_fold(conn: psycopg.Connection[Any], sid: uuid.UUID, upto_seq: int) -
 
 def _without_memo(ctx: SessionContext) -> bytes:
     return encode_context(
-        msgspec.structs.replace(ctx, completed_tools={}, completed_models={}, memo_seq=0)
+        msgspec.structs.replace(ctx, completed_tools={}, completed_models={}, memo_position=0)
     )
 
 
@@ -95,11 +95,12 @@ def _check_rebuild(
     ``upto_seq`` is not memoised as of it."""
     lazy = rebuild_context(conn, sid, upto_seq)
     assert _without_memo(lazy) == _without_memo(truth)
+    pos = dict(conn.execute("SELECT seq, position FROM agent_events WHERE session_id = %s", (sid,)))
     assert lazy.completed_tools == {
-        k: v for k, v in truth.completed_tools.items() if v.observed_seq > lazy.memo_seq
+        k: v for k, v in truth.completed_tools.items() if pos[v.observed_seq] > lazy.memo_position
     }
     assert lazy.completed_models == {
-        k: v for k, v in truth.completed_models.items() if v.responded_seq > lazy.memo_seq
+        k: v for k, v in truth.completed_models.items() if pos[v.responded_seq] > lazy.memo_position
     }
     for call_id, tool in truth.completed_tools.items():
         assert memoised_tool(conn, lazy, call_id) == tool
@@ -108,7 +109,7 @@ def _check_rebuild(
     for call_id in (later.completed_tools if later else {}).keys() - truth.completed_tools:
         assert memoised_tool(conn, lazy, call_id) is None
     full = rebuild_context(conn, sid, upto_seq, memo=True)
-    assert full == truth and full.memo_seq == 0
+    assert full == truth and full.memo_position == 0
     return lazy
 
 
@@ -237,7 +238,10 @@ def test_memo_before_the_snapshot_is_read_from_agent_memo(consumed: Database) ->
             (sid,),
         ).fetchone()
         ctx = rebuild_context(conn, sid)
-        assert ctx.memo_seq > c1_seq  # c1 and r1 completed before the snapshot it started from
+        (c1_pos,) = conn.execute(  # type: ignore[misc]
+            "SELECT position FROM agent_events WHERE seq = %s", (c1_seq,)
+        ).fetchone()
+        assert ctx.memo_position > c1_pos  # c1 and r1 completed before the snapshot it used
         assert set(ctx.completed_tools) == {"x3"} and ctx.completed_models == {}
         with pytest.raises(MemoNotLoadedError, match="memoised_tool"):
             ctx.memoised_tool("c1")
@@ -270,6 +274,37 @@ def test_memo_before_the_snapshot_is_read_from_agent_memo(consumed: Database) ->
                 )
 
         assert asyncio.run(lookups()) == (c1, r1)
+
+
+def test_memo_is_bounded_by_position_when_seq_and_position_disagree(
+    consumed: Database,
+) -> None:
+    """Two appends racing on a session can take seq and position in opposite orders (a seq is
+    drawn before the position). The memo bound is the snapshot's position, so a call completed
+    at position 8 with a seq above the snapshot's last seq is still found."""
+    sid = uuid.uuid4()
+    with consumed.connect() as conn:
+        (low,) = conn.execute("SELECT nextval('agent_events_seq_seq')").fetchone()  # type: ignore[misc]
+    with Ledger(consumed.dsn) as ledger:
+        for i in range(3):
+            ledger.append(sid, "w", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
+            ledger.append(sid, "w", "tool.observed", {"call_id": f"c{i}", "result": i})
+        ledger.append(sid, "w", "tool.invoked", {"call_id": "c3", "tool": "t"})
+        ledger.append(sid, "w", "tool.observed", {"call_id": "c3", "result": 3})  # position 8
+    with consumed.connect() as conn:
+        conn.execute(  # position 9, with a seq drawn before all the others
+            "INSERT INTO agent_events (seq, session_id, agent_id, event_type, payload) "
+            'VALUES (%s, %s, \'w\', \'tool.invoked\', \'{"call_id": "c4", "tool": "t"}\')',
+            (low, sid),
+        )
+    wait_caught_up(consumed.dsn)
+    with consumed.connect() as conn:
+        ctx = rebuild_context(conn, sid)
+        assert ctx.memo_position == 9 and ctx.last_seq == low and ctx.completed_tools == {}
+        c3 = memoised_tool(conn, ctx, "c3")
+        assert c3 is not None and c3.result == 3 and c3.observed_seq > ctx.last_seq
+        assert list(ctx.pending_tools) == ["c4"]
+        assert rebuild_context(conn, sid, memo=True) == _prefix_fold(conn, sid, 2**62)
 
 
 def test_retry_tool_records_the_same_key_and_refuses_a_stale_context(db: Database) -> None:

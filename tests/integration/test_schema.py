@@ -287,7 +287,7 @@ def test_memo_migration_copies_the_calls_folded_before_it(empty_db: Database) ->
             rebuild_context(conn, sid),
             completed_tools={},
             completed_models={},
-            memo_seq=ctx.last_seq,
+            memo_position=ctx.last_position,
         )  # as if rebuilt from a snapshot at the head
         assert memoised_tool(conn, lazy, "c1") == ctx.completed_tools["c1"]
         assert memoised_model(conn, lazy, prompt_hash="p1") == ctx.completed_models["r1"]

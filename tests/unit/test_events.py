@@ -67,3 +67,16 @@ def test_register_rules() -> None:
         register_event_type("unit.custom", Usage)
     register_event_type("unit.custom", Usage, replace=True)
     assert decode_payload("unit.custom", b'{"input_tokens": 3}') == Usage(3, 0)
+
+
+def test_a_nul_character_is_refused_with_a_clear_error() -> None:
+    """jsonb cannot store U+0000: the writer says so instead of passing the server's error on."""
+    with pytest.raises(InvalidEventError, match="NUL character"):
+        encode_payload("tool.observed", {"call_id": "c", "result": "a\x00b"})
+    with pytest.raises(InvalidEventError, match="NUL character"):
+        encode_payload("tool.observed", {"call_id": "c", "result": {"k\x00": 1}})
+    with pytest.raises(InvalidEventError, match="NUL character"):
+        encode_payload("tool.observed", {"call_id": "c", "result": "\\\x00"})
+    # a backslash followed by the text u0000 is not a NUL
+    data = encode_payload("tool.observed", {"call_id": "c", "result": "\\u0000 and \\\\u0000"})
+    assert decode_payload("tool.observed", data).result == "\\u0000 and \\\\u0000"
