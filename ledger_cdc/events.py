@@ -42,6 +42,7 @@ __all__ = [
     "encode_payload",
     "event_types",
     "payload_type",
+    "refuse_nul",
     "register_event_type",
 ]
 
@@ -255,10 +256,15 @@ def encode_payload(event_type: str, payload: Any) -> bytes:
         raise InvalidEventError(f"{event_type} payload is not JSON-serialisable: {e}") from e
     if not data.startswith(b"{"):
         raise InvalidEventError(f"{event_type} payload must be a JSON object, got {data[:40]!r}")
+    return refuse_nul(data, f"{event_type} payload")
+
+
+def refuse_nul(data: bytes, what: str) -> bytes:
+    """``data`` (JSON) unchanged, or InvalidEventError if it holds a NUL character."""
     if b"\\u0000" in data and _NUL.search(data):
         raise InvalidEventError(
-            f"{event_type} payload contains a NUL character (\\u0000), which PostgreSQL's jsonb "
-            "cannot store: remove it or encode the value (base64, hex) first"
+            f"{what} contains a NUL character (\\u0000), which PostgreSQL's jsonb cannot store: "
+            "remove it or encode the value (base64, hex) first"
         )
     return data
 

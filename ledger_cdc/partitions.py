@@ -232,8 +232,17 @@ SELECT EXISTS (SELECT FROM agent_snapshots WHERE session_id = %s AND upto_positi
 _SNAPSHOT = """
 INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version, reducer_version,
                              content_hash, data)
-VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (session_id, upto_seq) DO NOTHING
+VALUES (%s, %s, %s, %s, %s, %s, %s)
+ON CONFLICT (session_id, upto_seq) DO UPDATE SET
+    upto_position = EXCLUDED.upto_position, format_version = EXCLUDED.format_version,
+    reducer_version = EXCLUDED.reducer_version, content_hash = EXCLUDED.content_hash,
+    data = EXCLUDED.data, context = NULL
+-- a row at the same point that rebuild_context cannot use (another format or reducer version,
+-- e.g. from before an upgrade) is replaced; a usable one is kept as it is
+WHERE agent_snapshots.format_version IS DISTINCT FROM EXCLUDED.format_version
+   OR agent_snapshots.reducer_version IS DISTINCT FROM EXCLUDED.reducer_version
 """
+_FOLDED_SEQ = "SELECT last_seq FROM agent_sessions WHERE session_id = %s"
 _EXPORT = (
     "COPY (SELECT seq, session_id, position, agent_id, event_type, payload, idempotency_key, "
     "created_at, encode(prev_hash, 'hex'), encode(hash, 'hex') FROM {part} "
@@ -291,7 +300,11 @@ def _archive_one(conn: psycopg.Connection[Any], p: Partition, to_dir: Path) -> A
         row = conn.execute(_HAS_SNAPSHOT, (sid, last, FORMAT_VERSION, version)).fetchone()
         if row and row[0]:
             continue
-        ctx = rebuild_context(conn, sid)  # the whole log is still here; the memo is folded
+        # at the consumer's point, not the head: the snapshot leaves its memo to agent_memo,
+        # which holds what the consumer has folded
+        seq_row = conn.execute(_FOLDED_SEQ, (sid,)).fetchone()
+        assert seq_row is not None  # the consumer is past the partition (checked above)
+        ctx = rebuild_context(conn, sid, int(seq_row[0]))  # the whole log is still here
         data = encode_snapshot(ctx)
         conn.execute(
             _SNAPSHOT,
@@ -305,6 +318,12 @@ def _archive_one(conn: psycopg.Connection[Any], p: Partition, to_dir: Path) -> A
                 data,
             ),
         )
+        row = conn.execute(_HAS_SNAPSHOT, (sid, last, FORMAT_VERSION, version)).fetchone()
+        if not (row and row[0]):
+            raise ArchiveRefusedError(
+                f"partition {p.name}: session {sid} has no usable snapshot at or after position "
+                f"{last} even after taking one at {ctx.last_position}; archive refused"
+            )
         taken += 1
     file_hash, content_hash, rows = _export(conn, part, data_file)
     manifest = {

@@ -228,8 +228,9 @@ def _tail_query(
     and ``seq <= upto`` alone from its start (what the planner picks once the statistics lag a
     growing session: 2-4 ms at 10k events instead of 0.2). Within a session seq grows with
     position (an append needs the previous position committed, and draws its seq after), so the
-    range is the tail; an append that raced that order shows as a gap, and the rebuild re-reads
-    by position. ``position + 0``: the seq range is always the index used."""
+    range is the tail; an append that raced that order shows as a gap or as a next event within
+    the bound (_NEXT), and the rebuild re-reads by position. ``position + 0``: the seq range
+    is always the index used."""
     query = (
         f"SELECT {_COLUMNS} FROM agent_events WHERE session_id = %s AND seq > %s "  # noqa: S608 - fixed text
         "AND seq <= %s AND position + 0 > %s ORDER BY position"
@@ -239,6 +240,20 @@ def _tail_query(
 
 def _contiguous(rows: Sequence[Sequence[Any]], after_position: int) -> bool:
     return all(int(row[2]) == after_position + i for i, row in enumerate(rows, 1))
+
+
+# The event right after the last one the seq range gave: if its seq is within the bound too, an
+# append raced the order at the end of the range, and the rebuild re-reads by position.
+_NEXT = (
+    b"SELECT seq <= %s FROM agent_events WHERE session_id = %s AND position > %s "
+    b"ORDER BY position LIMIT 1"
+)
+
+
+def _next_params(
+    sid: uuid.UUID, rows: Sequence[Sequence[Any]], after: int, upto_seq: int | None
+) -> tuple[Any, ...]:
+    return (upto_seq, sid, int(rows[-1][2]) if rows else after)
 
 
 _Query = tuple[bytes, list[Any]]
@@ -309,8 +324,10 @@ def rebuild_context(
         _no_archived_history(sid, conn.execute(_ARCHIVED, (sid,)).fetchone())
     (query, params), exact = _tail_reads(sid, after_seq, after, upto_seq)
     rows = conn.execute(query, params).fetchall()
-    if exact is not None and not _contiguous(rows, after):
-        rows = conn.execute(*exact).fetchall()
+    if exact is not None:
+        nxt = conn.execute(_NEXT, _next_params(sid, rows, after, upto_seq)).fetchone()
+        if not _contiguous(rows, after) or (nxt is not None and nxt[0]):
+            rows = conn.execute(*exact).fetchall()
     ctx = _fold_tail(sid, ctx, rows)
     return load_memo(conn, ctx) if memo else ctx
 
@@ -343,8 +360,11 @@ async def rebuild_context_async(
         _no_archived_history(sid, await (await conn.execute(_ARCHIVED, (sid,))).fetchone())
     (query, params), exact = _tail_reads(sid, after_seq, after, upto_seq)
     rows = await (await conn.execute(query, params)).fetchall()
-    if exact is not None and not _contiguous(rows, after):
-        rows = await (await conn.execute(*exact)).fetchall()
+    if exact is not None:
+        cur1 = await conn.execute(_NEXT, _next_params(sid, rows, after, upto_seq))
+        nxt = await cur1.fetchone()
+        if not _contiguous(rows, after) or (nxt is not None and nxt[0]):
+            rows = await (await conn.execute(*exact)).fetchall()
     ctx = _fold_tail(sid, ctx, rows)
     return await load_memo_async(conn, ctx) if memo else ctx
 

@@ -132,7 +132,14 @@ INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version
                              reducer_version, content_hash, data)
 SELECT session_id, upto_seq, upto_position, format_version, reducer_version, content_hash,
        data FROM stage_snapshots
-ON CONFLICT (session_id, upto_seq) DO NOTHING
+ON CONFLICT (session_id, upto_seq) DO UPDATE SET
+    upto_position = EXCLUDED.upto_position, format_version = EXCLUDED.format_version,
+    reducer_version = EXCLUDED.reducer_version, content_hash = EXCLUDED.content_hash,
+    data = EXCLUDED.data, context = NULL
+-- a row at the same point that rebuild_context cannot use (another format or reducer version,
+-- e.g. from before an upgrade) is replaced; a usable one is kept as it is
+WHERE agent_snapshots.format_version IS DISTINCT FROM EXCLUDED.format_version
+   OR agent_snapshots.reducer_version IS DISTINCT FROM EXCLUDED.reducer_version
 """
 # One statement each, never a pipeline (executemany): a consumer frozen mid-pipeline leaves a
 # backend that is neither idle (no Sync yet) nor timed out, holding the batch's row locks.

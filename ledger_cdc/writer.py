@@ -28,7 +28,7 @@ from .errors import (
     IdempotencyConflictError,
     InvalidEventError,
 )
-from .events import encode_payload
+from .events import encode_payload, refuse_nul
 
 __all__ = [
     "AppendResult",
@@ -152,6 +152,7 @@ def _prepare(
             raise InvalidEventError(
                 f"outbox payload for {item.target} is not JSON-serialisable: {e}"
             ) from e
+        refuse_nul(body.encode(), f"outbox payload for {item.target}")
         items.append((item.target, body, item.idempotency_key))
     return _Request(
         sid, agent_id, event_type, data, expected_position, idempotency_key, tuple(items)

@@ -204,3 +204,44 @@ def test_archive_under_load_loses_nothing(empty_db: Database, tmp_path: Path) ->
     finally:
         if consumer.alive():
             consumer.kill()
+
+
+def test_archive_replaces_a_snapshot_of_the_old_format_and_stops_at_the_consumer(
+    empty_db: Database, tmp_path: Path
+) -> None:
+    """A session whose snapshot at its last event predates the memo table (format 1): archive
+    takes a current one at the same seq instead of silently keeping the unusable row; and the
+    snapshot it takes is at the consumer's position, not past it (its memo must be in
+    agent_memo already)."""
+    dsn = empty_db.dsn
+    init(dsn, partition_by="month", slot="agent_slot")
+    sid, ahead = uuid.uuid4(), uuid.uuid4()
+    with empty_db.connect() as conn:
+        now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+        ensure(conn, 0, at=now - OLD)
+        for s in (sid, ahead):
+            for i in range(1, 4):
+                _old_event(conn, s, i, now - OLD + dt.timedelta(minutes=i))
+    consumer = ConsumerProcess(dsn, "--snapshot-every", "3").start()
+    try:
+        wait_caught_up(dsn)
+    finally:
+        consumer.kill()
+    with empty_db.connect() as conn:
+        # as written before the upgrade: format 1
+        conn.execute("UPDATE agent_snapshots SET format_version = 1 WHERE session_id = %s", (sid,))
+        # the other session goes on past the consumer (down): the archive snapshots at position 3
+        with Ledger(dsn) as ledger:
+            ledger.append(ahead, "a", "tool.observed", {"call_id": "old-1", "result": "late"})
+        conn.execute("DELETE FROM agent_snapshots WHERE session_id = %s", (ahead,))
+        (done,) = archive(conn, dt.timedelta(days=90), tmp_path / "archive")
+        assert done.snapshots_taken == 2
+        rows = conn.execute(
+            "SELECT session_id, format_version, upto_position FROM agent_snapshots "
+            "ORDER BY session_id",
+        ).fetchall()
+        assert sorted(rows) == sorted([(sid, 2, 3), (ahead, 2, 3)])
+        ctx = rebuild_context(conn, sid)  # from the replaced snapshot: the history is gone
+        assert ctx.last_position == 3 and ctx.memo_position == 3
+        late = rebuild_context(conn, ahead)  # snapshot at 3, then the tail from the log
+        assert late.memo_position == 3 and late.completed_tools["old-1"].result == "late"

@@ -305,6 +305,24 @@ def test_memo_is_bounded_by_position_when_seq_and_position_disagree(
         assert c3 is not None and c3.result == 3 and c3.observed_seq > ctx.last_seq
         assert list(ctx.pending_tools) == ["c4"]
         assert rebuild_context(conn, sid, memo=True) == _prefix_fold(conn, sid, 2**62)
+        # time travel from a snapshot below position 9, to position 8's seq: position 9 is
+        # within the bound but outside the seq range after the snapshot; the rebuild re-reads
+        seq6, seq8 = (
+            int(r[0])
+            for r in conn.execute(
+                "SELECT seq FROM agent_events WHERE session_id = %s AND position IN (6, 8) "
+                "ORDER BY position",
+                (sid,),
+            )
+        )
+        conn.execute(
+            "DELETE FROM agent_snapshots WHERE session_id = %s AND upto_position > 6", (sid,)
+        )
+        back = rebuild_context(conn, sid, upto_seq=seq8, memo=True)
+        assert back == _prefix_fold(conn, sid, seq8) and "c4" in back.pending_tools
+        # to position 6's seq: the log as of it, in position order, ends at 6
+        six = rebuild_context(conn, sid, upto_seq=seq6)
+        assert six.last_position == 6 and six.pending_tools == {}
 
 
 def test_retry_tool_records_the_same_key_and_refuses_a_stale_context(db: Database) -> None:
