@@ -41,6 +41,7 @@ from psycopg import sql
 from .errors import ConfigError, LedgerError
 from .fold import FORMAT_VERSION, encode_snapshot, reducer_version
 from .replay import rebuild_context
+from .sink import SNAPSHOT_CONFLICT
 
 __all__ = [
     "UNITS",
@@ -233,15 +234,8 @@ _SNAPSHOT = """
 INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version, reducer_version,
                              content_hash, data)
 VALUES (%s, %s, %s, %s, %s, %s, %s)
-ON CONFLICT (session_id, upto_seq) DO UPDATE SET
-    upto_position = EXCLUDED.upto_position, format_version = EXCLUDED.format_version,
-    reducer_version = EXCLUDED.reducer_version, content_hash = EXCLUDED.content_hash,
-    data = EXCLUDED.data, context = NULL
--- a row at the same point that rebuild_context cannot use (another format or reducer version,
--- e.g. from before an upgrade) is replaced; a usable one is kept as it is
-WHERE agent_snapshots.format_version IS DISTINCT FROM EXCLUDED.format_version
-   OR agent_snapshots.reducer_version IS DISTINCT FROM EXCLUDED.reducer_version
 """
+_SNAPSHOT += SNAPSHOT_CONFLICT
 _FOLDED_SEQ = "SELECT last_seq FROM agent_sessions WHERE session_id = %s"
 _EXPORT = (
     "COPY (SELECT seq, session_id, position, agent_id, event_type, payload, idempotency_key, "

@@ -132,6 +132,8 @@ INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version
                              reducer_version, content_hash, data)
 SELECT session_id, upto_seq, upto_position, format_version, reducer_version, content_hash,
        data FROM stage_snapshots
+"""
+SNAPSHOT_CONFLICT = """
 ON CONFLICT (session_id, upto_seq) DO UPDATE SET
     upto_position = EXCLUDED.upto_position, format_version = EXCLUDED.format_version,
     reducer_version = EXCLUDED.reducer_version, content_hash = EXCLUDED.content_hash,
@@ -141,6 +143,7 @@ ON CONFLICT (session_id, upto_seq) DO UPDATE SET
 WHERE agent_snapshots.format_version IS DISTINCT FROM EXCLUDED.format_version
    OR agent_snapshots.reducer_version IS DISTINCT FROM EXCLUDED.reducer_version
 """
+_MERGE_SNAPSHOTS += SNAPSHOT_CONFLICT
 # One statement each, never a pipeline (executemany): a consumer frozen mid-pipeline leaves a
 # backend that is neither idle (no Sync yet) nor timed out, holding the batch's row locks.
 _INSERT_DEAD = """
