@@ -46,12 +46,10 @@ def _connect(dsn: str) -> psycopg.Connection[Any]:
 def _events(
     conn: psycopg.Connection[Any], sid: uuid.UUID, upto_seq: int | None = None
 ) -> list[Any]:
-    from .errors import InvalidEventError
+    """The session's rows (quarantined ones as Rejected, shown where they lie)."""
     from .replay import load_events
 
-    evs = [
-        e for e in load_events(conn, sid, upto_seq=upto_seq) if not isinstance(e, InvalidEventError)
-    ]
+    evs = list(load_events(conn, sid, upto_seq=upto_seq))
     if not evs:
         raise LedgerError(
             f"session {sid} has no events"
@@ -303,7 +301,7 @@ def inspect(state: State, dsn: str, session: uuid.UUID, last: int | None, as_jso
                     {
                         "seq": r.seq,
                         "position": r.position,
-                        "created_at": r.created_at.isoformat(),
+                        "created_at": None if r.created_at is None else r.created_at.isoformat(),
                         "agent_id": r.agent_id,
                         "event_type": r.event_type,
                         "summary": r.summary,
@@ -329,7 +327,7 @@ def inspect(state: State, dsn: str, session: uuid.UUID, last: int | None, as_jso
         t.add_row(
             str(r.seq),
             str(r.position),
-            r.created_at.strftime("%H:%M:%S.%f")[:-3],
+            "—" if r.created_at is None else r.created_at.strftime("%H:%M:%S.%f")[:-3],
             r.agent_id,
             r.event_type,
             summary,
@@ -858,6 +856,7 @@ def tail(
     loop). Replaces LISTEN/NOTIFY tails and `seq > last` pollers. Ctrl-C stops."""
     import asyncio
 
+    from .events import Rejected
     from .tail import follow_jetstream, follow_postgres
     from .timeline import summarise
 
@@ -865,7 +864,7 @@ def tail(
         if nats_url:
             from .jetstream import JetStreamSettings
 
-            events = follow_jetstream(
+            events: Any = follow_jetstream(
                 JetStreamSettings.from_url(nats_url).servers, session, after=after
             )
         else:
@@ -873,22 +872,11 @@ def tail(
         n = 0
         async for ev in events:
             if as_json:
-                click.echo(
-                    jsonlib.dumps(
-                        {
-                            "seq": ev.seq,
-                            "position": ev.position,
-                            "agent_id": ev.agent_id,
-                            "event_type": ev.event_type,
-                            "payload": msgspec.to_builtins(ev.payload),
-                            "created_at": ev.created_at.isoformat(),
-                        }
-                    ),
-                    nl=True,
-                )
+                click.echo(jsonlib.dumps(_tail_json(ev)), nl=True)
             else:
+                when = "—" if isinstance(ev, Rejected) else f"{ev.created_at:%H:%M:%S.%f}"[:-3]
                 state.console.print(
-                    f"{ev.position:>6} {ev.created_at:%H:%M:%S.%f}"[:-3] + f"  {ev.agent_id}  "
+                    f"{ev.position:>6} {when}  {ev.agent_id}  "
                     f"[bold]{ev.event_type}[/]  {summarise(ev)}",
                     highlight=False,
                     soft_wrap=True,
@@ -900,3 +888,24 @@ def tail(
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
+
+
+def _tail_json(ev: Any) -> dict[str, Any]:
+    from .events import Rejected
+
+    if type(ev) is Rejected:
+        return {
+            "seq": ev.seq,
+            "position": ev.position,
+            "agent_id": ev.agent_id,
+            "event_type": ev.event_type,
+            "quarantined": ev.reason,
+        }
+    return {
+        "seq": ev.seq,
+        "position": ev.position,
+        "agent_id": ev.agent_id,
+        "event_type": ev.event_type,
+        "payload": msgspec.to_builtins(ev.payload),
+        "created_at": ev.created_at.isoformat(),
+    }

@@ -20,6 +20,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -34,19 +35,20 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .errors import DecodeError, InvalidEventError, LedgerError, format_lsn
-from .events import LedgerEvent
+from .errors import DecodeError, LedgerError, format_lsn
+from .events import LedgerEvent, Rejected
 from .fold import (
     RUN_PENDING,
     SessionContext,
-    apply,
     completion,
     encode_context,
     encode_snapshot,
+    fold_one,
     reducer_version,
 )
 from .health import LOST, RateWatch, Thresholds, check_slots
 from .pgoutput import Decoder, Delete, Insert, LogicalMessage, Relation, Truncate, Update
+from .pgoutput.messages import MessageType
 from .replay import load_events
 from .schema import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, drop_slot
 from .sink import BOOTSTRAPPING, Batch, DeadLetter, FencedError, PgSink, SnapshotRow
@@ -65,6 +67,27 @@ __all__ = ["Consumer", "ConsumerConfig", "Metrics"]
 log = logging.getLogger("ledger_cdc.consumer")
 
 HEARTBEAT_PREFIX = "ledger-cdc.heartbeat"
+_KNOWN_KINDS = frozenset(bytes(m.value) for m in MessageType)
+
+
+def _heartbeat_body(content: bytes) -> tuple[str, float] | None:
+    """(nonce, sent-at) of a heartbeat's JSON body, or None for anything else (total)."""
+    if len(content) > 512:
+        return None
+    try:
+        body = json.loads(content)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    nonce, ts = body.get("nonce"), body.get("ts")
+    if not isinstance(nonce, str) or isinstance(ts, bool) or not isinstance(ts, (int, float)):
+        return None
+    if not math.isfinite(ts) or not 0 < ts < 1e11:
+        return None
+    return nonce, float(ts)
+
+
 _EXPIRED_LEASES = """
 WITH t AS (SELECT now() AS now)
 SELECT t.now, (SELECT count(pg_notify(%(ch)s, s.session_id::text)) FROM agent_sessions s
@@ -198,32 +221,20 @@ class _Anomaly:
     row: dict[str, Any] | None
 
 
-class _Bad:
-    """A ledger insert that could not become an event (invalid payload)."""
+class _Held:
+    """A ledger row no reader can fold (see :class:`~ledger_cdc.events.Rejected`), with the LSN
+    of its insert: quarantined by the fold, recorded as a dead letter."""
 
-    __slots__ = ("lsn", "reason", "row", "seq", "session_id")
+    __slots__ = ("lsn", "rejected")
 
-    def __init__(
-        self,
-        lsn: int,
-        seq: int | None,
-        session_id: uuid.UUID | None,
-        reason: str,
-        row: dict[str, Any] | None,
-    ) -> None:
-        self.lsn, self.seq, self.session_id, self.reason, self.row = (
-            lsn,
-            seq,
-            session_id,
-            reason,
-            row,
-        )
+    def __init__(self, lsn: int, rejected: Rejected) -> None:
+        self.lsn, self.rejected = lsn, rejected
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_Bad, (self.lsn, self.seq, self.session_id, self.reason, self.row))
+        return (_Held, (self.lsn, self.rejected))
 
 
-Item = LedgerEvent | _Bad | _Anomaly
+Item = LedgerEvent | _Held | _Anomaly
 
 
 class _SinkWorker:
@@ -320,12 +331,38 @@ def _describe_row(
     except LedgerError:
         return None, None, None
     seq, sid = loaded.get("seq"), loaded.get("session_id")
-    row = {k: v if isinstance(v, (int, str, type(None))) else str(v) for k, v in loaded.items()}
+    row = {k: _bounded(v) for k, v in loaded.items()}
     return (
         seq if isinstance(seq, int) else None,
         sid if isinstance(sid, uuid.UUID) else None,
         row,
     )
+
+
+_DEAD_TEXT = 4096
+
+
+def _bounded(value: Any) -> Any:
+    """A value as a dead letter keeps it: JSON-safe, and strings cut at 4 kB (the row itself
+    stays in the ledger; the dead letter only has to name it)."""
+    if isinstance(value, bool) or value is None or isinstance(value, int):
+        return value
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > _DEAD_TEXT:
+        return f"{text[:_DEAD_TEXT]}… ({len(text):,} characters)"
+    return text
+
+
+def _rejected_row(r: Rejected) -> dict[str, Any]:
+    return {
+        "seq": r.seq,
+        "session_id": str(r.session_id),
+        "position": r.position,
+        "agent_id": _bounded(r.agent_id),
+        "event_type": _bounded(r.event_type),
+        "idempotency_key": _bounded(r.idempotency_key),
+        "created_at": r.created_at,
+    }
 
 
 def count_unfolded(conn: psycopg.Connection[Any], positions: dict[uuid.UUID, int]) -> int:
@@ -375,6 +412,8 @@ class Consumer:
         self._standing_by = False
         self._worker = _SinkWorker(self.sink)
         self._lost = threading.Event()
+        self._nonce = os.urandom(12).hex()  # marks this process's heartbeats (see _on_heartbeat)
+        self._unknown_seen: set[bytes] = set()
         self._reset_stream_state(0)
 
     # -- control --------------------------------------------------------------------------------
@@ -546,11 +585,9 @@ class Consumer:
                 cfg.progress(0, total)
             txn: Transaction[Item] = Transaction(0, consistent, consistent, 0, [])
             for ev in load_events(src):
-                if isinstance(ev, InvalidEventError):
-                    continue  # the consumer has no row for it either; verify reports it
                 if ev.position <= positions.get(ev.session_id, 0):
                     continue
-                txn.items.append(ev)
+                txn.items.append(ev if type(ev) is LedgerEvent else _Held(consistent, ev))  # type: ignore[arg-type]
                 folded += 1
                 if cfg.progress and folded % 5000 == 0:
                     cfg.progress(folded, total)
@@ -638,17 +675,21 @@ class Consumer:
     # -- per message ----------------------------------------------------------------------------
 
     def _on_message(self, payload: bytes, lsn: int) -> None:
-        msg = self._decode(payload, lsn)
+        try:
+            msg = self._decode(payload, lsn)
+        except DecodeError as e:
+            if payload[:1] in _KNOWN_KINDS:
+                raise  # the framing of a message we know is broken: nothing after it is sure
+            self._unknown_kind(payload, lsn, e)
+            return
         kind = type(msg)
         item: Item | None = None
         if kind is Insert:
             rows = self._rows.get(msg.relation_id)  # type: ignore[union-attr]
             if rows is None:
                 return
-            try:
-                item = rows.event(msg.new, lsn)  # type: ignore[union-attr]
-            except (InvalidEventError, DecodeError) as e:
-                item = self._bad(rows, msg.new, lsn, str(e))  # type: ignore[union-attr]
+            ev = rows.event(msg.new, lsn)  # type: ignore[union-attr]
+            item = ev if type(ev) is LedgerEvent else _Held(lsn, ev)  # type: ignore[arg-type]
         elif kind is Relation:
             assert isinstance(msg, Relation)
             if msg.name == self.config.table:
@@ -678,9 +719,15 @@ class Consumer:
             if self._pending_since is None:
                 self._pending_since = time.monotonic()
 
-    def _bad(self, rows: LedgerRowDecoder, values: tuple[Any, ...], lsn: int, reason: str) -> _Bad:
-        seq, sid, row = _describe_row(rows, values, lsn)
-        return _Bad(lsn, seq, sid, reason, row or {})
+    def _unknown_kind(self, payload: bytes, lsn: int, e: DecodeError) -> None:
+        """A message kind this decoder does not know (a newer server or protocol): not ours to
+        fold, and no reason to stop. Logged once per kind, counted, skipped."""
+        kind = payload[:1]
+        x = self.metrics.extra
+        x["unknown_messages_total"] = x.get("unknown_messages_total", 0.0) + 1
+        if kind not in self._unknown_seen:
+            self._unknown_seen.add(kind)
+            log.warning("skipping a message of a kind this version does not know: %s", e)
 
     def _anomaly(self, kind: str, msg: Update | Delete, lsn: int) -> _Anomaly:
         rows = self._rows.get(msg.relation_id)
@@ -690,13 +737,16 @@ class Consumer:
         return _Anomaly(kind, lsn, *_describe_row(rows, values, lsn))
 
     def _on_heartbeat(self, msg: LogicalMessage, lsn: int) -> None:
-        try:
-            body = json.loads(msg.content)
-        except ValueError:
+        """Our own heartbeat, back through the slot: the end-to-end lag, and an idle position to
+        confirm. Any role can emit a message with this prefix (pg_logical_emit_message is
+        PUBLIC), so only a well-formed one carrying this process's nonce is believed; anything
+        else is counted and ignored."""
+        body = _heartbeat_body(msg.content)
+        if body is None or body[0] != self._nonce:
+            x = self.metrics.extra
+            x["foreign_heartbeats_total"] = x.get("foreign_heartbeats_total", 0.0) + 1
             return
-        if body.get("slot") != self.config.slot:
-            return
-        sent = float(body.get("ts", 0))
+        sent = body[1]
         self.metrics.heartbeat_lag = max(0.0, time.time() - sent)
         if not self.assembler.in_flight:
             self._idle_lsn = lsn
@@ -754,44 +804,56 @@ class Consumer:
         batch = Batch(end_lsn=end_lsn)
         every = self.config.snapshot_every
         version = reducer_version()
-        needed = {it.session_id for t in txns for it in t.items if isinstance(it, LedgerEvent)}
+        needed = {
+            it.session_id if type(it) is LedgerEvent else it.rejected.session_id  # type: ignore[union-attr]
+            for t in txns
+            for it in t.items
+            if type(it) is not _Anomaly
+        }
         missing = [s for s in needed if s not in self._cache]
         if missing:
             for sid, loaded in self.sink.load_contexts(missing).items():
                 self._cache[sid] = loaded
         changed: dict[uuid.UUID, tuple[SessionContext, int]] = {}
+        heads: dict[uuid.UUID, bytes | None] = {}  # hash of each session's last event, as streamed
         publish = bool(self.sink.publishers)
         runs_before: dict[uuid.UUID, tuple[str, int] | None] = {}
         for txn in txns:
             before: dict[uuid.UUID, tuple[int, str]] = {}
             for it in txn.items:
-                if isinstance(it, LedgerEvent):
-                    found = self._cache.get(it.session_id)
+                kind = type(it)
+                if kind is LedgerEvent or kind is _Held:
+                    ev: LedgerEvent | Rejected = it if kind is LedgerEvent else it.rejected  # type: ignore[union-attr,assignment]
+                    sid = ev.session_id
+                    found = self._cache.get(sid)
                     if found is None:
-                        found = self._cache[it.session_id] = SessionContext(it.session_id)
+                        found = self._cache[sid] = SessionContext(sid)
                     ctx = found
-                    if it.position <= ctx.last_position:
+                    if ev.position <= ctx.last_position:
                         continue  # already folded (a projection ahead of a lost checkpoint)
-                    if it.session_id not in before:
-                        before[it.session_id] = (ctx.event_count, ctx.status)
-                    if it.session_id not in runs_before:
+                    if sid not in before:
+                        before[sid] = (ctx.event_count, ctx.status)
+                    if sid not in runs_before:
                         r = ctx.run
-                        runs_before[it.session_id] = None if r is None else (r.status, r.leases)
-                    apply(ctx, it)
-                    done = completion(ctx, it)
+                        runs_before[sid] = None if r is None else (r.status, r.leases)
+                    reason = fold_one(ctx, ev)
+                    changed[sid] = (ctx, txn.commit_lsn)
+                    heads[sid] = ev.hash
+                    if reason is not None:
+                        lsn = it.lsn if kind is _Held else txn.commit_lsn  # type: ignore[union-attr]
+                        row = _rejected_row(ev) if kind is _Held else {"seq": ev.seq}  # type: ignore[arg-type]
+                        batch.dead_letters.append(
+                            DeadLetter(ev.seq, sid, lsn, "quarantined", reason, row)
+                        )
+                        continue
+                    done = completion(ctx, ev)  # type: ignore[arg-type]
                     if done is not None:
-                        batch.memo.append((it.session_id, it.position, done))
-                    changed[it.session_id] = (ctx, txn.commit_lsn)
+                        batch.memo.append((sid, ev.position, done))
                     batch.events += 1
                     if publish:
-                        batch.published.append((it, txn.commit_lsn))
-                elif isinstance(it, _Bad):
-                    batch.dead_letters.append(
-                        DeadLetter(
-                            it.seq, it.session_id, it.lsn, "invalid_payload", it.reason, it.row
-                        )
-                    )
+                        batch.published.append((ev, txn.commit_lsn))
                 else:
+                    assert isinstance(it, _Anomaly)
                     self.metrics.anomalies += 1
                     log.error(
                         "ledger %s seen at %s (seq %s): the append-only guard was bypassed; "
@@ -825,11 +887,12 @@ class Consumer:
                             version,
                             hashlib.sha256(data).digest(),
                             data,
+                            heads.get(sid),
                         )
                     )
             batch.transactions += 1
         for sid, (ctx, commit_lsn) in changed.items():
-            batch.sessions[sid] = (ctx, encode_context(ctx), commit_lsn)
+            batch.sessions[sid] = (ctx, encode_context(ctx), commit_lsn, heads.get(sid))
             run = ctx.run
             if run is not None and run.status == RUN_PENDING:
                 was = runs_before.get(sid)
@@ -981,7 +1044,7 @@ class Consumer:
             return
 
         def beat(conn: psycopg.Connection[Any]) -> None:
-            body = json.dumps({"slot": self.config.slot, "ts": time.time()})
+            body = json.dumps({"slot": self.config.slot, "nonce": self._nonce, "ts": time.time()})
             conn.execute("SELECT pg_logical_emit_message(false, %s, %s)", (HEARTBEAT_PREFIX, body))
 
         self._heartbeat = self._every("heartbeat", interval, self.config.dsn, beat)

@@ -25,6 +25,7 @@ from .events import (
     Message,
     ModelRequested,
     ModelResponded,
+    Rejected,
     TaskCompleted,
     TaskFailed,
     ToolCall,
@@ -157,7 +158,7 @@ def run_agents(dsn: str, sessions: int = 6, seed: int = 7) -> DemoReport:
     return DemoReport(ids, sum(e for e, _ in totals), sum(o for _, o in totals))
 
 
-def ledger_rows(dsn: str, limit: int = 400) -> list[tuple[LedgerEvent, str]]:
+def ledger_rows(dsn: str, limit: int = 400) -> list[tuple[LedgerEvent | Rejected, str]]:
     """The first rows of the ledger as events, each with its hash (hex)."""
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(

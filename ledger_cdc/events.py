@@ -11,21 +11,29 @@ from __future__ import annotations
 import datetime as dt
 import re
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import msgspec.inspect as mi
 
 from .errors import InvalidEventError, UnknownEventTypeError
 
 __all__ = [
     "EVENT_TYPES",
+    "MAX_TIME",
+    "MIN_TIME",
+    "READ_MAX_DEPTH",
     "ContextLoaded",
     "HandoffEmitted",
     "HandoffReceived",
     "LedgerEvent",
+    "Limits",
     "Message",
     "ModelRequested",
     "ModelResponded",
+    "Rejected",
     "RunLeased",
     "RunQueued",
     "RunReleased",
@@ -38,12 +46,16 @@ __all__ = [
     "ToolInvoked",
     "ToolObserved",
     "Usage",
+    "admit_time",
     "decode_payload",
     "encode_payload",
     "event_types",
+    "json_depth",
+    "load_payload",
     "payload_type",
     "refuse_nul",
     "register_event_type",
+    "too_deep",
 ]
 
 _TYPE_RE = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
@@ -235,11 +247,129 @@ def payload_type(event_type: str) -> Any:
         raise UnknownEventTypeError(event_type) from None
 
 
-def encode_payload(event_type: str, payload: Any) -> bytes:
+# -- limits: writers are strict, readers are lenient -----------------------------------------
+
+READ_MAX_DEPTH = 256
+"""Nesting depth (arrays and objects) beyond which a stored payload is quarantined, whatever
+wrote it: a fixed rule, so the consumer, a rebuild and ``verify`` always decide alike (decoding
+is recursive; a deeper payload could exhaust the stack in one process and not in another)."""
+
+MIN_TIME = dt.datetime(1, 1, 2, tzinfo=dt.timezone.utc)
+MAX_TIME = dt.datetime(9999, 12, 30, tzinfo=dt.timezone.utc)
+"""``created_at`` outside this range (PostgreSQL admits years up to 294276 and ``infinity``;
+Python's datetime stops at 9999) quarantines its event. A day inside Python's limits on each
+side, so that no time-zone offset can carry a value in the range out of it."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the writer refuses at append (with :class:`InvalidEventError`, before any write).
+
+    ``max_depth`` counts nested arrays and objects (``{"a": [1]}`` is 2) and may not exceed
+    :data:`READ_MAX_DEPTH`, past which readers quarantine the event; ``max_bytes`` is the size
+    of the payload's JSON text."""
+
+    max_depth: int = 64
+    max_bytes: int = 16 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_depth <= READ_MAX_DEPTH:
+            raise ValueError(
+                f"max_depth must be between 1 and {READ_MAX_DEPTH} (readers quarantine deeper "
+                f"payloads), got {self.max_depth}"
+            )
+        if self.max_bytes < 2:
+            raise ValueError(f"max_bytes must be at least 2, got {self.max_bytes}")
+
+
+DEFAULT_LIMITS = Limits()
+
+# json_depth: escapes go first (an escaped backslash, then an escaped quote), then everything
+# but brackets and quotes; what lies between quotes is string content; each pass of _INNERMOST
+# then removes exactly one level of what is left (a pass does not cascade).
+_NOT_SYNTAX = bytes(b for b in range(256) if b not in b'[]{}"')
+_INNERMOST = re.compile(rb"\{\}|\[\]")
+
+
+def json_depth(data: bytes, stop_at: int = READ_MAX_DEPTH) -> int:
+    """Nesting depth of JSON text (``stop_at + 1`` for anything deeper), without parsing it: no
+    recursion whatever the input, and each step a C-speed pass over the bytes. Assumes
+    well-formed JSON, which is all a jsonb column can hold."""
+    if not (b"{" in data or b"[" in data):
+        return 0
+    if b"\\" in data:
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    syntax = data.translate(None, _NOT_SYNTAX)
+    brackets = b"".join(syntax.split(b'"')[::2]) if b'"' in syntax else syntax
+    depth = 0
+    while brackets and depth <= stop_at:
+        brackets = _INNERMOST.sub(b"", brackets)
+        depth += 1
+    return depth
+
+
+def too_deep(data: bytes, limit: int) -> bool:
+    """Whether JSON text nests deeper than ``limit`` (free when it has fewer brackets)."""
+    return data.count(b"{") + data.count(b"[") > limit and json_depth(data, limit) > limit
+
+
+def _unknown_fields(value: Any, info: mi.Type, path: str, out: list[str]) -> None:
+    """Names in ``value`` (plain data) that ``info`` (its declared type) does not have."""
+    if len(out) >= 5:
+        return
+    if isinstance(info, mi.Metadata):
+        info = info.type
+    if isinstance(info, (mi.StructType, mi.TypedDictType, mi.DataclassType)):
+        if not isinstance(value, Mapping):
+            return
+        fields = {f.encode_name: f for f in info.fields}
+        if isinstance(info, mi.StructType) and info.tag_field is not None:
+            fields.setdefault(info.tag_field, None)  # type: ignore[arg-type]
+        for key, item in value.items():
+            f = fields.get(key) if isinstance(key, str) else None
+            if f is None:
+                if key not in fields:
+                    out.append(f"{path}.{key}")
+                continue
+            _unknown_fields(item, f.type, f"{path}.{key}", out)
+    elif isinstance(info, (mi.ListType, mi.SetType, mi.FrozenSetType, mi.VarTupleType)):
+        if isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                _unknown_fields(item, info.item_type, f"{path}[{i}]", out)
+    elif isinstance(info, mi.TupleType):
+        if isinstance(value, (list, tuple)):
+            for i, (item, t) in enumerate(zip(value, info.item_types, strict=False)):
+                _unknown_fields(item, t, f"{path}[{i}]", out)
+    elif isinstance(info, mi.DictType):
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                _unknown_fields(item, info.value_type, f"{path}.{key}", out)
+    elif isinstance(info, mi.UnionType) and isinstance(value, Mapping):
+        shaped = [
+            t
+            for t in info.types
+            if isinstance(t, (mi.StructType, mi.TypedDictType, mi.DataclassType, mi.DictType))
+        ]
+        if len(shaped) == 1:
+            _unknown_fields(value, shaped[0], path, out)
+
+
+_type_infos: dict[str, mi.Type] = {}
+
+
+def _type_info(event_type: str, typ: Any) -> mi.Type:
+    info = _type_infos.get(event_type)
+    if info is None:
+        info = _type_infos[event_type] = mi.type_info(typ)
+    return info
+
+
+def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """Validate ``payload`` against its event type and return its JSON bytes.
 
-    Accepts an instance of the registered Struct or a plain mapping that converts to it.
-    """
+    Accepts an instance of the registered Struct or a plain mapping that converts to it. The
+    writer is strict: a field its type does not declare (``"args"`` for ``"arguments"``) is
+    refused rather than dropped, and so is a payload deeper or larger than ``limits``."""
     typ = payload_type(event_type)
     if isinstance(typ, type) and issubclass(typ, msgspec.Struct) and isinstance(payload, typ):
         value = payload
@@ -248,15 +378,57 @@ def encode_payload(event_type: str, payload: Any) -> bytes:
             value = msgspec.convert(payload, typ, from_attributes=False)
         except msgspec.ValidationError as e:
             raise InvalidEventError(f"{event_type} payload does not match {_name(typ)}: {e}") from e
+        except RecursionError as e:
+            raise _too_deep(event_type, limits) from e
         except TypeError as e:
-            raise InvalidEventError(f"{event_type} payload is not JSON-serialisable: {e}") from e
+            raise InvalidEventError(
+                f"{event_type} payload is not JSON-serialisable: {_short(e)}"
+            ) from e
     try:
         data = _encoder.encode(value)
+    except RecursionError as e:
+        raise _too_deep(event_type, limits) from e
     except (TypeError, OverflowError, msgspec.EncodeError) as e:
-        raise InvalidEventError(f"{event_type} payload is not JSON-serialisable: {e}") from e
+        raise InvalidEventError(
+            f"{event_type} payload is not JSON-serialisable: {_short(e)}"
+        ) from e
     if not data.startswith(b"{"):
         raise InvalidEventError(f"{event_type} payload must be a JSON object, got {data[:40]!r}")
+    if len(data) > limits.max_bytes:
+        raise InvalidEventError(
+            f"{event_type} payload is {len(data):,} bytes of JSON, over the limit of "
+            f"{limits.max_bytes:,} (Limits.max_bytes): store large blobs elsewhere and "
+            "reference them"
+        )
+    if too_deep(data, limits.max_depth):
+        raise _too_deep(event_type, limits)
+    if value is not payload and isinstance(payload, Mapping):
+        unknown: list[str] = []
+        _unknown_fields(payload, _type_info(event_type, typ), "$", unknown)
+        if unknown:
+            raise InvalidEventError(
+                f"{event_type} payload has field(s) {_name(typ)} does not declare: "
+                f"{', '.join(unknown)} (misspelled? the declared fields are "
+                f"{_declared(typ)})"
+            )
     return refuse_nul(data, f"{event_type} payload")
+
+
+def _too_deep(event_type: str, limits: Limits) -> InvalidEventError:
+    return InvalidEventError(
+        f"{event_type} payload nests deeper than {limits.max_depth} levels (Limits.max_depth): "
+        "flatten it or encode the nested part as a string"
+    )
+
+
+def _declared(typ: Any) -> str:
+    fields = getattr(typ, "__struct_encode_fields__", None)
+    return ", ".join(fields) if fields else "in its type"
+
+
+def _short(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return text if len(text) <= 200 else text[:200] + "…"
 
 
 def refuse_nul(data: bytes, what: str) -> bytes:
@@ -269,16 +441,54 @@ def refuse_nul(data: bytes, what: str) -> bytes:
     return data
 
 
-def decode_payload(event_type: str, data: bytes | str) -> Any:
-    """JSON bytes → the registered payload type; raises InvalidEventError when it does not fit."""
+_free = msgspec.json.Decoder()
+
+
+def load_payload(event_type: str, data: bytes | str) -> Any:
+    """Stored JSON → the registered payload type (plain JSON for a type this process does not
+    know); raises :class:`InvalidEventError` with the reason when it does not fit or nests
+    deeper than :data:`READ_MAX_DEPTH`. Lenient: fields the type does not declare are ignored
+    (a newer writer during a rolling upgrade). Never raises anything else."""
+    raw = data.encode() if isinstance(data, str) else data
+    if too_deep(raw, READ_MAX_DEPTH):
+        raise InvalidEventError(
+            f"{event_type} payload nests deeper than {READ_MAX_DEPTH} levels (quarantined "
+            "unread: the limit readers share)"
+        )
     dec = _decoders.get(event_type)
     if dec is None:
-        dec = msgspec.json.Decoder(payload_type(event_type))
-        _decoders[event_type] = dec
+        typ = EVENT_TYPES.get(event_type)
+        dec = _free if typ is None else msgspec.json.Decoder(typ)
+        if typ is not None:
+            _decoders[event_type] = dec
     try:
-        return dec.decode(data)
+        return dec.decode(raw)
     except msgspec.DecodeError as e:
-        raise InvalidEventError(f"{event_type} payload is invalid: {e}") from e
+        raise InvalidEventError(f"{event_type} payload is invalid: {_short(e)}") from e
+    except (RecursionError, MemoryError, ValueError, OverflowError) as e:
+        raise InvalidEventError(f"{event_type} payload cannot be read: {_short(e)}") from e
+
+
+def decode_payload(event_type: str, data: bytes | str) -> Any:
+    """JSON bytes → the registered payload type; raises InvalidEventError when it does not fit
+    (:class:`UnknownEventTypeError` for a type never registered)."""
+    payload_type(event_type)
+    return load_payload(event_type, data)
+
+
+def admit_time(value: Any) -> dt.datetime:
+    """A row's ``created_at`` as a UTC datetime, or :class:`InvalidEventError` when it is not a
+    time inside [:data:`MIN_TIME`, :data:`MAX_TIME`] (the same rule on every path)."""
+    if not isinstance(value, dt.datetime) or value.tzinfo is None:
+        raise InvalidEventError(f"created_at {value!r} is not a time this reader can hold")
+    if not MIN_TIME <= value <= MAX_TIME:
+        raise InvalidEventError(
+            f"created_at {value.isoformat()} is outside {MIN_TIME.date()}..{MAX_TIME.date()}"
+        )
+    return value if value.utcoffset() == _ZERO else value.astimezone(dt.timezone.utc)
+
+
+_ZERO = dt.timedelta(0)
 
 
 def _name(typ: Any) -> str:
@@ -299,3 +509,20 @@ class LedgerEvent(msgspec.Struct, frozen=True, gc=False):
     idempotency_key: str | None = None
     hash: bytes | None = None
     prev_hash: bytes | None = None
+
+
+class Rejected(msgspec.Struct, frozen=True, gc=False):
+    """A row of ``agent_events`` that cannot become a :class:`LedgerEvent` (its payload does
+    not fit its type, nests too deep, or its ``created_at`` is out of range). Every reader turns
+    such a row into this, never an exception; folding it quarantines it (see
+    ``ledger_cdc.fold.fold_one``)."""
+
+    seq: int
+    session_id: uuid.UUID
+    position: int
+    agent_id: str
+    event_type: str
+    reason: str
+    created_at: str | None = None  # as stored, when it could not be read as a time
+    idempotency_key: str | None = None
+    hash: bytes | None = None

@@ -34,6 +34,8 @@ import msgspec
 
 from .errors import MemoNotLoadedError
 from .events import (
+    MAX_TIME,
+    MIN_TIME,
     ContextLoaded,
     HandoffEmitted,
     HandoffReceived,
@@ -41,6 +43,7 @@ from .events import (
     Message,
     ModelRequested,
     ModelResponded,
+    Rejected,
     RunLeased,
     RunQueued,
     RunReleased,
@@ -76,16 +79,19 @@ __all__ = [
     "encode_context",
     "encode_snapshot",
     "fold",
+    "fold_one",
     "reducer_version",
     "register_reducer",
 ]
 
-FORMAT_VERSION = 2
-"""Version of the snapshot format (snapshots of another version are not used). 2: the memo is
-not in the snapshot but in ``agent_memo`` up to ``memo_position``; 1 held the whole memo."""
+FORMAT_VERSION = 3
+"""Version of the snapshot format (snapshots of another version are not used, except as the base
+of a session whose earlier history was archived). 3: canonical encoding (object keys sorted) and
+the quarantine count; 2: the memo is not in the snapshot but in ``agent_memo`` up to
+``memo_position``; 1 held the whole memo."""
 PROJECTION_FORMAT = 1
 """Version of the projection's context format (``agent_sessions.context``, the whole context)."""
-REDUCER_VERSION = "core-2"
+REDUCER_VERSION = "core-3"
 """Version of the built-in reducers' semantics (bump when a reducer changes its output)."""
 
 
@@ -205,6 +211,7 @@ class SessionContext(msgspec.Struct):
     last_seq: int = 0
     last_position: int = 0
     ignored_events: int = 0
+    quarantined: int = 0  # events not folded (see fold_one); their positions still count
     forked_from: ForkOrigin | None = None
     run: RunState | None = None
     extra: dict[str, Any] = {}
@@ -397,10 +404,20 @@ def _run_queued(ctx: SessionContext, ev: LedgerEvent) -> None:
     run.status, run.lease, run.reason = RUN_PENDING, None, p.reason
 
 
+def _lease_until(created_at: dt.datetime, ttl: float) -> dt.datetime:
+    """created_at + ttl, saturating at the times every reader can hold (a ttl of 1e12 s is a
+    lease that does not end, not a crash; events.MAX_TIME keeps a day's margin for any zone)."""
+    try:
+        until = created_at + dt.timedelta(seconds=ttl)
+    except OverflowError:
+        return MAX_TIME if ttl > 0 else MIN_TIME
+    return MAX_TIME if until > MAX_TIME else MIN_TIME if until < MIN_TIME else until
+
+
 def _run_leased(ctx: SessionContext, ev: LedgerEvent) -> None:
     p: RunLeased = ev.payload
     run = _run(ctx)
-    until = ev.created_at + dt.timedelta(seconds=p.ttl)
+    until = _lease_until(ev.created_at, p.ttl)
     run.status = RUN_RUNNING
     run.lease = Lease(p.worker, until, ev.seq, ev.position)
     run.wait_for, run.reason = [], None
@@ -500,29 +517,84 @@ def reducer_version() -> str:
     return "+".join(parts)
 
 
-def apply(ctx: SessionContext, ev: LedgerEvent) -> SessionContext:
-    """Fold one event into ``ctx`` (which the caller hands over) and return it."""
+def fold_one(ctx: SessionContext, item: LedgerEvent | Rejected) -> str | None:
+    """Fold one event into ``ctx`` (which the caller hands over), or quarantine it: returns
+    None when folded, else the reason it was not.
+
+    The one decision every path makes the same way (the consumer's stream, its bootstrap and
+    resync, ``rebuild_context``, ``verify``, ``replay``, the archive), so a refold from zero
+    always reaches the consumer's context. It never raises for any content of an event:
+
+    - a :class:`~ledger_cdc.events.Rejected` row (its payload or time could not be read) is
+      quarantined;
+    - a registered reducer (:func:`register_reducer`) that raises, or returns state that JSON
+      cannot hold, quarantines the event, and nothing of it is applied;
+    - the built-in reducers are total (saturating where arithmetic could overflow).
+
+    A quarantined event still moves ``last_seq`` / ``last_position`` (the session goes on past
+    it) and counts in ``quarantined``, not in ``event_count``."""
+    if type(item) is Rejected:
+        _quarantine(ctx, item.seq, item.position)
+        return item.reason
+    ev: LedgerEvent = item  # type: ignore[assignment]
+    states: list[tuple[str, Any]] | None = None
+    if _CUSTOM:
+        try:
+            states = _custom_states(ctx, ev)
+        except Exception as e:
+            if isinstance(e, MemoryError):
+                raise
+            _quarantine(ctx, ev.seq, ev.position)
+            return f"reducer failed on {ev.event_type}: {_why(e)}"
     fn = REDUCERS.get(ev.event_type)
     if fn is not None and not isinstance(ev.payload, dict):
         fn(ctx, ev)
     else:
         ctx.ignored_events += 1
-    for custom in _CUSTOM.values():
-        if custom.event_types is None or ev.event_type in custom.event_types:
-            state = ctx.extra.get(custom.name)
-            if state is None:
-                state = custom.initial()
-            ctx.extra[custom.name] = custom.fn(state, ev)
+    if states:
+        for name, state in states:
+            ctx.extra[name] = state
     if ev.agent_id not in ctx.agents:
         ctx.agents.append(ev.agent_id)
     ctx.event_count += 1
     ctx.last_seq = ev.seq
     ctx.last_position = ev.position
+    return None
+
+
+def apply(ctx: SessionContext, ev: LedgerEvent | Rejected) -> SessionContext:
+    """:func:`fold_one`, for callers that do not need its verdict; returns ``ctx``."""
+    fold_one(ctx, ev)
     return ctx
 
 
+def _quarantine(ctx: SessionContext, seq: int, position: int) -> None:
+    ctx.quarantined += 1
+    ctx.last_seq = seq
+    ctx.last_position = position
+
+
+def _custom_states(ctx: SessionContext, ev: LedgerEvent) -> list[tuple[str, Any]]:
+    """The new state of every registered reducer for ``ev``, as JSON would give it back (what a
+    context reloaded from its projection holds), computed before anything is applied."""
+    out = []
+    for custom in _CUSTOM.values():
+        if custom.event_types is None or ev.event_type in custom.event_types:
+            state = ctx.extra.get(custom.name)
+            if state is None:
+                state = custom.initial()
+            new = custom.fn(state, ev)
+            out.append((custom.name, _plain.decode(_as_json.encode(new))))
+    return out
+
+
+def _why(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= 300 else text[:300] + "…"
+
+
 def fold(
-    events: Iterable[LedgerEvent],
+    events: Iterable[LedgerEvent | Rejected],
     ctx: SessionContext | None = None,
     session_id: uuid.UUID | None = None,
 ) -> SessionContext:
@@ -536,18 +608,23 @@ def fold(
     for ev in events:
         if cur is None:
             cur = SessionContext(ev.session_id)
-        apply(cur, ev)
+        fold_one(cur, ev)
     if cur is None:
         raise ValueError("fold of no events needs ctx or session_id")
     return cur
 
 
-_encoder = msgspec.json.Encoder()
+# Canonical: Struct fields in declaration order, object keys sorted. The same context gives the
+# same bytes however it was loaded (jsonb, which the projection goes through, reorders keys).
+_encoder = msgspec.json.Encoder(order="deterministic")
 _decoder = msgspec.json.Decoder(SessionContext)
+_plain = msgspec.json.Decoder()
+_as_json = msgspec.json.Encoder()  # any keys JSON can write (order="deterministic" wants str)
 
 
 def encode_context(ctx: SessionContext) -> bytes:
-    """Canonical JSON of a context (stable key order: Struct field order, dicts as folded)."""
+    """Canonical JSON of a context: the same bytes for equal contexts, however each was loaded
+    (Struct fields in declaration order, every object's keys sorted)."""
     return _encoder.encode(ctx)
 
 

@@ -36,7 +36,14 @@ import msgspec
 import psycopg
 
 from .errors import ConcurrentAppendError, InvalidEventError, LedgerError, MemoNotLoadedError
-from .events import EVENT_TYPES, LedgerEvent, SessionForked, ToolInvoked, decode_payload
+from .events import (
+    LedgerEvent,
+    Rejected,
+    SessionForked,
+    ToolInvoked,
+    admit_time,
+    load_payload,
+)
 from .fold import (
     FORMAT_VERSION,
     CompletedModel,
@@ -44,6 +51,7 @@ from .fold import (
     SessionContext,
     apply,
     decode_context,
+    fold_one,
     reducer_version,
 )
 from .writer import AppendResult, OutboxItem, append, append_async
@@ -70,10 +78,16 @@ __all__ = [
 
 log = logging.getLogger("ledger_cdc.replay")
 
+# created_at outside what every reader can hold (events.MIN_TIME..MAX_TIME) is selected as text
+# in the last column instead: loading it as a time would raise in the driver, on any path.
 _COLUMNS = (
-    "seq, session_id, position, agent_id, event_type, payload::text, created_at, idempotency_key"
+    "seq, session_id, position, agent_id, event_type, payload::text, "
+    "CASE WHEN created_at BETWEEN '0001-01-02 00:00+00' AND '9999-12-30 00:00+00' "
+    "THEN created_at END, idempotency_key, hash, "
+    "CASE WHEN created_at BETWEEN '0001-01-02 00:00+00' AND '9999-12-30 00:00+00' "
+    "THEN NULL ELSE created_at::text END"
 )
-_free = msgspec.json.Decoder()
+_NCOLS = 10
 
 
 class HistoryArchivedError(LedgerError):
@@ -84,11 +98,19 @@ class NoSuchSessionError(LedgerError):
     """The session has no events (at or below the requested seq)."""
 
 
-def row_event(row: Sequence[Any]) -> LedgerEvent:
-    """A row of ``SELECT {_COLUMNS}`` → LedgerEvent (payload typed as the consumer types it)."""
-    seq, sid, pos, agent, etype, payload, created, key = row
-    value = decode_payload(etype, payload) if etype in EVENT_TYPES else _free.decode(payload)
-    return LedgerEvent(seq, sid, pos, agent, etype, value, created, key)
+def row_event(row: Sequence[Any]) -> LedgerEvent | Rejected:
+    """A row of ``SELECT {_COLUMNS}`` → LedgerEvent (payload typed as the consumer types it), or
+    :class:`Rejected` with the reason, by the rule every reader shares. Never raises."""
+    seq, sid, pos, agent, etype, payload, created, key, digest, bad_time = row
+    digest = None if digest is None else bytes(digest)
+    try:
+        if created is None:
+            raise InvalidEventError(f"created_at {bad_time} is outside what readers can hold")
+        created = admit_time(created)
+        value = load_payload(etype, payload)
+    except InvalidEventError as e:
+        return Rejected(seq, sid, pos, agent, etype, f"event seq {seq}: {e}", bad_time, key, digest)
+    return LedgerEvent(seq, sid, pos, agent, etype, value, created, key, digest)
 
 
 def _events_query(
@@ -109,39 +131,31 @@ def _events_query(
     return query.encode(), params
 
 
-def _typed(rows: Iterable[Sequence[Any]]) -> Iterator[LedgerEvent | InvalidEventError]:
-    for row in rows:
-        try:
-            yield row_event(row)
-        except InvalidEventError as e:
-            yield e
-
-
 def load_events(
     conn: psycopg.Connection[Any],
     session_id: uuid.UUID | None = None,
     *,
     after_position: int = 0,
     upto_seq: int | None = None,
-) -> Iterator[LedgerEvent | InvalidEventError]:
-    """Events in (session, position) order; an invalid payload is yielded as its error."""
+) -> Iterator[LedgerEvent | Rejected]:
+    """Events in (session, position) order; a row no reader can fold comes as :class:`Rejected`
+    (never an exception), to be quarantined by :func:`ledger_cdc.fold.fold_one`."""
     query, params = _events_query(session_id, after_position, upto_seq)
     with conn.cursor() as cur:
         cur.execute(query, params)
-        yield from _typed(cur)
+        for row in cur:
+            yield row_event(row)
 
 
 def fold_all(conn: psycopg.Connection[Any]) -> dict[uuid.UUID, SessionContext]:
-    """Every session folded from zero (events with invalid payloads are skipped, as the consumer
-    dead-letters them)."""
+    """Every session folded from zero, as the consumer folds them (quarantining the same
+    events)."""
     out: dict[uuid.UUID, SessionContext] = {}
     for ev in load_events(conn):
-        if isinstance(ev, InvalidEventError):
-            continue
         ctx = out.get(ev.session_id)
         if ctx is None:
             ctx = out[ev.session_id] = SessionContext(ev.session_id)
-        apply(ctx, ev)
+        fold_one(ctx, ev)
     return out
 
 
@@ -283,10 +297,7 @@ def _fold_tail(
                     "covers it (rebuild at a later upto_seq, or restore the archive)"
                 )
             expect = 0
-            try:
-                apply(cur, row_event(row))
-            except InvalidEventError:
-                continue
+            fold_one(cur, row_event(row))
     return cur
 
 

@@ -42,9 +42,10 @@ __all__ = [
 DEFAULT_SLOT = "agent_slot"
 DEFAULT_PUBLICATION = "agent_pub"
 LEDGER_TABLE = "agent_events"
-# The columns the consumer folds. prev_hash / hash stay out of the stream: the chain is verified
-# against the table (ledger-cdc verify), and leaving 2 × 70 bytes of hex per event out of the
-# stream saves the walsender, the network and the decoder work on every event.
+# The columns the consumer folds, and the event's hash: the consumer keeps the hash it streamed
+# in each projection and snapshot, a record of the chain of its own that ``verify`` holds
+# against the table (an edit that recomputes the table's hashes still differs from it).
+# prev_hash stays out of the stream: it is the previous event's hash, already streamed.
 STREAMED_COLUMNS = (
     "seq",
     "session_id",
@@ -54,6 +55,7 @@ STREAMED_COLUMNS = (
     "payload",
     "idempotency_key",
     "created_at",
+    "hash",
 )
 _MIGRATION_LOCK = 0x1ED6E2C0  # advisory lock key serialising concurrent ``init`` runs
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -225,6 +227,7 @@ def create_publication(
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
         row = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (name,)).fetchone()
         if row is not None:
+            _update_columns(conn, name)
             return False
         partitioned = conn.execute(
             "SELECT EXISTS (SELECT FROM pg_partitioned_table WHERE partrelid = %s::regclass)",
@@ -246,6 +249,26 @@ def create_publication(
             )
         )
     return True
+
+
+def _update_columns(conn: psycopg.Connection[Any], name: str) -> None:
+    """An existing publication of the ledger that lacks a column of STREAMED_COLUMNS (made by an
+    earlier version) gets the current column list, its row filter kept."""
+    row = conn.execute(
+        "SELECT attnames, rowfilter FROM pg_publication_tables "
+        "WHERE pubname = %s AND tablename = %s",
+        (name, LEDGER_TABLE),
+    ).fetchone()
+    if row is None or not set(STREAMED_COLUMNS) - set(row[0] or ()):
+        return
+    conn.execute(
+        sql.SQL("ALTER PUBLICATION {} SET TABLE {} ({}){}").format(
+            sql.Identifier(name),
+            sql.Identifier(LEDGER_TABLE),
+            sql.SQL(", ").join(map(sql.Identifier, STREAMED_COLUMNS)),
+            sql.SQL(" WHERE ({})").format(sql.SQL(row[1])) if row[1] else sql.SQL(""),
+        )
+    )
 
 
 def create_slot(

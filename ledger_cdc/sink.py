@@ -41,7 +41,7 @@ class DeadLetter:
     seq: int | None
     session_id: uuid.UUID | None
     lsn: int
-    kind: str  # invalid_payload | update | delete | truncate | undecodable
+    kind: str  # quarantined | update | delete | truncate
     reason: str
     row: dict[str, Any] | None = None
 
@@ -54,6 +54,7 @@ class SnapshotRow:
     reducer_version: str
     content_hash: bytes
     context: bytes  # canonical JSON of the snapshot (fold.encode_snapshot)
+    upto_hash: bytes | None = None  # chain hash of the event at upto_position, as streamed
 
 
 @dataclass
@@ -61,7 +62,10 @@ class Batch:
     """What one sink transaction writes."""
 
     end_lsn: int
-    sessions: dict[uuid.UUID, tuple[SessionContext, bytes, int]] = field(default_factory=dict)
+    # session → (context, its canonical JSON, commit LSN, hash of its last event as streamed)
+    sessions: dict[uuid.UUID, tuple[SessionContext, bytes, int, bytes | None]] = field(
+        default_factory=dict
+    )
     snapshots: list[SnapshotRow] = field(default_factory=list)
     # (session, position of the completing event, the call it completed): agent_memo rows
     memo: list[tuple[uuid.UUID, int, CompletedTool | CompletedModel]] = field(default_factory=list)
@@ -85,10 +89,10 @@ _STAGING = """
 CREATE TEMP TABLE IF NOT EXISTS stage_sessions (
     session_id uuid, status text, last_seq bigint, last_position bigint, event_count bigint,
     format_version int, context text, commit_lsn text, run_status text, lease_worker text,
-    lease_until timestamptz) ON COMMIT DELETE ROWS;
+    lease_until timestamptz, last_hash bytea) ON COMMIT DELETE ROWS;
 CREATE TEMP TABLE IF NOT EXISTS stage_snapshots (
     session_id uuid, upto_seq bigint, upto_position bigint, format_version int,
-    reducer_version text, content_hash bytea, data bytea) ON COMMIT DELETE ROWS;
+    reducer_version text, content_hash bytea, data bytea, upto_hash bytea) ON COMMIT DELETE ROWS;
 CREATE TEMP TABLE IF NOT EXISTS stage_memo (
     session_id uuid, kind text, call_id text, completed_seq bigint, completed_position bigint,
     idempotency_key text, prompt_hash text, entry text) ON COMMIT DELETE ROWS;
@@ -107,37 +111,39 @@ ON CONFLICT DO NOTHING
 """
 _COPY_SESSIONS = (
     "COPY stage_sessions (session_id, status, last_seq, last_position, event_count, "
-    "format_version, context, commit_lsn, run_status, lease_worker, lease_until) FROM STDIN"
+    "format_version, context, commit_lsn, run_status, lease_worker, lease_until, last_hash) "
+    "FROM STDIN"
 )
 _COPY_SNAPSHOTS = (
     "COPY stage_snapshots (session_id, upto_seq, upto_position, format_version, "
-    "reducer_version, content_hash, data) FROM STDIN"
+    "reducer_version, content_hash, data, upto_hash) FROM STDIN"
 )
 _MERGE_SESSIONS = """
 INSERT INTO agent_sessions (session_id, status, last_seq, last_position, event_count,
                             format_version, context, commit_lsn, run_status, lease_worker,
-                            lease_until, updated_at)
+                            lease_until, last_hash, updated_at)
 SELECT session_id, status, last_seq, last_position, event_count, format_version,
-       context::jsonb, commit_lsn::pg_lsn, run_status, lease_worker, lease_until, now()
+       context::jsonb, commit_lsn::pg_lsn, run_status, lease_worker, lease_until, last_hash, now()
 FROM stage_sessions
 ON CONFLICT (session_id) DO UPDATE SET
     status = EXCLUDED.status, last_seq = EXCLUDED.last_seq,
     last_position = EXCLUDED.last_position, event_count = EXCLUDED.event_count,
     format_version = EXCLUDED.format_version, context = EXCLUDED.context,
     commit_lsn = EXCLUDED.commit_lsn, run_status = EXCLUDED.run_status,
-    lease_worker = EXCLUDED.lease_worker, lease_until = EXCLUDED.lease_until, updated_at = now()
+    lease_worker = EXCLUDED.lease_worker, lease_until = EXCLUDED.lease_until,
+    last_hash = EXCLUDED.last_hash, updated_at = now()
 """
 _MERGE_SNAPSHOTS = """
 INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version,
-                             reducer_version, content_hash, data)
+                             reducer_version, content_hash, data, upto_hash)
 SELECT session_id, upto_seq, upto_position, format_version, reducer_version, content_hash,
-       data FROM stage_snapshots
+       data, upto_hash FROM stage_snapshots
 """
 SNAPSHOT_CONFLICT = """
 ON CONFLICT (session_id, upto_seq) DO UPDATE SET
     upto_position = EXCLUDED.upto_position, format_version = EXCLUDED.format_version,
     reducer_version = EXCLUDED.reducer_version, content_hash = EXCLUDED.content_hash,
-    data = EXCLUDED.data, context = NULL
+    data = EXCLUDED.data, context = NULL, upto_hash = EXCLUDED.upto_hash
 -- a row at the same point that rebuild_context cannot use (another format or reducer version,
 -- e.g. from before an upgrade) is replaced; a usable one is kept as it is
 WHERE agent_snapshots.format_version IS DISTINCT FROM EXCLUDED.format_version
@@ -253,7 +259,10 @@ class PgSink:
         for pub in self.publishers:
             pub.publish(
                 batch.published,
-                [(sid, ctx.last_position, data) for sid, (ctx, data, _) in batch.sessions.items()],
+                [
+                    (sid, ctx.last_position, data)
+                    for sid, (ctx, data, _, _) in batch.sessions.items()
+                ],
             )
         conn = self.conn
         lsn_text = format_lsn(batch.end_lsn)
@@ -264,7 +273,7 @@ class PgSink:
             with conn.cursor() as cur:
                 if batch.sessions:
                     with cur.copy(_COPY_SESSIONS) as copy:
-                        for sid, (ctx, data, commit_lsn) in batch.sessions.items():
+                        for sid, (ctx, data, commit_lsn, head) in batch.sessions.items():
                             run = ctx.run
                             lease = run.lease if run is not None else None
                             copy.write_row(
@@ -280,6 +289,7 @@ class PgSink:
                                     run.status if run is not None else None,
                                     lease.worker if lease is not None else None,
                                     lease.until if lease is not None else None,
+                                    head,
                                 )
                             )
                 if batch.snapshots:
@@ -294,6 +304,7 @@ class PgSink:
                                     snap.reducer_version,
                                     snap.content_hash,
                                     snap.context,
+                                    snap.upto_hash,
                                 )
                             )
                 if batch.memo:

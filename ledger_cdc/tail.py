@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import psycopg
 
-from .events import LedgerEvent
+from .events import LedgerEvent, Rejected
 from .replay import _COLUMNS, row_event
 from .sink import SESSIONS_CHANNEL
 
@@ -31,8 +31,9 @@ _AFTER = (
 
 async def follow_postgres(
     dsn: str, session_id: uuid.UUID, *, after: int = 0, recheck: float = 3.0
-) -> AsyncIterator[LedgerEvent]:
-    """Events of the session after position ``after``, as the consumer folds them."""
+) -> AsyncIterator[LedgerEvent | Rejected]:
+    """Events of the session after position ``after``, as the consumer folds them (a row the
+    consumer quarantined comes as :class:`~ledger_cdc.events.Rejected`)."""
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         await conn.execute(f"LISTEN {SESSIONS_CHANNEL}")
         last = after

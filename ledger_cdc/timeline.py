@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from .events import LedgerEvent
+from .events import LedgerEvent, Rejected
 
 __all__ = [
     "DiffResult",
@@ -72,8 +72,11 @@ def _payload(ev: LedgerEvent) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def summarise(ev: LedgerEvent) -> str:
-    """One line saying what the event did."""
+def summarise(ev: LedgerEvent | Rejected) -> str:
+    """One line saying what the event did (for a quarantined row: why it was not folded)."""
+    if type(ev) is Rejected:
+        return f"quarantined: {_short(ev.reason, 160)}"
+    assert isinstance(ev, LedgerEvent)
     p = _payload(ev)
     t = ev.event_type
     if t == "context.loaded":
@@ -113,20 +116,22 @@ def summarise(ev: LedgerEvent) -> str:
 class TimelineRow:
     seq: int
     position: int
-    created_at: dt.datetime
+    created_at: dt.datetime | None  # None: a quarantined row whose time cannot be read
     agent_id: str
     event_type: str
     summary: str
-    mark: str  # "" | "in flight" | "retry" | "failed"
+    mark: str  # "" | "in flight" | "retry" | "failed" | "quarantined"
     pair: int | None  # seq of the matching call / result
 
 
-def timeline(events: Sequence[LedgerEvent]) -> list[TimelineRow]:
-    """Rows of a session's timeline, tool and model calls paired with their results."""
+def timeline(items: Sequence[LedgerEvent | Rejected]) -> list[TimelineRow]:
+    """Rows of a session's timeline, tool and model calls paired with their results; a
+    quarantined row is shown where it lies, with the reason."""
     observed: dict[str, int] = {}
     responded: dict[str, int] = {}
     invoked: dict[str, int] = {}
     requested: dict[str, int] = {}
+    events = [e for e in items if type(e) is LedgerEvent]
     for ev in events:
         p = _payload(ev)
         if ev.event_type == "tool.observed":
@@ -139,7 +144,23 @@ def timeline(events: Sequence[LedgerEvent]) -> list[TimelineRow]:
             requested.setdefault(str(p.get("request_id")), ev.seq)
     rows = []
     seen_calls: set[str] = set()
-    for ev in events:
+    for item in items:
+        if type(item) is Rejected:
+            rows.append(
+                TimelineRow(
+                    item.seq,
+                    item.position,
+                    None,
+                    item.agent_id,
+                    item.event_type,
+                    summarise(item),
+                    "quarantined",
+                    None,
+                )
+            )
+            continue
+        assert isinstance(item, LedgerEvent)
+        ev = item
         p = _payload(ev)
         mark, pair = "", None
         if ev.event_type == "tool.invoked":
@@ -187,11 +208,14 @@ def _strip(value: Any) -> Any:
     return value
 
 
-def _steps(events: Sequence[LedgerEvent]) -> list[LedgerEvent]:
-    """The events that are steps of the run: no fork marker, no retry of an earlier call."""
+def _steps(events: Sequence[LedgerEvent | Rejected]) -> list[LedgerEvent]:
+    """The events that are steps of the run: no fork marker, no retry of an earlier call, no
+    quarantined row (it was never folded)."""
     out = []
     calls: set[str] = set()
     for ev in events:
+        if type(ev) is not LedgerEvent:
+            continue
         if ev.event_type == "session.forked":
             continue
         if ev.event_type == "tool.invoked":
@@ -240,7 +264,9 @@ def _reason(a: LedgerEvent, b: LedgerEvent, fields: list[tuple[str, Any, Any]]) 
     return f"different {t} payload"
 
 
-def diff_runs(a: Sequence[LedgerEvent], b: Sequence[LedgerEvent]) -> DiffResult:
+def diff_runs(
+    a: Sequence[LedgerEvent | Rejected], b: Sequence[LedgerEvent | Rejected]
+) -> DiffResult:
     """Align two runs step by step and find the first step where they diverge."""
     sa, sb = _steps(a), _steps(b)
     for i in range(max(len(sa), len(sb))):

@@ -12,7 +12,6 @@ REPEATABLE READ snapshot, so a consumer writing meanwhile cannot cause false dif
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -23,14 +22,13 @@ from typing import Any
 import msgspec
 import psycopg
 
-from .errors import InvalidEventError
 from .fold import (
     FORMAT_VERSION,
     PROJECTION_FORMAT,
     SessionContext,
-    apply,
     decode_context,
     encode_snapshot,
+    fold_one,
     reducer_version,
 )
 from .partitions import archived_heads, check_archive
@@ -75,6 +73,7 @@ class VerifyReport:
     snapshots: int = 0
     memo: int = 0  # completed calls compared with agent_memo
     chained_events: int = 0
+    quarantined: int = 0  # events every fold skips (unreadable payload or time, reducer error)
     differences: list[Difference] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -92,7 +91,8 @@ def _compare(
     position: int,
     limit: int,
 ) -> None:
-    diffs = field_differences(msgspec.to_builtins(ctx), msgspec.to_builtins(stored), limit=limit)
+    expected, actual = msgspec.to_builtins(ctx), msgspec.to_builtins(stored)
+    diffs = field_differences(expected, actual, limit=limit)
     for path, exp, act in diffs:
         report.differences.append(
             Difference(
@@ -167,6 +167,45 @@ def _chain(
         params,
     ).fetchone()
     report.chained_events = int(row[0]) if row else 0
+
+
+# The second witness: the hash of the event at each projection's and snapshot's position as the
+# consumer streamed it, against the table's hash there now.
+_WITNESS = """
+SELECT 'projection', s.session_id, s.last_seq, s.last_position, s.last_hash, e.hash
+FROM agent_sessions s JOIN agent_events e
+  ON e.session_id = s.session_id AND e.position = s.last_position
+WHERE s.last_hash IS NOT NULL AND s.last_hash <> e.hash {where_s}
+UNION ALL
+SELECT 'snapshot', n.session_id, n.upto_seq, n.upto_position, n.upto_hash, e.hash
+FROM agent_snapshots n JOIN agent_events e
+  ON e.session_id = n.session_id AND e.position = n.upto_position
+WHERE n.upto_hash IS NOT NULL AND n.upto_hash <> e.hash {where_n}
+ORDER BY 2, 4
+"""
+
+
+def _witness(
+    conn: psycopg.Connection[Any], report: VerifyReport, ids: list[uuid.UUID] | None
+) -> None:
+    where_s = "AND s.session_id = ANY(%(ids)s)" if ids is not None else ""
+    where_n = "AND n.session_id = ANY(%(ids)s)" if ids is not None else ""
+    query = _WITNESS.format(where_s=where_s, where_n=where_n).encode()
+    for what, sid, seq, pos, streamed, table in conn.execute(query, {"ids": ids}):
+        report.differences.append(
+            Difference(
+                sid,
+                "chain",
+                int(seq),
+                int(pos),
+                "hash",
+                bytes(table).hex(),
+                bytes(streamed).hex(),
+                f"the consumer streamed hash {bytes(streamed).hex()[:16]}… for position {pos} "
+                f"(recorded with its {what}); the table now holds {bytes(table).hex()[:16]}…: "
+                "the event was changed after it was streamed",
+            )
+        )
 
 
 def verify(
@@ -251,6 +290,7 @@ def verify(
                         report.notes.append(f"session {sid}: no events, projection or snapshot")
             if chain:
                 _chain(conn, report, ids, archived)
+                _witness(conn, report, ids)
             if archive_dir is not None:
                 for problem in check_archive(conn, archive_dir):
                     report.differences.append(
@@ -331,10 +371,12 @@ def _verify_session(
             f"session {sid}: history up to position {archived[0]} archived ({archived[2]}); "
             f"refolded from the snapshot at position {ctx.last_position}"
         )
+    quarantined = 0
     for row in rows:
-        # an invalid payload is dead-lettered by the consumer and skipped by every fold
-        with contextlib.suppress(InvalidEventError):
-            apply(ctx, row_event(row))
+        # a row no reader can fold is quarantined by every fold alike (and dead-lettered by
+        # the consumer): the refold goes on past it, as the consumer did
+        if fold_one(ctx, row_event(row)) is not None:
+            quarantined += 1
         pos = int(row[2])
         if pos in due:
             _check_at(conn, report, ctx, pos, projection_at, version, limit)
@@ -351,6 +393,12 @@ def _verify_session(
                 pos,
                 f"stored {what} is at position {pos} but the log ends at {head}",
             )
+        )
+    if quarantined:
+        report.quarantined += quarantined
+        report.notes.append(
+            f"session {sid}: {quarantined} event(s) quarantined (not folded; see "
+            "ledger_dead_letters)"
         )
     if projection_at is None:
         report.notes.append(f"session {sid}: {head} events, no projection yet (consumer behind?)")

@@ -28,7 +28,7 @@ from .errors import (
     IdempotencyConflictError,
     InvalidEventError,
 )
-from .events import encode_payload, refuse_nul
+from .events import DEFAULT_LIMITS, Limits, encode_payload, refuse_nul, too_deep
 
 __all__ = [
     "AppendResult",
@@ -75,11 +75,10 @@ class _Step:
 _Rows: TypeAlias = list[tuple[Any, ...]]
 _Steps: TypeAlias = Generator[_Step, _Rows, AppendResult]
 
-_SELECT_KEY = (
-    "SELECT seq, position, event_type, payload = %s::jsonb FROM agent_events "
-    "WHERE session_id = %s AND idempotency_key = %s"
-)
-_SELECT_HEAD = "SELECT coalesce(max(position), 0) FROM agent_events WHERE session_id = %s"
+# Through SECURITY DEFINER functions (migration 0009): a writer learns a session's head and
+# whether a key names the same event, without being able to read any event's contents.
+_SELECT_KEY = "SELECT seq, position, same FROM ledger_event_by_key(%s, %s, %s, %s::jsonb)"
+_SELECT_HEAD = "SELECT ledger_session_head(%s)"
 _INSERT = (
     "INSERT INTO agent_events (session_id, position, agent_id, event_type, payload, "
     "idempotency_key) VALUES (%s, %s, %s, %s, %s::jsonb, %s) RETURNING seq, position, created_at"
@@ -120,6 +119,7 @@ def _prepare(
     expected_position: int | None,
     idempotency_key: str | None,
     outbox: Iterable[OutboxItem],
+    limits: Limits = DEFAULT_LIMITS,
 ) -> _Request:
     sid = _session_uuid(session_id)
     if not isinstance(agent_id, str) or not agent_id:
@@ -139,7 +139,7 @@ def _prepare(
         raise InvalidEventError(
             f"idempotency_key must be a non-empty string, got {idempotency_key!r}"
         )
-    data = encode_payload(event_type, payload).decode()
+    data = encode_payload(event_type, payload, limits).decode()
     items: list[tuple[str, str, str | None]] = []
     for item in outbox:
         if not isinstance(item, OutboxItem) or not item.target:
@@ -152,7 +152,12 @@ def _prepare(
             raise InvalidEventError(
                 f"outbox payload for {item.target} is not JSON-serialisable: {e}"
             ) from e
-        refuse_nul(body.encode(), f"outbox payload for {item.target}")
+        raw = refuse_nul(body.encode(), f"outbox payload for {item.target}")
+        if len(raw) > limits.max_bytes or too_deep(raw, limits.max_depth):
+            raise InvalidEventError(
+                f"outbox payload for {item.target} is over the writer's limits "
+                f"({limits.max_bytes:,} bytes, {limits.max_depth} levels of nesting)"
+            )
         items.append((item.target, body, item.idempotency_key))
     return _Request(
         sid, agent_id, event_type, data, expected_position, idempotency_key, tuple(items)
@@ -163,7 +168,7 @@ def _append_steps(req: _Request) -> _Steps:
     """The append protocol: idempotency check, position check, insert, outbox rows."""
     sid = req.session_id
     if req.idempotency_key is not None:
-        rows = yield _Step(_SELECT_KEY, (req.payload, sid, req.idempotency_key))
+        rows = yield _Step(_SELECT_KEY, _key_params(req))
         if rows:
             return _duplicate(req, rows[0])
     if req.expected_position is not None:
@@ -179,7 +184,7 @@ def _append_steps(req: _Request) -> _Steps:
         except pg_errors.UniqueViolation as e:
             constraint = e.diag.constraint_name
             if constraint == _KEY_INDEX and req.idempotency_key is not None:
-                rows = yield _Step(_SELECT_KEY, (req.payload, sid, req.idempotency_key))
+                rows = yield _Step(_SELECT_KEY, _key_params(req))
                 if rows:
                     return _duplicate(req, rows[0])
                 continue
@@ -201,9 +206,13 @@ def _append_steps(req: _Request) -> _Steps:
     return AppendResult(int(seq), int(pos), sid, False, tuple(ids), created)
 
 
+def _key_params(req: _Request) -> tuple[Any, ...]:
+    return (req.session_id, req.idempotency_key, req.event_type, req.payload)
+
+
 def _duplicate(req: _Request, row: tuple[Any, ...]) -> AppendResult:
-    seq, pos, event_type, same_payload = row
-    if event_type != req.event_type or not same_payload:
+    seq, pos, same = row
+    if not same:
         assert req.idempotency_key is not None
         raise IdempotencyConflictError(req.session_id, req.idempotency_key, int(seq))
     return AppendResult(int(seq), int(pos), req.session_id, True)
@@ -293,15 +302,25 @@ def append(
     expected_position: int | None = None,
     idempotency_key: str | None = None,
     outbox: Sequence[OutboxItem] = (),
+    limits: Limits = DEFAULT_LIMITS,
 ) -> AppendResult:
     """Append one event (and its outbox rows) on ``conn``, joining its transaction if one is open.
 
     ``expected_position`` is the session position the writer last saw (0 for a new session); if
     another writer appended since, :class:`ConcurrentAppendError` is raised and nothing is written.
     Retrying with the same ``idempotency_key`` returns the original event's seq and writes nothing.
+    A payload deeper or larger than ``limits`` (and any field its type does not declare) is
+    refused with :class:`InvalidEventError` before anything is written.
     """
     req = _prepare(
-        session_id, agent_id, event_type, payload, expected_position, idempotency_key, outbox
+        session_id,
+        agent_id,
+        event_type,
+        payload,
+        expected_position,
+        idempotency_key,
+        outbox,
+        limits,
     )
     return _drive(conn, req)
 
@@ -316,10 +335,18 @@ async def append_async(
     expected_position: int | None = None,
     idempotency_key: str | None = None,
     outbox: Sequence[OutboxItem] = (),
+    limits: Limits = DEFAULT_LIMITS,
 ) -> AppendResult:
     """The async twin of :func:`append`."""
     req = _prepare(
-        session_id, agent_id, event_type, payload, expected_position, idempotency_key, outbox
+        session_id,
+        agent_id,
+        event_type,
+        payload,
+        expected_position,
+        idempotency_key,
+        outbox,
+        limits,
     )
     return await _drive_async(conn, req)
 
@@ -333,8 +360,9 @@ def session_head(conn: psycopg.Connection[Any], session_id: uuid.UUID | str) -> 
 class Batch:
     """Several appends that commit together (see :meth:`Ledger.transaction`)."""
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], limits: Limits = DEFAULT_LIMITS) -> None:
         self.conn = conn
+        self.limits = limits
         self.results: list[AppendResult] = []
         self.keep_results = type(self) in (Batch, AsyncBatch)
 
@@ -358,6 +386,7 @@ class Batch:
             expected_position=expected_position,
             idempotency_key=idempotency_key,
             outbox=outbox,
+            limits=self.limits,
         )
         if self.keep_results:
             self.results.append(res)
@@ -365,8 +394,9 @@ class Batch:
 
 
 class AsyncBatch:
-    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+    def __init__(self, conn: psycopg.AsyncConnection[Any], limits: Limits = DEFAULT_LIMITS) -> None:
         self.conn = conn
+        self.limits = limits
         self.results: list[AppendResult] = []
         self.keep_results = type(self) in (Batch, AsyncBatch)
 
@@ -390,6 +420,7 @@ class AsyncBatch:
             expected_position=expected_position,
             idempotency_key=idempotency_key,
             outbox=outbox,
+            limits=self.limits,
         )
         if self.keep_results:
             self.results.append(res)
@@ -400,11 +431,19 @@ class Ledger(Batch):
     """A writer bound to one connection (opened from ``dsn`` or given). ``append`` is
     :meth:`Batch.append`: each call commits by itself unless inside :meth:`transaction`."""
 
-    def __init__(self, dsn: str | None = None, *, conn: psycopg.Connection[Any] | None = None):
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        conn: psycopg.Connection[Any] | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+    ):
         if (dsn is None) == (conn is None):
             raise ValueError("give exactly one of dsn or conn")
         self._own = conn is None
-        super().__init__(conn if conn is not None else psycopg.connect(str(dsn), autocommit=True))
+        super().__init__(
+            conn if conn is not None else psycopg.connect(str(dsn), autocommit=True), limits
+        )
 
     def close(self) -> None:
         if self._own:
@@ -420,7 +459,7 @@ class Ledger(Batch):
     def transaction(self) -> Iterator[Batch]:
         """Appends made on the yielded batch commit together, or not at all."""
         with self.conn.transaction():
-            yield Batch(self.conn)
+            yield Batch(self.conn, self.limits)
 
     def head(self, session_id: uuid.UUID | str) -> int:
         return session_head(self.conn, session_id)
@@ -430,16 +469,21 @@ class AsyncLedger(AsyncBatch):
     """The async twin of :class:`Ledger`; create with ``await AsyncLedger.connect(dsn)``."""
 
     def __init__(
-        self, conn: psycopg.AsyncConnection[Any], *, own: bool = False, dsn: str | None = None
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        *,
+        own: bool = False,
+        dsn: str | None = None,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
-        super().__init__(conn)
+        super().__init__(conn, limits)
         self._own = own
         self._dsn = dsn
 
     @classmethod
-    async def connect(cls, dsn: str) -> AsyncLedger:
+    async def connect(cls, dsn: str, *, limits: Limits = DEFAULT_LIMITS) -> AsyncLedger:
         conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-        return cls(conn, own=True, dsn=dsn)
+        return cls(conn, own=True, dsn=dsn, limits=limits)
 
     def pending_runs(self, **options: Any) -> AsyncIterator[Any]:
         """Runs ready to lease, as they become ready (see :func:`ledger_cdc.runs.pending_runs`;
@@ -465,7 +509,7 @@ class AsyncLedger(AsyncBatch):
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncBatch]:
         async with self.conn.transaction():
-            yield AsyncBatch(self.conn)
+            yield AsyncBatch(self.conn, self.limits)
 
     async def head(self, session_id: uuid.UUID | str) -> int:
         cur = await self.conn.execute(_SELECT_HEAD, (_session_uuid(session_id),))

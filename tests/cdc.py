@@ -17,10 +17,14 @@ from typing import Any
 
 import msgspec
 import psycopg
+from click.testing import CliRunner, Result
 
-from ledger_cdc.errors import InvalidEventError
+from ledger_cdc.cli import cli
+from ledger_cdc.consumer import Consumer, ConsumerConfig
+from ledger_cdc.events import LedgerEvent
 from ledger_cdc.fold import SessionContext, decode_context, encode_snapshot, fold
 from ledger_cdc.replay import fold_all, load_events, load_memo
+from ledger_cdc.schema import create_slot
 from ledger_cdc.writer import Ledger
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,23 +89,30 @@ def stored_projections(conn: psycopg.Connection[Any]) -> dict[uuid.UUID, Session
 
 
 def valid_event_count(conn: psycopg.Connection[Any]) -> int:
-    return sum(1 for e in load_events(conn) if not isinstance(e, InvalidEventError))
+    return sum(1 for e in load_events(conn) if type(e) is LedgerEvent)
+
+
+_BEHIND = """
+SELECT count(*) FROM (SELECT session_id, max(position) AS head FROM agent_events GROUP BY 1) e
+LEFT JOIN agent_sessions s USING (session_id)
+WHERE s.last_position IS DISTINCT FROM e.head
+"""
 
 
 def wait_caught_up(dsn: str, timeout: float = 60.0) -> None:
-    """Until every valid event in the table is folded into a projection."""
+    """Until every session's projection has reached the last event in the table (folded or
+    quarantined)."""
     deadline = time.monotonic() + timeout
+    behind = -1
     with psycopg.connect(dsn, autocommit=True) as conn:
-        want = valid_event_count(conn)
         while time.monotonic() < deadline:
-            row = conn.execute(
-                "SELECT coalesce(sum(event_count), 0) FROM agent_sessions"
-            ).fetchone()
+            row = conn.execute(_BEHIND).fetchone()
             assert row is not None
-            if int(row[0]) >= want:
+            behind = int(row[0])
+            if behind == 0:
                 return
             time.sleep(0.1)
-    raise AssertionError(f"consumer did not catch up within {timeout}s (want {want} events)")
+    raise AssertionError(f"consumer did not catch up within {timeout}s ({behind} sessions behind)")
 
 
 def assert_projections_equal_refold(dsn: str) -> int:
@@ -115,8 +126,7 @@ def assert_projections_equal_refold(dsn: str) -> int:
         # every snapshot equals a fold of its session's events up to its position
         events: dict[uuid.UUID, list[Any]] = {}
         for ev in load_events(conn):
-            if not isinstance(ev, InvalidEventError):
-                events.setdefault(ev.session_id, []).append(ev)
+            events.setdefault(ev.session_id, []).append(ev)
         for sid, upto_pos, data in conn.execute(
             "SELECT session_id, upto_position, data FROM agent_snapshots"
         ):
@@ -235,3 +245,53 @@ def until(pred: Callable[[], bool], timeout: float = 30.0, every: float = 0.05) 
             return
         time.sleep(every)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+class InThread:
+    """A Consumer in a thread of the test process (for tests that look inside it). Its failure,
+    if it stops on an exception, is kept and re-raised on exit: a test cannot pass while the
+    consumer died."""
+
+    def __init__(self, dsn: str, **kw: Any) -> None:
+        kw.setdefault("create_slot", True)
+        self.consumer = Consumer(ConsumerConfig(dsn=dsn, **kw))
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.consumer.run()
+        except BaseException as e:
+            self.error = e
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def __enter__(self) -> Consumer:
+        # the slot exists before any test write: rows written before it are not in the stream
+        with psycopg.connect(self.consumer.config.dsn, autocommit=True) as conn:
+            create_slot(conn, self.consumer.config.slot)
+        self.thread.start()
+        return self.consumer
+
+    def __exit__(self, *exc: object) -> None:
+        self.consumer.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        if self.error is not None:
+            raise AssertionError(f"the consumer stopped on {self.error!r}") from self.error
+
+
+def run_cli(*args: str, env: dict[str, str | None] | None = None) -> Result:
+    """``ledger-cdc ARGS`` in this process; the result has exit_code, stdout, stderr and any
+    exception that escaped the CLI (a traceback a user would see)."""
+    return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=True)
+
+
+def assert_clean_exit(r: Result, *codes: int) -> None:
+    """The command ended with one of ``codes`` (0 if none given) and no traceback."""
+    want = codes or (0,)
+    escaped = r.exception if not isinstance(r.exception, SystemExit) else None
+    assert escaped is None, f"escaped {escaped!r}\n{r.output}"
+    assert r.exit_code in want, f"exit {r.exit_code}, want {want}:\n{r.output}"
+    assert "Traceback" not in r.output

@@ -30,7 +30,21 @@ LSN = c.Int64ub
 Xid = c.Int32ub
 Oid = c.Int32ub
 Timestamp = c.Int64sb  # microseconds since 2000-01-01 00:00 UTC
-String = c.CString("utf8")
+
+
+class _Text(c.Adapter):  # type: ignore[misc]
+    """A NUL-terminated string. Names come in the database's encoding, which need not be UTF-8
+    (SQL_ASCII admits any bytes, in a table name or a logical message's prefix): bytes that are
+    not UTF-8 are kept as backslash escapes rather than failing the message."""
+
+    def _decode(self, obj: bytes, context: Any, path: Any) -> str:
+        return obj.decode("utf-8", "backslashreplace")
+
+    def _encode(self, obj: str, context: Any, path: Any) -> bytes:
+        return obj.encode("utf-8")
+
+
+String = _Text(c.NullTerminated(c.GreedyBytes))
 StreamXid = c.If(c.this._params.in_stream, Xid)
 
 # TupleData: Int16 column count, then per column a kind byte (and Int32 length + bytes for t/b).

@@ -96,5 +96,10 @@ class RowLoader:
             return self._binary.get_loader(self._oids[i], Format.BINARY).load(bytes(v))
         return self._text.get_loader(self._oids[i], Format.TEXT).load(v)
 
+    def load_one(self, name: str, value: Any) -> Any:
+        """One column's raw value → Python (raises psycopg.DataError / ValueError when it
+        cannot be loaded)."""
+        return self._load_one(self.names.index(name), value)
+
     def as_dict(self, values: tuple[Any, ...], wal_start: int = 0) -> dict[str, Any]:
         return dict(zip(self.names, self.load(values, wal_start), strict=True))

@@ -10,13 +10,13 @@ Relation without the ledger's required columns is refused.
 from __future__ import annotations
 
 import operator
+import uuid
 from typing import Any
 
-import msgspec
 import psycopg
 
 from ..errors import DecodeError, InvalidEventError
-from ..events import EVENT_TYPES, LedgerEvent
+from ..events import LedgerEvent, Rejected, admit_time, load_payload
 from ..pgoutput.messages import UNCHANGED, Relation
 from ..pgoutput.values import RowLoader, raw_json_adapters
 
@@ -31,7 +31,7 @@ REQUIRED_COLUMNS = (
     "payload",
     "created_at",
 )
-_OPTIONAL = ("idempotency_key", "hash", "prev_hash")
+_OPTIONAL = ("idempotency_key", "hash")
 _ADAPTERS = raw_json_adapters()
 
 
@@ -52,51 +52,69 @@ class LedgerRowDecoder:
         self._ncols = len(names)
         self._load_sequence = self._loader._text.load_sequence
         self._pick = operator.itemgetter(*(names.index(n) for n in REQUIRED_COLUMNS))
-        # absent optional columns read as None (hash / prev_hash are not streamed by default)
-        self._key_i, self._hash_i, self._prev_i = (
-            names.index(n) if n in names else None for n in _OPTIONAL
-        )
-        self._decoders: dict[str, msgspec.json.Decoder[Any]] = {}
+        # absent optional columns read as None (a publication made before hash was streamed)
+        self._key_i, self._hash_i = (names.index(n) if n in names else None for n in _OPTIONAL)
 
     def load(self, values: tuple[Any, ...], wal_start: int = 0) -> tuple[Any, ...]:
         return self._loader.load(values, wal_start)
 
-    def event(self, values: tuple[Any, ...], wal_start: int = 0) -> LedgerEvent:
-        """One row → LedgerEvent; raises InvalidEventError when the payload fails its type."""
+    def event(self, values: tuple[Any, ...], wal_start: int = 0) -> LedgerEvent | Rejected:
+        """One row → LedgerEvent, or :class:`Rejected` with the reason when its payload or time
+        cannot be read (the rule every reader shares: :func:`ledger_cdc.events.load_payload`,
+        :func:`~ledger_cdc.events.admit_time`). Raises only DecodeError, for a tuple that does
+        not fit the relation at all."""
         if type(values) is tuple and len(values) == self._ncols:
             try:
                 row = self._load_sequence(values)  # the common case: one C call
             except (ValueError, UnicodeDecodeError, psycopg.DataError):
-                row = self._loader.load(values, wal_start)  # raises a DecodeError that says why
+                return self._rejected(values, wal_start)
         else:
-            row = self._loader.load(values, wal_start)
+            try:
+                row = self._loader.load(values, wal_start)
+            except DecodeError:
+                return self._rejected(values, wal_start)
         seq, sid, pos, agent, etype, payload, created = self._pick(row)
-        if payload is None or payload is UNCHANGED:
-            raise InvalidEventError(f"event seq {seq}: payload is missing")
-        dec = self._decoders.get(etype)
-        if dec is None:
-            dec = self._decoder_for(etype)
+        k, h = self._key_i, self._hash_i
+        key = None if k is None else row[k]
+        digest = None if h is None else row[h]
         try:
-            value = dec.decode(payload)
-        except msgspec.DecodeError as e:
-            raise InvalidEventError(f"event seq {seq} ({etype}): payload is invalid: {e}") from e
-        k, h, p = self._key_i, self._hash_i, self._prev_i
-        return LedgerEvent(
-            seq,
-            sid,
-            pos,
-            agent,
-            etype,
-            value,
-            created,
-            None if k is None else row[k],
-            None if h is None else row[h],
-            None if p is None else row[p],
+            if payload is None or payload is UNCHANGED:
+                raise InvalidEventError("payload is missing from the stream")
+            created = admit_time(created)
+            value = load_payload(etype, payload)
+        except InvalidEventError as e:
+            return Rejected(seq, sid, pos, agent, etype, f"event seq {seq}: {e}", None, key, digest)
+        return LedgerEvent(seq, sid, pos, agent, etype, value, created, key, digest)
+
+    def _rejected(self, values: tuple[Any, ...], wal_start: int) -> Rejected:
+        """A row some column of which cannot be loaded: load what can be, one column at a time
+        (the identity columns are NOT NULL integers, uuids and text, which always load)."""
+        loaded: dict[str, Any] = {}
+        bad: list[str] = []
+        for name, raw in zip(self._loader.names, values, strict=False):
+            try:
+                loaded[name] = self._loader.load_one(name, raw)
+            except (ValueError, UnicodeDecodeError, psycopg.DataError) as e:
+                bad.append(f"{name} ({_first_line(e)})")
+                loaded[name] = None
+        seq, pos = loaded.get("seq"), loaded.get("position")
+        created = values[self._loader.names.index("created_at")]
+        raw_time = bytes(created).decode("utf-8", "replace") if isinstance(created, bytes) else None
+        return Rejected(
+            seq if isinstance(seq, int) else 0,
+            loaded.get("session_id") or _NIL,
+            pos if isinstance(pos, int) else 0,
+            str(loaded.get("agent_id") or ""),
+            str(loaded.get("event_type") or ""),
+            f"event seq {seq}: cannot read {', '.join(bad) or 'the row'}",
+            raw_time,
+            loaded.get("idempotency_key"),
+            loaded.get("hash") if isinstance(loaded.get("hash"), bytes) else None,
         )
 
-    def _decoder_for(self, event_type: str) -> msgspec.json.Decoder[Any]:
-        # unknown types are kept as plain JSON: folded by nobody by default, never dropped
-        typ = EVENT_TYPES.get(event_type, Any)
-        dec: msgspec.json.Decoder[Any] = msgspec.json.Decoder(typ)
-        self._decoders[event_type] = dec
-        return dec
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+_NIL = uuid.UUID(int=0)

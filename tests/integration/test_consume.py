@@ -3,7 +3,6 @@ schema change, poison payloads, guard bypass, idle heartbeat, clean shutdown."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -12,12 +11,12 @@ from typing import Any
 import psycopg
 import pytest
 
-from ledger_cdc.consumer import Consumer, ConsumerConfig
 from ledger_cdc.errors import parse_lsn
 from ledger_cdc.schema import create_slot
 from ledger_cdc.writer import Ledger
 from tests.cdc import (
     ConsumerProcess,
+    InThread,
     Writers,
     assert_projections_equal_refold,
     stored_projections,
@@ -27,27 +26,6 @@ from tests.cdc import (
 from tests.conftest import Database
 
 pytestmark = pytest.mark.server
-
-
-class InThread:
-    """A Consumer in a thread of the test process (for tests that look inside it)."""
-
-    def __init__(self, dsn: str, **kw: Any) -> None:
-        self.consumer = Consumer(ConsumerConfig(dsn=dsn, create_slot=True, **kw))
-        self.thread = threading.Thread(target=self.consumer.run, daemon=True)
-        self.order: list[int] = []
-
-    def __enter__(self) -> Consumer:
-        # the slot exists before any test write: rows written before it are not in the stream
-        with psycopg.connect(self.consumer.config.dsn, autocommit=True) as conn:
-            create_slot(conn, self.consumer.config.slot)
-        self.thread.start()
-        return self.consumer
-
-    def __exit__(self, *exc: object) -> None:
-        self.consumer.stop()
-        self.thread.join(30)
-        assert not self.thread.is_alive()
 
 
 def test_commit_order_beats_a_seq_poller(db: Database) -> None:
@@ -60,7 +38,7 @@ def test_commit_order_beats_a_seq_poller(db: Database) -> None:
         create_slot(setup, "agent_slot")
     with InThread(db.dsn) as consumer:
         consumer.on_batch = lambda batch, m: folded.extend(
-            (ctx.last_seq, sid) for sid, (ctx, _, _) in batch.sessions.items()
+            (ctx.last_seq, sid) for sid, (ctx, _, _, _) in batch.sessions.items()
         )
         late = psycopg.connect(db.dsn)  # not autocommit: holds its transaction open
         early_ledger = Ledger(db.dsn)
@@ -240,7 +218,7 @@ def test_poison_payload_goes_to_dead_letters_and_stream_goes_on(db: Database) ->
             "SELECT seq, session_id, kind, reason FROM ledger_dead_letters"
         ).fetchall()
         (ctx,) = stored_projections(conn).values()
-    assert len(dead) == 1 and dead[0][1] == sid and dead[0][2] == "invalid_payload"
+    assert len(dead) == 1 and dead[0][1] == sid and dead[0][2] == "quarantined"
     assert "call_id" in dead[0][3] and dead[0][0] is not None
     assert ctx.completed_tools["1"].result == "fine" and ctx.event_count == 2
 

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from ledger_cdc.errors import ConfigError, IdempotencyConflictError
-from ledger_cdc.fold import decode_context, encode_context
+from ledger_cdc.fold import FORMAT_VERSION, decode_context, encode_context
 from ledger_cdc.partitions import (
     ArchiveRefusedError,
     archive,
@@ -42,7 +42,9 @@ OLD = dt.timedelta(days=120)
 
 
 def _old_event(conn: psycopg.Connection[Any], sid: uuid.UUID, i: int, when: dt.datetime) -> None:
-    """An event written 'long ago' (the owner may set created_at; writers cannot)."""
+    """An event written 'long ago' (the owner may place created_at in import mode; writers
+    cannot)."""
+    conn.execute("SET ledger.import_times = on")
     conn.execute(
         "INSERT INTO agent_events (session_id, agent_id, event_type, payload, idempotency_key, "
         "created_at) VALUES (%s, 'old', 'tool.invoked', %s::jsonb, %s, %s)",
@@ -240,7 +242,7 @@ def test_archive_replaces_a_snapshot_of_the_old_format_and_stops_at_the_consumer
             "SELECT session_id, format_version, upto_position FROM agent_snapshots "
             "ORDER BY session_id",
         ).fetchall()
-        assert sorted(rows) == sorted([(sid, 2, 3), (ahead, 2, 3)])
+        assert sorted(rows) == sorted([(sid, FORMAT_VERSION, 3), (ahead, FORMAT_VERSION, 3)])
         ctx = rebuild_context(conn, sid)  # from the replaced snapshot: the history is gone
         assert ctx.last_position == 3 and ctx.memo_position == 3
         late = rebuild_context(conn, ahead)  # snapshot at 3, then the tail from the log

@@ -1,0 +1,454 @@
+"""Hostile input on a real server: nothing a writer or any database role sends stops the consumer
+or breaks recovery.
+
+One run per server version (a module fixture, so the suite pays for it once) puts every class
+of hostile input into the ledger while a real ``ledger-cdc consume`` process streams it, each
+class in sessions of its own; the consumer must keep streaming past all of it, a restarted
+consumer must start, and a consumer bootstrapping a new slot over the hostile history must
+finish. The tests then check each class: what was quarantined (dead letters with seq, LSN and
+reason), what was folded, and that every reader — rebuild_context, verify, replay, inspect,
+diff — works on those sessions and agrees with the consumer.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from ledger_cdc.errors import InvalidEventError
+from ledger_cdc.events import MAX_TIME, MIN_TIME, READ_MAX_DEPTH, Limits
+from ledger_cdc.fold import SessionContext
+from ledger_cdc.replay import rebuild_context
+from ledger_cdc.schema import drop_slot
+from ledger_cdc.verify import verify
+from ledger_cdc.writer import Ledger
+from tests.cdc import (
+    ConsumerProcess,
+    InThread,
+    assert_clean_exit,
+    assert_projections_equal_refold,
+    run_cli,
+    stored_projections,
+    until,
+    wait_caught_up,
+    wait_streaming,
+)
+from tests.conftest import Database, Server, _new_database
+
+pytestmark = pytest.mark.server
+
+
+def _deep(depth: int) -> str:
+    opening = "".join('{"k": ' if i % 2 == 0 else "[" for i in range(depth))
+    closing = "".join("}" if i % 2 == 0 else "]" for i in reversed(range(depth)))
+    return opening + "1" + closing
+
+
+@dataclass
+class Run:
+    """What the module fixture did: sessions per class, the consumer's log."""
+
+    db: Database
+    sessions: dict[str, list[uuid.UUID]] = field(default_factory=dict)
+    control: uuid.UUID = field(default_factory=uuid.uuid4)
+    log: Path | None = None
+    restarts: int = 0
+
+    def new(self, cls: str) -> uuid.UUID:
+        sid = uuid.uuid4()
+        self.sessions.setdefault(cls, []).append(sid)
+        return sid
+
+
+def _raw(conn: psycopg.Connection[Any], sid: uuid.UUID, etype: str, payload: str) -> None:
+    """An INSERT by the table owner, past the writer's validation (what SQL writers can do)."""
+    conn.execute(
+        "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+        "VALUES (%s, 'raw', %s, %s::jsonb)",
+        (sid, etype, payload),
+    )
+
+
+def _good(ledger: Ledger, sid: uuid.UUID, n: int) -> None:
+    ledger.append(sid, "good", "tool.invoked", {"call_id": f"g{n}", "tool": "t"})
+
+
+# -- the classes of hostile input ---------------------------------------------------------------
+
+
+def _messages(run: Run, owner: psycopg.Connection[Any], mallory: str) -> None:
+    """Logical messages from a role with no privilege at all: our heartbeat's prefix with any
+    content, transactional or not, other prefixes, non-UTF-8 bytes, deep and large content."""
+    contents = [
+        b'{"slot":"agent_slot","ts":"x"}',
+        b"[]",
+        b"null",
+        b'{"slot":"agent_slot","nonce":"guess","ts":1e400}',
+        b'{"slot":"agent_slot","nonce":"guess","ts":12}',
+        b"\xff\xfe\x00\x01",
+        b"[" * 100_000 + b"]" * 100_000,
+        b"x" * 1_000_000,
+    ]
+    with psycopg.connect(run.db.dsn_as(mallory), autocommit=True) as conn:
+        for content in contents:
+            for transactional in (False, True):
+                for prefix in ("ledger-cdc.heartbeat", "other", ""):
+                    conn.execute(
+                        "SELECT pg_logical_emit_message(%s, %s, %s::bytea)",
+                        (transactional, prefix, content),
+                    )
+        # and inside a transaction that also writes nothing of ours
+        with conn.transaction():
+            conn.execute(
+                "SELECT pg_logical_emit_message(true, 'ledger-cdc.heartbeat', '{}'::bytea)"
+            )
+
+
+def _depth(run: Run, owner: psycopg.Connection[Any], mallory: str) -> None:
+    sid = run.new("depth")
+    _raw(owner, sid, "tool.invoked", '{"call_id": "c1", "tool": "t"}')
+    _raw(owner, sid, "tool.observed", '{"call_id": "c1", "result": ' + _deep(1000) + "}")
+    # at the readers' limit exactly: folded; one deeper: quarantined
+    _raw(owner, sid, "app.custom", '{"v": ' + _deep(READ_MAX_DEPTH - 1) + "}")
+    _raw(owner, sid, "app.custom", '{"v": ' + _deep(READ_MAX_DEPTH) + "}")
+    _raw(owner, sid, "context.loaded", '{"messages": [], "zz": ' + _deep(5000) + "}")
+
+
+def _numbers(run: Run, owner: psycopg.Connection[Any], mallory: str) -> None:
+    sid = run.new("numbers")
+    _raw(owner, sid, "run.queued", "{}")
+    _raw(owner, sid, "run.leased", '{"worker": "w", "ttl": 1e12}')
+    _raw(owner, sid, "run.leased", '{"worker": "w", "ttl": 1e308}')
+    _raw(owner, sid, "run.leased", '{"worker": "w", "ttl": -1e308}')
+    _raw(owner, sid, "run.leased", '{"worker": "w", "ttl": 1e400}')  # no float holds it
+    _raw(
+        owner,
+        sid,
+        "model.responded",
+        '{"request_id": "r", "model": "m", "usage": {"input_tokens": 1e400, '
+        '"output_tokens": 18446744073709551616}}',
+    )
+    _raw(owner, sid, "tool.invoked", '{"call_id": "n", "tool": "t", "arguments": {"x": -1e400}}')
+    _raw(owner, sid, "run.leased", '{"worker": "w", "ttl": 1e12}')
+
+
+def _times(run: Run, owner: psycopg.Connection[Any], mallory: str) -> None:
+    """created_at values PostgreSQL accepts and Python cannot hold (placed by the owner in
+    import mode, the one path that may set it)."""
+    owner.execute("SET ledger.import_times = on")
+    try:
+        for when in (
+            "20000-01-01 00:00:00+00",
+            "infinity",
+            "-infinity",
+            "4713-01-01 00:00:00+00 BC",
+            "9999-12-31 23:00:00+00",
+            "0001-01-01 00:00:00+00",
+        ):
+            sid = run.new("times")
+            owner.execute(
+                "INSERT INTO agent_events (session_id, agent_id, event_type, payload, created_at) "
+                "VALUES (%s, 'old', 'run.queued', '{}', %s::timestamptz)",
+                (sid, when),
+            )
+            owner.execute(
+                "INSERT INTO agent_events (session_id, agent_id, event_type, payload, created_at) "
+                "VALUES (%s, 'old', 'run.leased', '{\"worker\": \"w\", \"ttl\": 30}', %s)",
+                (sid, when),
+            )
+    finally:
+        owner.execute("RESET ledger.import_times")
+
+
+def _shapes(run: Run, owner: psycopg.Connection[Any], mallory: str) -> None:
+    sid = run.new("shapes")
+    _raw(owner, sid, "tool.observed", '{"call_id": 42}')
+    _raw(owner, sid, "task.completed", "[]")
+    _raw(owner, sid, "task.failed", "null")
+    _raw(owner, sid, "context.loaded", '"a string"')
+    _raw(owner, sid, "app.unknown", "[1, 2, 3]")
+    # fields no type declares, written by a newer writer: tolerated, the rest folded
+    _raw(owner, sid, "tool.invoked", '{"call_id": "u", "tool": "t", "args": {}, "v2": true}')
+
+
+def _huge(run: Run, owner: psycopg.Connection[Any], mallory: str) -> None:
+    sid = run.new("huge")
+    _raw(owner, sid, "tool.invoked", '{"call_id": "h", "tool": "t"}')
+    _raw(owner, sid, "tool.observed", json.dumps({"call_id": "h", "result": "x" * 5_000_000}))
+
+
+def _relations(run: Run, owner: psycopg.Connection[Any], mallory: str) -> None:
+    """Another table in the publication, changed in the same transactions as ledger rows."""
+    sid = run.new("relations")
+    owner.execute("CREATE TABLE IF NOT EXISTS other (id int PRIMARY KEY, v text)")
+    owner.execute("ALTER PUBLICATION agent_pub ADD TABLE other")
+    with owner.transaction():
+        owner.execute("INSERT INTO other VALUES (1, 'a'), (2, 'b')")
+        _raw(owner, sid, "tool.invoked", '{"call_id": "o", "tool": "t"}')
+        owner.execute("UPDATE other SET v = 'c' WHERE id = 1")
+        owner.execute("DELETE FROM other WHERE id = 2")
+        owner.execute("TRUNCATE other")
+
+
+CLASSES: list[Callable[[Run, psycopg.Connection[Any], str], None]] = [
+    _messages,
+    _depth,
+    _numbers,
+    _times,
+    _shapes,
+    _huge,
+    _relations,
+]
+
+
+@pytest.fixture(scope="module")
+def run(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    for db in _new_database(server, server.template):
+        mallory = f"mallory_{db.name}"
+        with psycopg.connect(server.dsn(), autocommit=True) as admin:
+            admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(mallory)))
+        log = tmp_path_factory.mktemp("hostile") / "consume.log"
+        r = Run(db, log=log)
+        args = ("--create-slot", "--heartbeat-interval", "0.2", "--snapshot-every", "2")
+        try:
+            with Ledger(db.dsn) as ledger, db.connect() as owner:
+                consumer = ConsumerProcess(db.dsn, *args, log=log).start()
+                try:
+                    wait_streaming(db.dsn)
+                    _good(ledger, r.control, 1)
+                    wait_caught_up(db.dsn)
+                    for inject in CLASSES:
+                        inject(r, owner, mallory)
+                        _good(ledger, r.control, len(r.sessions) + 100)
+                    wait_caught_up(db.dsn, timeout=120)
+                    assert consumer.alive(), log.read_text()[-3000:]
+                    # a restarted consumer starts, past every hostile message
+                    assert consumer.terminate() == 0, log.read_text()[-3000:]
+                    consumer = ConsumerProcess(db.dsn, *args, log=log).start()
+                    r.restarts += 1
+                    _good(ledger, r.control, 1000)
+                    wait_caught_up(db.dsn)
+                    assert consumer.alive(), log.read_text()[-3000:]
+                    assert consumer.terminate() == 0
+                    # a consumer bootstrapping a new slot over the whole hostile history finishes
+                    drop_slot(db.dsn, "agent_slot", force=True)
+                    owner.execute(
+                        "TRUNCATE agent_sessions, agent_snapshots, agent_memo, ledger_checkpoints, "
+                        "ledger_dead_letters"
+                    )
+                    consumer = ConsumerProcess(db.dsn, *args, log=log).start()
+                    wait_caught_up(db.dsn, timeout=120)
+                    _good(ledger, r.control, 2000)
+                    wait_caught_up(db.dsn)
+                    assert consumer.alive(), log.read_text()[-3000:]
+                    # and its own heartbeats come back through the slot, forged ones or not
+                    until(
+                        lambda: (
+                            owner.execute(
+                                "SELECT heartbeat_at IS NOT NULL FROM ledger_checkpoints"
+                            ).fetchone()
+                            == (True,)
+                        ),
+                        timeout=60,
+                    )
+                finally:
+                    if consumer.alive():
+                        consumer.terminate()
+            drop_slot(db.dsn, "agent_slot", force=True)  # slot names are cluster-wide
+            yield r
+        finally:
+            with psycopg.connect(server.dsn(), autocommit=True) as admin:
+                admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(mallory)))
+                admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(mallory)))
+
+
+def _dead(run: Run, cls: str) -> list[tuple[Any, ...]]:
+    with run.db.connect() as conn:
+        return conn.execute(
+            "SELECT seq, session_id, lsn, kind, reason FROM ledger_dead_letters "
+            "WHERE session_id = ANY(%s) ORDER BY seq",
+            (run.sessions.get(cls, []),),
+        ).fetchall()
+
+
+def _readers_agree(run: Run, cls: str) -> dict[uuid.UUID, SessionContext]:
+    """Every reader works on the class's sessions and reaches the consumer's context."""
+    sids = run.sessions[cls]
+    with run.db.connect() as conn:
+        stored = {s: c for s, c in stored_projections(conn).items() if s in sids}
+        for sid in sids:
+            assert rebuild_context(conn, sid, memo=True) == stored[sid]
+    report = verify(run.db.dsn, sids)
+    assert report.ok, report.differences[:3]
+    for sid in sids:
+        for args in (["replay", str(sid)], ["inspect", str(sid)], ["replay", str(sid), "--json"]):
+            assert_clean_exit(run_cli(*args, "--dsn", run.db.dsn))
+        assert_clean_exit(run_cli("diff", str(sid), str(run.control), "--dsn", run.db.dsn), 0, 1)
+    return stored
+
+
+def test_the_consumer_survived_everything(run: Run) -> None:
+    """Streaming went on, a restart and a bootstrap over the hostile history completed, and the
+    projections and snapshots of every session equal a refold from zero."""
+    assert run.restarts == 1
+    assert_projections_equal_refold(run.db.dsn)
+    assert_clean_exit(run_cli("verify", "--all", "--dsn", run.db.dsn))
+    text = run.log.read_text() if run.log else ""
+    assert "Traceback" not in text
+
+
+def test_messages_from_any_role_are_ignored(run: Run) -> None:
+    with run.db.connect() as conn:
+        (ctx,) = [c for s, c in stored_projections(conn).items() if s == run.control]
+        lag = conn.execute(
+            "SELECT heartbeat_at FROM ledger_checkpoints WHERE slot_name = 'agent_slot'"
+        ).fetchone()
+    assert ctx.event_count == len(ctx.pending_tools) == 10  # every good event folded
+    # our own heartbeats still come through (forged ones did not stop or fool the consumer)
+    assert lag is not None and lag[0] is not None
+
+
+def test_deep_payloads_are_quarantined_by_a_fixed_rule(run: Run) -> None:
+    dead = _dead(run, "depth")
+    assert len(dead) == 3, dead
+    assert all(d[3] == "quarantined" and "deeper than" in d[4] for d in dead)
+    assert all(d[0] is not None and d[2] is not None for d in dead)  # seq and LSN
+    (ctx,) = _readers_agree(run, "depth").values()
+    assert ctx.event_count == 2 and ctx.quarantined == 3 and ctx.last_position == 5
+    assert "c1" in ctx.pending_tools  # its result was quarantined: the call is still in flight
+
+
+def test_numbers_at_the_limits_saturate_or_are_quarantined(run: Run) -> None:
+    dead = _dead(run, "numbers")
+    assert [d[4] for d in dead if "ttl" in d[4]] and len(dead) == 1, dead
+    (ctx,) = _readers_agree(run, "numbers").values()
+    assert ctx.run is not None and ctx.run.lease is not None
+    assert ctx.run.lease.until == MAX_TIME  # 1e12 s from now: saturated, not a crash
+    assert ctx.usage.output_tokens == 2**64 and ctx.usage.input_tokens == 10**400
+
+
+def test_times_out_of_range_are_quarantined_everywhere(run: Run) -> None:
+    dead = _dead(run, "times")
+    assert len(dead) == 2 * 6 - 0, dead  # every row of these sessions: none readable
+    assert all("created_at" in d[4] for d in dead)
+    ctxs = _readers_agree(run, "times")
+    for ctx in ctxs.values():
+        assert ctx.quarantined == 2 and ctx.run is None
+    assert MIN_TIME < MAX_TIME
+
+
+def test_payloads_of_the_wrong_shape_are_quarantined_and_unknown_fields_tolerated(
+    run: Run,
+) -> None:
+    dead = _dead(run, "shapes")
+    assert len(dead) == 4, dead  # the unknown type's array and the extra fields are folded
+    (ctx,) = _readers_agree(run, "shapes").values()
+    assert "u" in ctx.pending_tools and ctx.ignored_events == 1
+
+
+def test_a_huge_payload_is_folded(run: Run) -> None:
+    assert _dead(run, "huge") == []
+    (ctx,) = _readers_agree(run, "huge").values()
+    assert len(ctx.completed_tools["h"].result) == 5_000_000
+
+
+def test_other_relations_in_the_publication_are_not_ours(run: Run) -> None:
+    assert _dead(run, "relations") == []
+    (ctx,) = _readers_agree(run, "relations").values()
+    assert ctx.event_count == 1
+
+
+def test_the_writer_refuses_what_readers_would_quarantine(db: Database) -> None:
+    """Writers are strict: depth and size limits, fields no type declares."""
+    sid = uuid.uuid4()
+    deep: Any = 1
+    for _ in range(990):
+        deep = [deep]
+    with Ledger(db.dsn) as ledger:
+        with pytest.raises(InvalidEventError, match="nests deeper than 64"):
+            ledger.append(sid, "a", "tool.observed", {"call_id": "c", "result": deep})
+        with pytest.raises(InvalidEventError, match=r"\$\.args"):
+            ledger.append(sid, "a", "tool.invoked", {"call_id": "c", "tool": "t", "args": {}})
+    with Ledger(db.dsn, limits=Limits(max_depth=8, max_bytes=1000)) as small:
+        with pytest.raises(InvalidEventError, match="over the limit of 1,000"):
+            small.append(sid, "a", "tool.observed", {"call_id": "c", "result": "x" * 2000})
+        with pytest.raises(InvalidEventError, match="deeper than 8"):
+            small.append(sid, "a", "tool.observed", {"call_id": "c", "result": [[[[[[[[1]]]]]]]]})
+    with pytest.raises(ValueError, match="max_depth"):
+        Limits(max_depth=READ_MAX_DEPTH + 1)
+    with db.connect() as conn:
+        assert conn.execute("SELECT count(*) FROM agent_events").fetchone() == (0,)
+
+
+_RECHAIN = """
+WITH RECURSIVE chain AS (
+    SELECT seq, position, hash FROM agent_events WHERE session_id = %(sid)s AND position = 1
+    UNION ALL
+    SELECT e.seq, e.position,
+           ledger_event_hash(c.hash, e.session_id, e.position, e.agent_id, e.event_type,
+                             e.payload, e.idempotency_key, e.created_at)
+    FROM agent_events e JOIN chain c ON e.session_id = %(sid)s AND e.position = c.position + 1
+)
+UPDATE agent_events e SET hash = c.hash,
+       prev_hash = (SELECT p.hash FROM chain p WHERE p.position = c.position - 1)
+FROM chain c WHERE e.seq = c.seq
+"""
+
+
+def _tamper(conn: psycopg.Connection[Any], sid: uuid.UUID, edit: str) -> None:
+    """A superuser's edit hidden from the publication, every hash recomputed after it: the
+    table's own chain is consistent again."""
+    conn.execute("ALTER PUBLICATION agent_pub SET (publish = 'insert')")
+    conn.execute("ALTER TABLE agent_events DISABLE TRIGGER agent_events_append_only")
+    conn.execute(edit, (sid,))
+    conn.execute(_RECHAIN, {"sid": sid})
+    conn.execute("ALTER TABLE agent_events ENABLE ALWAYS TRIGGER agent_events_append_only")
+    conn.execute("ALTER PUBLICATION agent_pub SET (publish = 'insert, update, delete, truncate')")
+
+
+def test_two_witnesses_see_an_edit_that_recomputes_the_chain(db: Database) -> None:
+    """The table's chain alone cannot see an edit whose hashes were recomputed; the consumer's
+    record of what it streamed (and, for a change in what folds, the refold) can."""
+    folded, silent = uuid.uuid4(), uuid.uuid4()
+    with InThread(db.dsn, snapshot_every=2), Ledger(db.dsn) as ledger:
+        for sid in (folded, silent):
+            ledger.append(sid, "a", "tool.invoked", {"call_id": "c", "tool": "t"})
+            ledger.append(
+                sid, "a", "tool.observed", {"call_id": "c", "result": 1}, idempotency_key="k"
+            )
+            ledger.append(sid, "a", "task.completed", {"result": "done"})
+        wait_caught_up(db.dsn)
+    assert verify(db.dsn).ok
+    with db.connect() as conn:
+        _tamper(
+            conn,
+            folded,
+            'UPDATE agent_events SET payload = \'{"call_id": "c", "result": 2}\' '
+            "WHERE session_id = %s AND position = 2",
+        )
+        # an edit that changes nothing the fold reads: only the consumer's record sees it
+        _tamper(
+            conn,
+            silent,
+            "UPDATE agent_events SET idempotency_key = 'k2' WHERE session_id = %s AND position = 2",
+        )
+        chain_only = verify(db.dsn)
+    by_session: dict[uuid.UUID, set[str]] = {}
+    for d in chain_only.differences:
+        by_session.setdefault(d.session_id, set()).add(d.kind)
+    # the table's chain is consistent (no "first event that no longer matches")
+    assert not [d for d in chain_only.differences if "no longer match" in d.detail]
+    assert by_session[silent] == {"chain"}
+    assert {"chain", "projection"} <= by_session[folded]
+    witness = [d for d in chain_only.differences if d.session_id == silent]
+    assert "changed after it was streamed" in witness[0].detail
+    r = run_cli("verify", "--all", "--dsn", db.dsn)
+    assert_clean_exit(r, 1)

@@ -1,0 +1,192 @@
+"""Least privilege, proven by logging in as each role: every role can do what its API documents
+and no more.
+
+- ``ledger_writer``: appends (expected position, idempotent retries and their comparison, the
+  outbox), signals and runs submitted; never another event's contents, never ``agent_memo`` or
+  the projections, never a chosen ``seq``, ``created_at`` or ``hash``.
+- ``ledger_reader``: rebuild_context, the memo, verify, inspect, runs; never an insert.
+- ``ledger_consumer`` (with REPLICATION): consume, lag; writes only its own tables.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from ledger_cdc.errors import ConcurrentAppendError, IdempotencyConflictError
+from ledger_cdc.replay import memoised_tool, rebuild_context
+from ledger_cdc.runs import signal, submit
+from ledger_cdc.verify import verify
+from ledger_cdc.writer import Ledger, OutboxItem
+from tests.cdc import InThread, assert_clean_exit, run_cli, wait_caught_up
+from tests.conftest import Database
+
+pytestmark = pytest.mark.server
+
+
+@dataclass
+class Roles:
+    db: Database
+    writer: str
+    reader: str
+    consumer: str
+
+    def dsn(self, role: str) -> str:
+        return self.db.dsn_as(role)
+
+
+@pytest.fixture
+def roles(db: Database) -> Iterator[Roles]:
+    r = Roles(db, f"w_{db.name}", f"r_{db.name}", f"c_{db.name}")
+    made = [
+        (r.writer, "IN ROLE ledger_writer"),
+        (r.reader, "IN ROLE ledger_reader"),
+        (r.consumer, "REPLICATION IN ROLE ledger_consumer"),
+    ]
+    with psycopg.connect(db.server.dsn(), autocommit=True) as admin:
+        for name, extra in made:
+            admin.execute(sql.SQL("CREATE ROLE {} LOGIN " + extra).format(sql.Identifier(name)))
+    try:
+        yield r
+    finally:
+        with db.connect() as conn, psycopg.connect(db.server.dsn(), autocommit=True) as admin:
+            for name, _ in made:
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
+                admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+
+
+def _refused(dsn: str, *statements: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for stmt in statements:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(stmt)
+
+
+def test_writer_does_what_the_writer_api_documents(roles: Roles) -> None:
+    sid = uuid.uuid4()
+    with Ledger(roles.dsn(roles.writer)) as ledger:
+        r1 = ledger.append(
+            sid, "a", "tool.invoked", {"call_id": "c", "tool": "t"}, expected_position=0
+        )
+        with pytest.raises(ConcurrentAppendError):
+            ledger.append(sid, "a", "task.completed", {}, expected_position=0)
+        with ledger.transaction() as tx:  # an agent turn with its outbox row
+            r2 = tx.append(
+                sid,
+                "a",
+                "tool.observed",
+                {"call_id": "c", "result": 1},
+                idempotency_key="k-1",
+                outbox=[OutboxItem("webhook:ci", {"n": 1}, "out-1")],
+            )
+        assert r2.outbox_ids and r2.created_at is not None
+        again = ledger.append(
+            sid, "a", "tool.observed", {"call_id": "c", "result": 1}, idempotency_key="k-1"
+        )
+        assert again.duplicate and again.seq == r2.seq and again.position == 2
+        with pytest.raises(IdempotencyConflictError):
+            ledger.append(
+                sid, "a", "tool.observed", {"call_id": "c", "result": 2}, idempotency_key="k-1"
+            )
+        assert ledger.head(sid) == 2 and r1.position == 1
+    with psycopg.connect(roles.dsn(roles.writer), autocommit=True) as conn:
+        submit(conn, sid)
+        assert not signal(conn, sid, "approve", {"by": "ann"}, signal_id="s1").duplicate
+        assert signal(conn, sid, "approve", {"by": "ann"}, signal_id="s1").duplicate
+
+
+def test_writer_reads_no_contents_and_chooses_no_server_column(roles: Roles) -> None:
+    other = uuid.uuid4()
+    with Ledger(roles.db.dsn) as ledger:
+        ledger.append(other, "a", "task.completed", {"result": "secret"})
+    _refused(
+        roles.dsn(roles.writer),
+        "SELECT payload FROM agent_events",
+        "SELECT session_id FROM agent_events",
+        "SELECT * FROM agent_memo",
+        "SELECT * FROM agent_sessions",
+        "SELECT * FROM agent_snapshots",
+        "SELECT payload FROM agent_outbox",
+        "SELECT * FROM ledger_dead_letters",
+        # server-assigned columns
+        f"INSERT INTO agent_events (seq, session_id, agent_id, event_type, payload) "
+        f"VALUES (999999, '{other}', 'a', 'x.y', '{{}}')",
+        "INSERT INTO agent_events (session_id, agent_id, event_type, payload, created_at) "
+        "VALUES (gen_random_uuid(), 'a', 'x.y', '{}', '2000-01-01')",
+        "INSERT INTO agent_events (session_id, agent_id, event_type, payload, hash) "
+        "VALUES (gen_random_uuid(), 'a', 'x.y', '{}', '\\x00')",
+        "UPDATE agent_events SET agent_id = 'x'",
+        "DELETE FROM agent_events",
+        "UPDATE agent_outbox SET dispatched = true",
+    )
+    # even the owner's explicit time is refused outside an import
+    with (
+        psycopg.connect(roles.db.dsn, autocommit=True) as owner,
+        pytest.raises(psycopg.errors.InsufficientPrivilege, match="assigned by the server"),
+    ):
+        owner.execute(
+            "INSERT INTO agent_events (session_id, agent_id, event_type, payload, created_at) "
+            "VALUES (gen_random_uuid(), 'a', 'x.y', '{}', '2000-01-01')"
+        )
+
+
+def test_no_role_but_the_ledgers_may_ask_the_key_function(roles: Roles) -> None:
+    with psycopg.connect(roles.db.server.dsn(), autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(f"n_{roles.db.name}")))
+    try:
+        _refused(
+            roles.db.dsn_as(f"n_{roles.db.name}"),
+            "SELECT * FROM ledger_event_by_key(gen_random_uuid(), 'k', 'x.y', '{}')",
+            "SELECT ledger_session_head(gen_random_uuid())",
+            "SELECT * FROM agent_events",
+        )
+    finally:
+        with psycopg.connect(roles.db.server.dsn(), autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(f"n_{roles.db.name}")))
+
+
+def test_reader_rebuilds_and_verifies_and_writes_nothing(roles: Roles) -> None:
+    sid = uuid.uuid4()
+    with InThread(roles.db.dsn), Ledger(roles.db.dsn) as ledger:
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "c", "tool": "t"})
+        ledger.append(sid, "a", "tool.observed", {"call_id": "c", "result": 7})
+        wait_caught_up(roles.db.dsn)
+    dsn = roles.dsn(roles.reader)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ctx = rebuild_context(conn, sid)
+        assert ctx.last_position == 2
+        done = memoised_tool(conn, ctx, "c")
+        assert done is not None and done.result == 7
+    assert verify(dsn).ok
+    for args in (["inspect", str(sid)], ["replay", str(sid)], ["verify", "--all"], ["runs"]):
+        assert_clean_exit(run_cli(*args, "--dsn", dsn))
+    _refused(
+        dsn,
+        "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+        "VALUES (gen_random_uuid(), 'a', 'x.y', '{}')",
+        "DELETE FROM agent_sessions",
+        "UPDATE ledger_checkpoints SET lsn = '0/1'",
+    )
+
+
+def test_consumer_role_consumes_and_writes_only_its_tables(roles: Roles) -> None:
+    sid = uuid.uuid4()
+    dsn = roles.dsn(roles.consumer)
+    with InThread(dsn, heartbeat_interval=0.2), Ledger(roles.db.dsn) as ledger:
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "c", "tool": "t"})
+        ledger.append(sid, "a", "tool.observed", {"call_id": "c", "result": 7})
+        wait_caught_up(roles.db.dsn)
+    assert_clean_exit(run_cli("lag", "--dsn", dsn, "--sample-seconds", "0"), 0, 1)
+    _refused(
+        dsn,
+        "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+        "VALUES (gen_random_uuid(), 'a', 'x.y', '{}')",
+        "UPDATE agent_events SET agent_id = 'x'",
+        "INSERT INTO agent_outbox (event_seq, session_id, target, payload, idempotency_key) "
+        "VALUES (1, gen_random_uuid(), 't', '{}', 'k')",
+    )
