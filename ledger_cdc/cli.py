@@ -12,6 +12,7 @@ An error is printed as one red line on stderr, with a hint where there is one.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -22,10 +23,12 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.rule import Rule
 from rich.table import Table
+from rich.text import Text
 
 from ._version import __version__
-from .errors import ConfigError, LedgerError
+from .errors import LedgerError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -41,31 +44,103 @@ class State:
     err: Console
 
 
-def _fail(e: LedgerError) -> None:
-    from .stream.transport import SlotLostError
+def _fail(e: BaseException) -> None:
+    """Any error as one red line on stderr (its password removed) and its exit code."""
+    import logging
 
-    err = Console(stderr=True, highlight=False)
-    err.print(f"[bold red]error:[/] {e}", soft_wrap=True)
-    if isinstance(e, SlotLostError):
-        code = EXIT_SLOT
-    elif isinstance(e, ConfigError):
-        code = EXIT_CONFIG
+    from .errors import describe, redact, translate
+
+    dsn = None
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        for c in (ctx, *_parents(ctx)):
+            dsn = dsn or c.params.get("dsn")
+    if not isinstance(e, LedgerError) and _is_driver_error(e):
+        e = translate(e, dsn=dsn)
+    if isinstance(e, LedgerError):
+        text = redact(" ".join(str(e).split()) or type(e).__name__, dsn)
+        code = e.exit_code
     else:
+        logging.getLogger("ledger_cdc").debug("internal error", exc_info=e)
+        text = (
+            f"internal error: {type(e).__name__}: {describe(e, dsn)} (a bug: please report it; "
+            "LEDGER_CDC_DEBUG=1 shows the traceback)"
+        )
         code = EXIT_ERROR
+    err = Console(stderr=True, highlight=False)
+    err.print(f"[bold red]error:[/] {text}", soft_wrap=True, markup=True)
+    if os.environ.get("LEDGER_CDC_DEBUG"):
+        import traceback
+
+        traceback.print_exception(e)
     sys.exit(code)
 
 
+def _parents(ctx: click.Context) -> list[click.Context]:
+    out = []
+    while ctx.parent is not None:
+        ctx = ctx.parent
+        out.append(ctx)
+    return out
+
+
+def _is_driver_error(e: BaseException) -> bool:
+    mod = type(e).__module__
+    return mod.startswith(("psycopg", "psycopg2"))
+
+
 def handles_errors(fn: F) -> F:
-    """Turn a LedgerError into one red line and its exit code."""
+    """Turn any error into one red line and its exit code (no traceback, no password)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except LedgerError as e:
+        except (click.ClickException, click.exceptions.Exit, click.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            sys.exit(130)
+        except Exception as e:
             _fail(e)
 
     return wrapper  # type: ignore[return-value]
+
+
+def print_records(
+    console: Console,
+    title: str,
+    columns: list[str],
+    rows: list[list[str]],
+    *,
+    title_style: str | None = None,
+    caption: str | None = None,
+) -> None:
+    """Rows as a table when the terminal is wide enough for every column unbroken, else one
+    block per row (header, value) — never headers split mid-word at 80 columns."""
+    widths = [
+        max([len(c), *(min(len(Text.from_markup(r[i]).plain), 40) for r in rows)])
+        for i, c in enumerate(columns)
+    ]
+    if sum(widths) + 3 * len(columns) + 1 <= console.width:
+        t = Table(title=title, title_style=title_style, caption=caption)
+        for col in columns:
+            t.add_column(col, overflow="fold")
+        for r in rows:
+            t.add_row(*r)
+        console.print(t)
+        return
+    console.print(Text(title, style=title_style or "bold"))
+    key_width = max(len(c) for c in columns)
+    for r in rows:
+        t = Table(show_header=False, box=None, padding=(0, 1), pad_edge=False)
+        t.add_column(no_wrap=True, width=key_width, style="dim")
+        t.add_column(overflow="fold")
+        for col, value in zip(columns, r, strict=True):
+            t.add_row(col, value)
+        console.print(Rule(style="dim"))
+        console.print(t)
+    if caption:
+        console.print(Text(caption, style="dim"))
 
 
 dsn_option = click.option(
@@ -662,17 +737,16 @@ def lag(
             else:
                 if watch:
                     state.console.clear()
-                state.console.print(_lag_table(slots))
+                _print_lag(state.console, slots)
             code = max((h.status for h in slots), default=0)
             if not watch:
                 sys.exit(code)
             time.sleep(interval)
 
 
-def _lag_table(slots: list[Any]) -> Table:
+def _print_lag(console: Console, slots: list[Any]) -> None:
     colour = {0: "green", 1: "yellow", 2: "red", 3: "bold red"}
-    t = Table(title="logical replication slots")
-    for col in (
+    columns = [
         "slot",
         "status",
         "active",
@@ -685,34 +759,37 @@ def _lag_table(slots: list[Any]) -> Table:
         "checkpoint behind",
         "time left",
         "why",
-    ):
-        t.add_column(col, overflow="fold")
+    ]
+    rows = []
     for h in slots:
-        t.add_row(
-            h.slot,
-            f"[{colour[h.status]}]{h.status_name}[/]",
-            "—" if not h.exists else (f"pid {h.active_pid}" if h.active else "no"),
-            h.wal_status or "—",
-            _human_bytes(h.retained_bytes),
-            "unbounded"
-            if h.exists and h.max_slot_wal_keep_size is None
-            else _human_bytes(h.max_slot_wal_keep_size),
-            "—" if h.keep_size_share is None else f"{h.keep_size_share:.0%}",
-            _human_bytes(h.safe_wal_size),
-            f"{_human_bytes(h.lag_bytes)} / {_human_seconds(h.lag_seconds)}",
-            _human_bytes(h.checkpoint_behind_slot_bytes),
-            _human_seconds(h.seconds_to_invalidation),
-            "; ".join(h.reasons) or "—",
+        rows.append(
+            [
+                h.slot,
+                f"[{colour[h.status]}]{h.status_name}[/]",
+                "—" if not h.exists else (f"pid {h.active_pid}" if h.active else "no"),
+                h.wal_status or "—",
+                _human_bytes(h.retained_bytes),
+                "unbounded"
+                if h.exists and h.max_slot_wal_keep_size is None
+                else _human_bytes(h.max_slot_wal_keep_size),
+                "—" if h.keep_size_share is None else f"{h.keep_size_share:.0%}",
+                _human_bytes(h.safe_wal_size),
+                f"{_human_bytes(h.lag_bytes)} / {_human_seconds(h.lag_seconds)}",
+                _human_bytes(h.checkpoint_behind_slot_bytes),
+                _human_seconds(h.seconds_to_invalidation),
+                "; ".join(h.reasons) or "—",
+            ]
         )
+    caption = None
     if not slots:
-        t.caption = "no logical slots"
+        caption = "no logical slots"
     elif slots[0].wal_rate_bytes_per_s is not None:
         h = slots[0]
         inserts = "—" if h.ledger_insert_rate is None else f"{h.ledger_insert_rate:,.0f}/s"
-        t.caption = (
+        caption = (
             f"WAL generated: {_human_bytes(h.wal_rate_bytes_per_s)}/s · ledger inserts: {inserts}"
         )
-    return t
+    print_records(console, "logical replication slots", columns, rows, caption=caption)
 
 
 # -- slot management ---------------------------------------------------------------------------
@@ -733,15 +810,10 @@ def slot() -> None:
 @handles_errors
 def slot_create(state: State, dsn: str, name: str, two_phase: bool) -> None:
     """Create a pgoutput slot NAME (default agent_slot); refuses a slot of another kind."""
-    import psycopg
+    from .schema import connect, create_slot
 
-    from .schema import create_slot
-
-    try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            made = create_slot(conn, name, two_phase=two_phase)
-    except psycopg.OperationalError as e:
-        raise ConfigError(f"cannot connect: {str(e).strip()}") from e
+    with connect(dsn, autocommit=True) as conn:
+        made = create_slot(conn, name, two_phase=two_phase)
     state.console.print(f"slot {name}: {'created' if made else 'exists (pgoutput)'}")
 
 
@@ -756,7 +828,9 @@ def slot_drop(state: State, dsn: str, name: str, force: bool) -> None:
     from .schema import drop_slot
 
     if not drop_slot(dsn, name, force=force):
-        raise ConfigError(f"slot {name!r} does not exist")
+        from .errors import SlotError
+
+        raise SlotError(f"slot {name!r} does not exist")
     state.console.print(f"slot {name}: dropped")
 
 
@@ -769,17 +843,14 @@ def slot_list(state: State, dsn: str, as_json: bool) -> None:
     """List replication slots with their plugin, database, state and positions."""
     import json as jsonlib
 
-    import psycopg
+    from .schema import connect
 
-    try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            rows = conn.execute(
-                "SELECT slot_name, slot_type, plugin, database, active, active_pid, wal_status, "
-                "restart_lsn::text, confirmed_flush_lsn::text, two_phase FROM pg_replication_slots "
-                "ORDER BY slot_name"
-            ).fetchall()
-    except psycopg.OperationalError as e:
-        raise ConfigError(f"cannot connect: {str(e).strip()}") from e
+    with connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT slot_name, slot_type, plugin, database, active, active_pid, wal_status, "
+            "restart_lsn::text, confirmed_flush_lsn::text, two_phase FROM pg_replication_slots "
+            "ORDER BY slot_name"
+        ).fetchall()
     keys = (
         "slot",
         "type",
@@ -795,19 +866,22 @@ def slot_list(state: State, dsn: str, as_json: bool) -> None:
     if as_json:
         click.echo(jsonlib.dumps([dict(zip(keys, r, strict=True)) for r in rows], indent=2))
         return
-    t = Table(title="replication slots")
-    for k in keys:
-        t.add_column(k)
-    for r in rows:
-        t.add_row(*("—" if v is None else str(v) for v in r))
-    state.console.print(t)
+    print_records(
+        state.console,
+        "replication slots",
+        list(keys),
+        [["—" if v is None else str(v) for v in r] for r in rows],
+    )
 
 
 from . import cli_tools  # noqa: E402,F401  (registers replay, verify, inspect, diff, fork, dispatch)
 
 
 def main() -> None:
-    cli(prog_name="ledger-cdc")
+    try:
+        cli(prog_name="ledger-cdc")
+    except Exception as e:
+        _fail(e)
 
 
 if __name__ == "__main__":

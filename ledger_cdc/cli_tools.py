@@ -18,8 +18,17 @@ import psycopg
 from rich.table import Table
 from rich.text import Text
 
-from .cli import EXIT_PROBLEM, State, _env, cli, dsn_option, handles_errors, log_format_option
-from .errors import LedgerError
+from .cli import (
+    EXIT_PROBLEM,
+    State,
+    _env,
+    cli,
+    dsn_option,
+    handles_errors,
+    log_format_option,
+    print_records,
+)
+from .errors import NoSuchSessionError
 
 
 class SessionId(click.ParamType):  # type: ignore[type-arg]
@@ -51,7 +60,7 @@ def _events(
 
     evs = list(load_events(conn, sid, upto_seq=upto_seq))
     if not evs:
-        raise LedgerError(
+        raise NoSuchSessionError(
             f"session {sid} has no events"
             + ("" if upto_seq is None else f" at or below seq {upto_seq}")
         )
@@ -87,7 +96,7 @@ def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_
     with _connect(dsn) as conn:
         ctx = rebuild_context(conn, session, upto_seq, memo=True)
     if ctx.last_position == 0:
-        raise LedgerError(
+        raise NoSuchSessionError(
             f"session {session} has no events"
             + ("" if upto_seq is None else f" at or below seq {upto_seq}")
         )
@@ -228,6 +237,8 @@ def verify(
                     "memo": report.memo,
                     "chained_events": report.chained_events,
                     "differences": [d.as_dict() for d in report.differences],
+                    "unknown_sessions": [str(u) for u in report.unknown],
+                    "quarantined": report.quarantined,
                     "notes": report.notes,
                 },
                 indent=2,
@@ -238,36 +249,36 @@ def verify(
         for note in report.notes:
             con.print(f"[dim]note: {note}[/]", soft_wrap=True)
         if report.differences:
-            t = Table(title=f"{len(report.differences)} difference(s)", title_style="bold red")
-            for col in (
-                "session",
-                "kind",
-                "seq",
-                "pos",
-                "field",
-                "refold / expected",
-                "stored",
-                "detail",
-            ):
-                t.add_column(col, overflow="fold")
-            for d in report.differences:
-                t.add_row(
-                    str(d.session_id),
-                    d.kind,
-                    "—" if d.seq is None else str(d.seq),
-                    "—" if d.position is None else str(d.position),
-                    d.field or "—",
-                    "—" if d.expected is None else str(d.expected),
-                    "—" if d.actual is None else str(d.actual),
-                    d.detail,
-                )
-            con.print(t)
+            print_records(
+                con,
+                f"{len(report.differences)} difference(s)",
+                ["session", "kind", "seq", "pos", "field", "refold / expected", "stored", "detail"],
+                [
+                    [
+                        str(d.session_id),
+                        d.kind,
+                        "—" if d.seq is None else str(d.seq),
+                        "—" if d.position is None else str(d.position),
+                        d.field or "—",
+                        "—" if d.expected is None else str(d.expected),
+                        "—" if d.actual is None else str(d.actual),
+                        d.detail,
+                    ]
+                    for d in report.differences
+                ],
+                title_style="bold red",
+            )
         chain = "" if no_chain else f", {report.chained_events} events' hash chain walked"
         verdict = "[green]verified[/]" if report.ok else "[bold red]differences found[/]"
         con.print(
             f"{verdict}: {report.sessions} sessions, {report.events} events refolded, "
             f"{report.projections} projections, {report.snapshots} snapshots and "
             f"{report.memo} memoised calls compared{chain}"
+        )
+    if report.unknown:
+        names = ", ".join(str(u) for u in report.unknown)
+        raise NoSuchSessionError(
+            f"no such session: {names} (no events, projection or snapshot: check the id)"
         )
     if not report.ok:
         sys.exit(EXIT_PROBLEM)
@@ -673,6 +684,11 @@ def runs(state: State, dsn: str, status: str | None, limit: int, as_json: bool) 
     "--id", "signal_id", default=None, help="Signal id: sending the same id twice is a no-op."
 )
 @click.option("--sender", default="cli", show_default=True, help="Recorded as the event's agent.")
+@click.option(
+    "--create",
+    is_flag=True,
+    help="Allow a session with no events yet (else an unknown SESSION is an error, exit 1).",
+)
 @click.pass_obj
 @handles_errors
 def signal_cmd(
@@ -683,6 +699,7 @@ def signal_cmd(
     payload: str | None,
     signal_id: str | None,
     sender: str,
+    create: bool,
 ) -> None:
     """Send a signal to a run (an approval, a webhook's answer): appends signal.received. A run
     suspended on NAME becomes pending and is woken by the consumer's notification."""
@@ -693,7 +710,9 @@ def signal_cmd(
     except ValueError as e:
         raise click.BadParameter(f"not JSON: {e}", param_hint="--payload") from None
     with _connect(dsn) as conn:
-        res = do_signal(conn, session, name, value, sender=sender, signal_id=signal_id)
+        res = do_signal(
+            conn, session, name, value, sender=sender, signal_id=signal_id, create=create
+        )
     what = "already sent" if res.duplicate else "sent"
     state.console.print(f"signal {name} {what}: seq {res.seq}, position {res.position}")
 

@@ -28,14 +28,22 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from .errors import DecodeError, LedgerError, format_lsn
+from .errors import (
+    ConfigError,
+    DecodeError,
+    LedgerError,
+    RetryableError,
+    SchemaError,
+    format_lsn,
+    translate,
+)
 from .events import LedgerEvent, Rejected
 from .fold import (
     RUN_PENDING,
@@ -50,7 +58,7 @@ from .health import LOST, RateWatch, Thresholds, check_slots
 from .pgoutput import Decoder, Delete, Insert, LogicalMessage, Relation, Truncate, Update
 from .pgoutput.messages import MessageType
 from .replay import load_events
-from .schema import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, drop_slot
+from .schema import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, drop_slot, load_migrations
 from .sink import BOOTSTRAPPING, Batch, DeadLetter, FencedError, PgSink, SnapshotRow
 from .stream.assemble import Assembler, Transaction
 from .stream.rows import LedgerRowDecoder
@@ -59,7 +67,6 @@ from .stream.transport import (
     SlotBusyError,
     SlotError,
     SlotLostError,
-    TransportError,
 )
 
 __all__ = ["Consumer", "ConsumerConfig", "Metrics"]
@@ -96,6 +103,7 @@ SELECT t.now, (SELECT count(pg_notify(%(ch)s, s.session_id::text)) FROM agent_se
 FROM t
 """
 _PG_EPOCH = 946684800.0  # 2000-01-01 in Unix seconds
+_HEALTHY_AFTER = 30.0  # seconds of streaming after which a failure starts the backoff over
 
 
 @dataclass
@@ -365,6 +373,39 @@ def _rejected_row(r: Rejected) -> dict[str, Any]:
     }
 
 
+_PREFLIGHT = """
+SELECT current_setting('wal_level'),
+       (SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = session_user),
+       CASE WHEN to_regclass('ledger_migrations') IS NULL THEN NULL
+            ELSE (SELECT array_agg(version) FROM ledger_migrations) END,
+       EXISTS (SELECT FROM pg_publication WHERE pubname = %s)
+"""
+
+
+@contextlib.contextmanager
+def _connected(
+    dsn: str, what: str, *, autocommit: bool = True
+) -> Iterator[psycopg.Connection[Any]]:
+    """A short-lived connection whose failures leave translated (errors.translate)."""
+    try:
+        with psycopg.connect(dsn, autocommit=autocommit, connect_timeout=10) as conn:
+            yield conn
+    except psycopg.Error as e:
+        raise translate(e, dsn=dsn, doing=what) from e
+
+
+def _check_schema(applied: list[int] | None, where: str) -> None:
+    want = {m.version for m in load_migrations()}
+    missing = sorted(want - set(applied or ()))
+    if applied is None:
+        raise SchemaError(f"{where} has no ledger schema: run `ledger-cdc init --dsn …` first")
+    if missing:
+        raise SchemaError(
+            f"{where} lacks migration(s) {', '.join(f'{v:04d}' for v in missing)} of this "
+            "version: run `ledger-cdc init --dsn …` (stop the consumer first)"
+        )
+
+
 def count_unfolded(conn: psycopg.Connection[Any], positions: dict[uuid.UUID, int]) -> int:
     """How many ledger rows lie past their session's projection (for the progress bar)."""
     rows = conn.execute(
@@ -391,7 +432,10 @@ class Consumer:
         self.on_batch = on_batch
         self._stop = threading.Event()
         self.sink = PgSink(
-            config.target_dsn or config.dsn, config.slot, idle_timeout=config.sink_idle_timeout
+            config.target_dsn or config.dsn,
+            config.slot,
+            idle_timeout=config.sink_idle_timeout,
+            publication=config.publication,
         )
         for url in config.sinks:
             from .jetstream import JetStreamPublisher, JetStreamSettings
@@ -412,6 +456,7 @@ class Consumer:
         self._standing_by = False
         self._worker = _SinkWorker(self.sink)
         self._lost = threading.Event()
+        self._streaming_since: float | None = None
         self._nonce = os.urandom(12).hex()  # marks this process's heartbeats (see _on_heartbeat)
         self._unknown_seen: set[bytes] = set()
         self._reset_stream_state(0)
@@ -456,40 +501,30 @@ class Consumer:
         # The session cache is a large, long-lived object graph: the default collector thresholds
         # rescan it again and again while every message allocates. Collect far less often.
         gc.set_threshold(50_000, 50, 1000)
-        self._start_heartbeat()
-        self._start_guard()
-        self._start_lease_watch()
-        self._start_partition_keeper()
         attempt = 0
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set():  # permanent problems stop here, within seconds
                 try:
-                    self._connect()
-                    attempt = 0
-                    if self._standing_by:
-                        self._standing_by = False
-                        self.metrics.extra["standby"] = 0.0
-                        log.warning(
-                            "slot %s acquired: this consumer is active now", self.config.slot
-                        )
-                    self._stream_loop()
-                except SlotLostError as e:
-                    self._recover()
-                    self._slot_lost(e)
-                except SlotBusyError as e:
-                    self._stand_by(e)
-                except FencedError as e:
-                    # another consumer moved the checkpoint: we wrote nothing; wait for the slot
-                    log.warning("%s", e)
-                    self._recover()
-                    self._standing_by = True
-                    self._stop.wait(self.config.standby_poll)
-                except TransportError as e:
+                    self._preflight()
+                    break
+                except RetryableError as e:
+                    attempt = self._back_off(attempt, str(e))
+            self._start_heartbeat()
+            self._start_guard()
+            self._start_lease_watch()
+            self._start_partition_keeper()
+            while not self._stop.is_set():
+                self._streaming_since = None
+                try:
+                    self._attempt()
+                except RetryableError as e:  # connection lost, server restarting, NATS …
+                    # (also from the handlers of _attempt: a resync meeting a restart). The
+                    # backoff starts over only after a while of streaming: a half-recovery (a
+                    # leader election, a flapping server) must not re-decode in a tight loop
+                    since = self._streaming_since
+                    if since is not None and time.monotonic() - since > _HEALTHY_AFTER:
+                        attempt = 0
                     attempt = self._back_off(attempt, f"{e}")
-                except psycopg.OperationalError as e:
-                    attempt = self._back_off(
-                        attempt, f"sink database unavailable ({str(e).strip()})"
-                    )
         finally:
             self._worker.wait()
             with contextlib.suppress(Exception):
@@ -497,6 +532,61 @@ class Consumer:
             self._worker.close()
             self.stream.close()
             self.sink.shutdown()
+
+    def _attempt(self) -> None:
+        """Connect and stream until something stops it. Everything but a retryable error is
+        handled here; that one is the caller's."""
+        try:
+            self._connect()
+            self._streaming_since = time.monotonic()
+            if self._standing_by:
+                self._standing_by = False
+                self.metrics.extra["standby"] = 0.0
+                log.warning("slot %s acquired: this consumer is active now", self.config.slot)
+            self._stream_loop()
+        except SlotLostError as e:
+            self._recover()
+            self._slot_lost(e)
+        except SlotBusyError as e:
+            self._stand_by(e)
+        except FencedError as e:
+            # another consumer moved the checkpoint: we wrote nothing; wait for the slot
+            log.warning("%s", e)
+            self._recover()
+            self._standing_by = True
+            self._stop.wait(self.config.standby_poll)
+
+    def _preflight(self) -> None:
+        """What no retry cures is said at once, as one ConfigError with its fix: the server's
+        wal_level, the role's REPLICATION, the schema's migrations and the publication (and
+        the projection database's schema)."""
+        cfg = self.config
+        with _connected(cfg.dsn, "ledger database") as conn:
+            row = conn.execute(_PREFLIGHT, (cfg.publication,)).fetchone()
+            assert row is not None
+            wal_level, replication, applied, has_pub = row
+            if wal_level != "logical":
+                raise ConfigError(
+                    f"the server's wal_level is {wal_level!r}, not 'logical': logical decoding "
+                    "is off (ALTER SYSTEM SET wal_level = logical, then restart the server)"
+                )
+            if not replication:
+                raise ConfigError(
+                    "the role in --dsn lacks the REPLICATION attribute needed to stream a slot "
+                    "(ALTER ROLE … REPLICATION; attributes are not inherited from "
+                    "ledger_consumer)"
+                )
+            _check_schema(applied, "the ledger database")
+            if not has_pub:
+                raise ConfigError(
+                    f"publication {cfg.publication!r} does not exist in the ledger database: "
+                    "run `ledger-cdc init` (with --shards N for shard publications)"
+                )
+        if cfg.target_dsn:
+            with _connected(cfg.target_dsn, "projection database") as conn:
+                row = conn.execute(_PREFLIGHT, (cfg.publication,)).fetchone()
+                assert row is not None
+                _check_schema(row[2], "the projection database (--target-dsn)")
 
     def _stand_by(self, e: SlotBusyError) -> None:
         """Hot standby: another consumer streams the slot. Try again every ``standby_poll``
@@ -574,10 +664,15 @@ class Consumer:
         self.sink.mark_bootstrap()  # a crash from here on makes the next start redo all of it
         if drop:
             drop_slot(cfg.dsn, cfg.slot, force=True)
-        consistent, snapshot = self.stream.create_slot_exported()
+        try:
+            consistent, snapshot = self.stream.create_slot_exported()
+        except ConfigError:
+            if not drop:  # nothing was lost: the next start need not take this for a bootstrap
+                self.sink.unmark_bootstrap()
+            raise
         positions = self.sink.positions()
         folded = 0
-        with psycopg.connect(cfg.dsn) as src:
+        with _connected(cfg.dsn, "ledger database (bootstrap)", autocommit=False) as src:
             src.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             src.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
             total = count_unfolded(src, positions)
@@ -816,6 +911,7 @@ class Consumer:
                 self._cache[sid] = loaded
         changed: dict[uuid.UUID, tuple[SessionContext, int]] = {}
         heads: dict[uuid.UUID, bytes | None] = {}  # hash of each session's last event, as streamed
+        max_seq = 0
         publish = bool(self.sink.publishers)
         runs_before: dict[uuid.UUID, tuple[str, int] | None] = {}
         for txn in txns:
@@ -839,6 +935,8 @@ class Consumer:
                     reason = fold_one(ctx, ev)
                     changed[sid] = (ctx, txn.commit_lsn)
                     heads[sid] = ev.hash
+                    if ev.seq > max_seq:
+                        max_seq = ev.seq
                     if reason is not None:
                         lsn = it.lsn if kind is _Held else txn.commit_lsn  # type: ignore[union-attr]
                         row = _rejected_row(ev) if kind is _Held else {"seq": ev.seq}  # type: ignore[arg-type]
@@ -901,6 +999,7 @@ class Consumer:
         batch.channel = self.config.notify_channel
         if self.config.notify_sessions:
             batch.session_notices = [f"{sid}:{c.last_position}" for sid, (c, _) in changed.items()]
+        batch.max_seq = max_seq or None
         if txns:
             batch.last_commit_ts = txns[-1].commit_ts
             batch.commit_times = [t.commit_ts for t in txns]
@@ -978,6 +1077,9 @@ class Consumer:
             ("slot_safe_wal_size_bytes", h.safe_wal_size),
             ("slot_keep_size_share", h.keep_size_share),
             ("slot_lag_bytes", h.lag_bytes),
+            ("slot_lag_seconds", h.lag_seconds),
+            ("slot_unfolded_events", h.unfolded_events),
+            ("slot_inactive_seconds", h.inactive_seconds),
             ("slot_seconds_to_invalidation", h.seconds_to_invalidation),
             ("wal_rate_bytes_per_second", h.wal_rate_bytes_per_s),
             ("ledger_inserts_per_second", h.ledger_insert_rate),

@@ -218,7 +218,8 @@ class EmbeddedPostgres:
     ...     dsn = pg.dsn()
 
     ``settings`` are written to ``postgresql.conf`` as given (``{"max_slot_wal_keep_size":
-    "48MB"}``); ``max_slot_wal_keep_size`` and ``logical_decoding_work_mem`` have their own
+    "48MB"}``); ``max_slot_wal_keep_size`` (1GB unless given; ``"-1"`` or None for unbounded,
+    which ``ledger-cdc lag`` warns about) and ``logical_decoding_work_mem`` have their own
     parameters because tests and the demo set them most often.
     """
 
@@ -228,15 +229,17 @@ class EmbeddedPostgres:
         *,
         major: int | None = None,
         port: int | None = None,
-        max_slot_wal_keep_size: str | None = None,
+        max_slot_wal_keep_size: str | None = "1GB",
         logical_decoding_work_mem: str | None = None,
         settings: Mapping[str, str] | None = None,
         fsync: bool = False,
         keep: bool = False,
+        hba: tuple[str, ...] = (),
     ) -> None:
         self.install = install or find_postgres(major)
         self.port = port or _free_port()
         self.keep = keep
+        self._hba = hba  # pg_hba.conf lines placed before the trust lines (e.g. password auth)
         self._settings: dict[str, str] = {
             "listen_addresses": "'127.0.0.1'",
             "port": str(self.port),
@@ -368,7 +371,7 @@ class EmbeddedPostgres:
             f.write("\n".join(lines))
         hba = self.datadir / "pg_hba.conf"
         hba.write_text(
-            "local all all trust\n"
+            "".join(f"{line}\n" for line in self._hba) + "local all all trust\n"
             "local replication all trust\n"
             "host all all 127.0.0.1/32 trust\n"
             "host replication all 127.0.0.1/32 trust\n"

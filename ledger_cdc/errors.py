@@ -1,38 +1,118 @@
-"""Every error ledger-cdc raises, under one root.
+"""Every error ledger-cdc raises, under one root, each with the exit code the CLI gives it.
 
-Driver errors (psycopg, psycopg2) are translated once, where they cross into this package, with
-``raise ... from e`` so the original stays attached. Each message says what went wrong, where, and
-what to do about it.
+Driver errors (psycopg, psycopg2) are translated once, where they cross into this package
+(:func:`translate`), with ``raise ... from e`` so the original stays attached: a connection
+or server error is *retryable* (server down, restarting, connection cut, too many clients) or
+*permanent* (bad DSN, authentication, missing database, schema, publication, privilege or
+``wal_level``: something to fix before trying again). Each message says what went wrong, where,
+and what to do about it, and never holds a password.
 
-    LedgerError
-    ├── ConfigError                 bad option, bad name, missing binaries
-    │   └── PostgresNotFoundError   no PostgreSQL server binaries to start a cluster with
-    ├── EmbeddedError               a throwaway cluster failed to initialise, start or stop
-    ├── MigrationError              a schema migration failed or was changed after being applied
-    ├── AppendError                 an append was refused; nothing was written
-    │   ├── InvalidEventError       bad session id, payload of the wrong shape, not JSON
-    │   ├── UnknownEventTypeError   event type that was never registered
-    │   ├── ConcurrentAppendError   stale ``expected_position``
-    │   └── IdempotencyConflictError   same key, different event
-    ├── MemoNotLoadedError          a rebuilt context asked for a memo it does not hold
-    └── DecodeError                 bytes that are not a valid pgoutput message
+    LedgerError                     exit 5
+    ├── ConfigError                 exit 4  bad option, name, DSN; a permanent server-side cause
+    │   ├── PostgresNotFoundError   exit 4  no PostgreSQL server binaries to start a cluster with
+    │   ├── SchemaError             exit 4  the ledger schema is missing or older than this code
+    │   └── SlotError               exit 3  the slot is missing or unusable
+    ├── SlotLostError               exit 3  the slot was invalidated: resync from the table
+    ├── RetryableError              exit 4  may succeed if tried again (the consumer retries)
+    │   ├── DatabaseUnavailable     exit 4  server down, restarting, connection lost
+    │   └── TransportError          exit 4  the replication connection failed
+    │       ├── SlotBusyError       exit 4  another consumer streams the slot
+    │       └── JetStreamError      exit 4  a NATS server did not acknowledge
+    ├── NotFoundError               exit 1  no such session (a typo, or nothing written yet)
+    │   └── NoSuchSessionError      exit 1
+    ├── EmbeddedError               exit 5  a throwaway cluster failed to initialise, start or stop
+    ├── MigrationError              exit 4  a migration failed or was changed after being applied
+    ├── AppendError                 exit 5  an append was refused; nothing was written
+    │   ├── InvalidEventError       exit 5  bad session id, payload of the wrong shape, not JSON
+    │   ├── UnknownEventTypeError   exit 5  event type that was never registered
+    │   ├── ConcurrentAppendError   exit 5  stale ``expected_position``
+    │   └── IdempotencyConflictError   exit 5  same key, different event
+    ├── FencedError                 exit 5  another consumer moved the checkpoint
+    ├── HistoryArchivedError        exit 1  the history a rebuild needs was archived
+    ├── MemoNotLoadedError          exit 5  a rebuilt context asked for a memo it does not hold
+    └── DecodeError                 exit 5  bytes that are not a valid pgoutput message
 """
 
 from __future__ import annotations
 
+import re
 import uuid
 
 
 class LedgerError(Exception):
     """Root of every error raised by ledger-cdc."""
 
+    exit_code = 5
+
 
 class ConfigError(LedgerError):
-    """A configuration value, option or name is invalid."""
+    """A configuration value, option or name is invalid, or the server refuses for a reason
+    that retrying will not cure (authentication, privileges, wal_level, a missing object)."""
+
+    exit_code = 4
 
 
 class PostgresNotFoundError(ConfigError):
     """No PostgreSQL server binaries were found."""
+
+
+class SchemaError(ConfigError):
+    """The ledger's schema is missing from the database, or older than this version."""
+
+
+class SlotError(ConfigError):
+    """The slot is missing or not usable (wrong plugin, wrong database)."""
+
+    exit_code = 3
+
+
+class SlotLostError(LedgerError):
+    """The slot was invalidated (WAL it needed was removed): resynchronise from the table."""
+
+    exit_code = 3
+
+
+class RetryableError(LedgerError):
+    """The operation failed for a reason that passes: trying again later may succeed (a
+    one-shot command reports it as a connection error)."""
+
+    exit_code = 4
+
+
+class DatabaseUnavailable(RetryableError):
+    """The database cannot be reached right now (down, restarting, the connection was cut)."""
+
+
+class TransportError(RetryableError):
+    """The replication connection failed in a way a reconnect can cure."""
+
+
+class SlotBusyError(TransportError):
+    """Another consumer streams the slot (a hot standby waits for it)."""
+
+
+class JetStreamError(TransportError):
+    """A publish to NATS JetStream was not acknowledged (retried from the checkpoint)."""
+
+
+class NotFoundError(LedgerError):
+    """What the command was asked about does not exist."""
+
+    exit_code = 1
+
+
+class NoSuchSessionError(NotFoundError):
+    """The session has no events (at or below the requested seq)."""
+
+
+class HistoryArchivedError(LedgerError):
+    """The events a rebuild needs were archived and no snapshot covers them."""
+
+    exit_code = 1
+
+
+class FencedError(LedgerError):
+    """The checkpoint moved under us: another consumer owns the slot now."""
 
 
 class EmbeddedError(LedgerError):
@@ -41,6 +121,8 @@ class EmbeddedError(LedgerError):
 
 class MigrationError(LedgerError):
     """A schema migration failed, or an applied one no longer matches its file."""
+
+    exit_code = 4
 
 
 class AppendError(LedgerError):
@@ -158,3 +240,160 @@ def parse_lsn(text: str) -> int:
         return (int(hi, 16) << 32) | int(lo, 16)
     except ValueError:
         raise ConfigError(f"not an LSN: {text!r} (expected the form 0/16B3A40)") from None
+
+
+# -- driver errors, translated once ---------------------------------------------------------------
+
+# libpq and server messages that no retry will cure (matched lower-case). Connection failures
+# carry no SQLSTATE in either driver, so the message is what there is to go on.
+_PERMANENT = (
+    "password authentication failed",
+    "authentication failed",
+    "no pg_hba.conf entry",
+    "password must be",
+    "does not exist",  # role, database, publication, slot, relation, column
+    "invalid connection option",
+    "invalid integer value",
+    "invalid port",
+    'missing "=" after',
+    "invalid uri",
+    "invalid dsn",
+    "invalid percent-encoded",
+    "unterminated quoted string",
+    "invalid sslmode",
+    "invalid value for parameter",
+    "could not translate host name",
+    "failed to resolve host",
+    "in uri",
+    "connection info string",
+    "must be superuser or replication role",
+    "must be superuser or have replication",
+    "permission denied",
+    "logical decoding requires",
+    "wal_level",
+    "is not a valid",
+    "requires a value",
+)
+_PERMANENT_STATES = ("28", "3D", "3F", "42", "55000", "0A000", "22023")
+_PASSWORD_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+_PASSWORD_URL = re.compile(r"(://[^:/@\s]*:)([^@\s]*)(@)")
+
+
+def redact(text: str, dsn: str | None = None) -> str:
+    """``text`` without any password it may hold (of ``dsn``, or written as one)."""
+    if dsn:
+        secret = _password_of(dsn)
+        if secret:
+            text = text.replace(secret, "***")
+    text = _PASSWORD_KV.sub(r"\1***", text)
+    return _PASSWORD_URL.sub(r"\1***\3", text)
+
+
+def _password_of(dsn: str) -> str | None:
+    m = _PASSWORD_URL.search(dsn)
+    if m and m.group(2):
+        return m.group(2)
+    m = _PASSWORD_KV.search(dsn)
+    if m:
+        return m.group(2).strip("'")
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def is_permanent(e: BaseException) -> bool:
+    """Whether a driver error needs a fix rather than a retry."""
+    state = getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)
+    if isinstance(state, str) and state.startswith(_PERMANENT_STATES):
+        return True
+    if type(e).__name__ == "ProgrammingError":  # both drivers: a DSN that does not parse
+        return True
+    text = str(e).lower()
+    if "database system is" in text or "too many" in text or "terminating connection" in text:
+        return False
+    return any(p in text for p in _PERMANENT)
+
+
+_HINTS = (
+    ("password authentication failed", "check the user and password in the DSN"),
+    ("no pg_hba.conf entry", "allow this host/user in the server's pg_hba.conf"),
+    ('database "', "create the database, or fix its name in the DSN"),
+    ('role "', "create the role, or fix the user name in the DSN"),
+    ("wal_level", "set wal_level = logical (ALTER SYSTEM SET wal_level = logical) and restart"),
+    ("logical decoding requires", "set wal_level = logical and restart the server"),
+    ("replication role", "give the role REPLICATION (ALTER ROLE … REPLICATION)"),
+    ("must be superuser or have replication", "give the role REPLICATION"),
+    ("permission denied", "log in as a role with the privileges (see the README's roles)"),
+    ("invalid integer value", "fix the port in the DSN"),
+    ("invalid port", "fix the port in the DSN"),
+    ("invalid connection option", "fix the DSN: see libpq's connection parameters"),
+    ("invalid uri", "fix the DSN: postgresql://user@host:port/database"),
+    ("invalid dsn", "fix the DSN: postgresql://user@host:port/database or key=value pairs"),
+    ('missing "="', "fix the DSN: postgresql://user@host:port/database or key=value pairs"),
+    ("could not translate host name", "fix the host name in the DSN"),
+    ("failed to resolve host", "fix the host name in the DSN"),
+    ("in uri", "fix the DSN: postgresql://user@host:port/database"),
+)
+
+
+def translate(e: BaseException, *, dsn: str | None = None, doing: str = "") -> LedgerError:
+    """A driver error as the LedgerError it stands for: permanent → :class:`ConfigError`
+    (:class:`SchemaError` for a missing table or column), else :class:`DatabaseUnavailable`.
+    One line, with a hint, without the password."""
+    if isinstance(e, LedgerError):
+        return e
+    line = redact(_first_line(e), dsn)
+    where = f"{doing}: " if doing else ""
+    state = getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)
+    if state in ("42P01", "42703", "3F000", "42883"):
+        return SchemaError(
+            f"{where}{line} — the ledger schema is missing or older than this version: "
+            "run `ledger-cdc init --dsn …` against this database"
+        )
+    if is_permanent(e):
+        low = line.lower()
+        hint = next((h for pat, h in _HINTS if pat in low), None)
+        return ConfigError(f"{where}{line}" + (f" ({hint})" if hint else ""))
+    return DatabaseUnavailable(f"{where}{line}")
+
+
+def describe(e: BaseException, dsn: str | None = None) -> str:
+    """One line for any exception, password removed."""
+    return redact(_first_line(e), dsn)
+
+
+__all__ = [
+    "AppendError",
+    "ConcurrentAppendError",
+    "ConfigError",
+    "DatabaseUnavailable",
+    "DecodeError",
+    "EmbeddedError",
+    "FencedError",
+    "HistoryArchivedError",
+    "IdempotencyConflictError",
+    "InvalidEventError",
+    "JetStreamError",
+    "LedgerError",
+    "MemoNotLoadedError",
+    "MigrationError",
+    "NoSuchSessionError",
+    "NotFoundError",
+    "PostgresNotFoundError",
+    "RetryableError",
+    "SchemaError",
+    "SlotBusyError",
+    "SlotError",
+    "SlotLostError",
+    "TransportError",
+    "UnknownEventTypeError",
+    "describe",
+    "format_lsn",
+    "is_permanent",
+    "parse_lsn",
+    "redact",
+    "translate",
+]

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from .errors import format_lsn, parse_lsn
 
@@ -35,7 +36,6 @@ __all__ = [
 ]
 
 HEALTHY, WARNING, CRITICAL, LOST = 0, 1, 2, 3
-_MATERIAL_LAG = 1024 * 1024
 STATUS_NAMES = {HEALTHY: "healthy", WARNING: "warning", CRITICAL: "critical", LOST: "lost"}
 
 
@@ -64,13 +64,17 @@ class SlotHealth:
     current_wal_lsn: str | None = None
     retained_bytes: int | None = None
     lag_bytes: int | None = None
+    # the age of the oldest ledger event the consumer has not committed (0: it has them all;
+    # None: no consumer has committed to this slot in this database)
     lag_seconds: float | None = None
+    unfolded_events: int | None = None  # ledger events past the consumer's checkpoint (≤ 10,000)
     max_slot_wal_keep_size: int | None = None  # bytes; None when unbounded (-1)
     keep_size_share: float | None = None
     checkpoint_lsn: str | None = None
     checkpoint_behind_slot_bytes: int | None = None
     checkpoint_age_seconds: float | None = None
     heartbeat_age_seconds: float | None = None
+    inactive_seconds: float | None = None  # how long no consumer has streamed the slot
     invalidation_reason: str | None = None
     wal_rate_bytes_per_s: float | None = None
     ledger_insert_rate: float | None = None  # agent_events rows per second over the sample
@@ -111,20 +115,54 @@ def current_wal_lsn(conn: psycopg.Connection[Any]) -> int:
     return parse_lsn(row[0])
 
 
-def _checkpoints(
-    conn: psycopg.Connection[Any],
-) -> dict[str, tuple[str, float | None, float | None]]:
+_Checkpoint = tuple[str, float | None, float | None, int, str | None]
+
+
+def _checkpoints(conn: psycopg.Connection[Any]) -> dict[str, _Checkpoint]:
     exists = conn.execute("SELECT to_regclass('ledger_checkpoints') IS NOT NULL").fetchone()
     if not exists or not exists[0]:
         return {}
     try:
         rows = conn.execute(
             "SELECT slot_name, lsn::text, extract(epoch FROM now() - updated_at)::float8, "
-            "extract(epoch FROM now() - heartbeat_at)::float8 FROM ledger_checkpoints"
+            "extract(epoch FROM now() - heartbeat_at)::float8, folded_seq, publication "
+            "FROM ledger_checkpoints"
         ).fetchall()
     except psycopg.errors.InsufficientPrivilege:
         return {}
-    return {r[0]: (r[1], r[2], r[3]) for r in rows}
+    return {r[0]: (r[1], r[2], r[3], int(r[4]), r[5]) for r in rows}
+
+
+# The ledger events past what the consumer committed: by seq from its checkpoint (seq values may
+# commit out of order, so one committed just below it is not seen here; it is at most the width
+# of one batch, and the next event shows the lag anyway), within the slot's publication filter.
+_UNFOLDED = """
+SELECT extract(epoch FROM now() - min(created_at))::float8, count(*)
+FROM (SELECT created_at FROM agent_events WHERE seq > %s {filter} ORDER BY seq LIMIT 10000) u
+"""
+
+
+def _unfolded(
+    conn: psycopg.Connection[Any], folded_seq: int, publication: str | None
+) -> tuple[float, int] | None:
+    """(age in seconds of the oldest ledger event past ``folded_seq``, how many: up to 10,000)."""
+    filt: sql.Composable = sql.SQL("")
+    try:
+        if publication:
+            row = conn.execute(
+                "SELECT rowfilter FROM pg_publication_tables "
+                "WHERE pubname = %s AND tablename = 'agent_events'",
+                (publication,),
+            ).fetchone()
+            if row is not None and row[0]:
+                # a shard's row filter, as the catalog gives it (not user input)
+                filt = sql.SQL("AND ({})").format(sql.SQL(row[0]))
+        found = conn.execute(sql.SQL(_UNFOLDED).format(filter=filt), (folded_seq,)).fetchone()
+    except (psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedTable):
+        return None
+    if found is None:
+        return None
+    return (0.0 if found[0] is None else max(0.0, float(found[0]))), int(found[1])
 
 
 def check_slots(
@@ -153,6 +191,15 @@ def check_slots(
     current = format_lsn(current_wal_lsn(conn))
     keep = _keep_size(conn)
     checkpoints = _checkpoints(conn)
+    inactive: dict[str, float | None] = {}
+    if version >= 170000:  # the server knows since when (before 17: the checkpoint's age)
+        inactive = {
+            r[0]: r[1]
+            for r in conn.execute(
+                "SELECT slot_name, extract(epoch FROM now() - inactive_since)::float8 "
+                "FROM pg_replication_slots WHERE inactive_since IS NOT NULL"
+            )
+        }
     out: list[SlotHealth] = []
     if slot and not rows:
         h = SlotHealth(slot=slot, exists=False, current_wal_lsn=current, status=LOST)
@@ -198,18 +245,14 @@ def check_slots(
             h.keep_size_share = h.retained_bytes / keep
         ck = checkpoints.get(name)
         if ck is not None:
-            h.checkpoint_lsn, h.checkpoint_age_seconds, h.heartbeat_age_seconds = ck
+            h.checkpoint_lsn, h.checkpoint_age_seconds, h.heartbeat_age_seconds = ck[:3]
             if confirmed is not None:
                 h.checkpoint_behind_slot_bytes = max(0, parse_lsn(confirmed) - parse_lsn(ck[0]))
-        if h.lag_bytes is not None:
-            # an idle consumer trails the WAL end by a keepalive's worth of bytes: not lag
-            if h.lag_bytes < _MATERIAL_LAG:
-                h.lag_seconds = 0.0
-            elif h.checkpoint_age_seconds is not None:
-                ages = [
-                    a for a in (h.checkpoint_age_seconds, h.heartbeat_age_seconds) if a is not None
-                ]
-                h.lag_seconds = min(ages)
+            behind = _unfolded(conn, ck[3], ck[4])
+            if behind is not None:
+                h.lag_seconds, h.unfolded_events = behind
+        if not h.active:
+            h.inactive_seconds = inactive.get(name, h.checkpoint_age_seconds)
         if h.safe_wal_size is not None and rate:
             h.seconds_to_invalidation = max(0.0, h.safe_wal_size / rate)
         _classify(h, th)
@@ -242,10 +285,18 @@ def _classify(h: SlotHealth, th: Thresholds) -> None:
         elif h.lag_bytes >= th.warn_bytes:
             flag(WARNING, f"{h.lag_bytes:,} bytes behind the WAL end")
     if h.lag_seconds is not None:
+        behind = (
+            f"{h.lag_seconds:.0f} s behind: the oldest ledger event not yet committed by the "
+            f"consumer is that old ({h.unfolded_events:,}{'+' * (h.unfolded_events == 10000)} "
+            "waiting)"
+        )
         if h.lag_seconds >= th.crit_seconds:
-            flag(CRITICAL, f"{h.lag_seconds:.0f} s behind")
+            flag(CRITICAL, behind)
         elif h.lag_seconds >= th.warn_seconds:
-            flag(WARNING, f"{h.lag_seconds:.0f} s behind")
+            flag(WARNING, behind)
+    idle = h.inactive_seconds
+    if h.exists and not h.active and idle is not None and idle >= th.warn_seconds:
+        flag(WARNING, f"no consumer has streamed this slot for {idle:.0f} s")
     h.status_name = STATUS_NAMES[h.status]
 
 

@@ -32,16 +32,10 @@ from typing import Any
 
 import msgspec
 
-from .errors import ConfigError
+from .errors import ConfigError, JetStreamError
 from .events import LedgerEvent
-from .stream.transport import TransportError
 
 __all__ = ["JetStreamError", "JetStreamPublisher", "JetStreamSettings", "WireEvent"]
-
-
-class JetStreamError(TransportError):
-    """A publish was not acknowledged in time (or the server refused it): the batch is retried
-    after a reconnect, under the same message ids."""
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,14 @@ from typing import Any
 import msgspec
 import psycopg
 
-from .errors import ConcurrentAppendError, InvalidEventError, LedgerError, MemoNotLoadedError
+from .errors import (
+    ConcurrentAppendError,
+    HistoryArchivedError,
+    InvalidEventError,
+    LedgerError,
+    MemoNotLoadedError,
+    NoSuchSessionError,
+)
 from .events import (
     LedgerEvent,
     Rejected,
@@ -90,18 +97,15 @@ _COLUMNS = (
 _NCOLS = 10
 
 
-class HistoryArchivedError(LedgerError):
-    """The events a rebuild needs were archived and no snapshot covers them."""
-
-
-class NoSuchSessionError(LedgerError):
-    """The session has no events (at or below the requested seq)."""
-
-
 def row_event(row: Sequence[Any]) -> LedgerEvent | Rejected:
     """A row of ``SELECT {_COLUMNS}`` → LedgerEvent (payload typed as the consumer types it), or
     :class:`Rejected` with the reason, by the rule every reader shares. Never raises."""
     seq, sid, pos, agent, etype, payload, created, key, digest, bad_time = row
+    if type(agent) is bytes:  # a SQL_ASCII database: psycopg leaves text undecoded
+        agent, etype, payload, key, bad_time = (
+            v.decode("utf-8", "replace") if type(v) is bytes else v
+            for v in (agent, etype, payload, key, bad_time)
+        )
     digest = None if digest is None else bytes(digest)
     try:
         if created is None:

@@ -35,7 +35,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .errors import ConcurrentAppendError, ConfigError, LedgerError
+from .errors import ConcurrentAppendError, ConfigError, LedgerError, NoSuchSessionError
 from .events import (
     LedgerEvent,
     RunLeased,
@@ -49,7 +49,14 @@ from .events import (
 )
 from .fold import RUN_PENDING, RUN_RUNNING, SessionContext, apply
 from .replay import rebuild_context, rebuild_context_async
-from .writer import AppendResult, OutboxItem, append, append_async
+from .writer import (
+    AppendResult,
+    OutboxItem,
+    append,
+    append_async,
+    session_head,
+    session_head_async,
+)
 
 __all__ = [
     "CHANNEL",
@@ -167,11 +174,16 @@ def signal(
     *,
     sender: str = "signal",
     signal_id: str | None = None,
+    create: bool = False,
 ) -> AppendResult:
     """Send a signal to a run (``signal.received``). With ``signal_id``, sending it again (a
     webhook delivered twice) is a no-op. A run suspended on ``name`` becomes pending; a signal
-    that arrives before the run suspends waits in its inbox."""
+    that arrives before the run suspends waits in its inbox. A session with no events is
+    refused with :class:`NoSuchSessionError` (a mistyped id would otherwise start a new
+    session), unless ``create``."""
     key = None if signal_id is None else f"signal:{signal_id}"
+    if not create and session_head(conn, session_id) == 0:
+        raise _no_session(session_id)
     return append(
         conn,
         session_id,
@@ -190,8 +202,12 @@ async def signal_async(
     *,
     sender: str = "signal",
     signal_id: str | None = None,
+    create: bool = False,
 ) -> AppendResult:
+    """The async twin of :func:`signal`."""
     key = None if signal_id is None else f"signal:{signal_id}"
+    if not create and await session_head_async(conn, session_id) == 0:
+        raise _no_session(session_id)
     return await append_async(
         conn,
         session_id,
@@ -199,6 +215,13 @@ async def signal_async(
         "signal.received",
         SignalReceived(name, payload, sender),
         idempotency_key=key,
+    )
+
+
+def _no_session(session_id: uuid.UUID | str) -> NoSuchSessionError:
+    return NoSuchSessionError(
+        f"session {session_id} has no events: not signalled (check the id, or pass create=True "
+        "/ --create to start a session with this signal)"
     )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .errors import ConfigError, MigrationError
+from .errors import ConfigError, MigrationError, translate
 
 __all__ = [
     "DEFAULT_PUBLICATION",
@@ -336,7 +336,8 @@ def init(
         validate_slot_name(slot)
     created: list[str] = []
     try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+            preflight(conn, slot=slot is not None or bool(shards))
             fresh = partitions.setup(conn, partition_by) if partition_by else False
             applied = migrate(conn)
             if fresh:
@@ -350,27 +351,76 @@ def init(
                 if shards
                 else []
             )
-    except psycopg.OperationalError as e:
-        raise ConfigError(f"cannot connect to {_redact(dsn)}: {str(e).strip()}") from e
+    except psycopg.Error as e:
+        raise translate(e, dsn=dsn, doing="init") from e
     return InitResult(applied, pub, made, created, sharded)
 
 
+_PREFLIGHT = """
+SELECT current_setting('wal_level'),
+       (SELECT rolsuper OR rolreplication FROM pg_roles WHERE rolname = current_user),
+       has_database_privilege(current_database(), 'CREATE'),
+       (SELECT rolsuper OR rolcreaterole FROM pg_roles WHERE rolname = current_user)
+"""
+
+
+def preflight(conn: psycopg.Connection[Any], *, slot: bool) -> None:
+    """What ``init`` needs, checked before it changes anything: logical decoding on, and the
+    privileges to create the schema, the roles and (with a slot) the slot."""
+    row = conn.execute(_PREFLIGHT).fetchone()
+    assert row is not None
+    wal_level, replication, can_create, can_roles = row
+    if wal_level != "logical":
+        raise ConfigError(
+            f"the server's wal_level is {wal_level!r}, not 'logical': the ledger is read by "
+            "logical decoding (ALTER SYSTEM SET wal_level = logical, then restart the server); "
+            "nothing was changed"
+        )
+    if not can_create:
+        raise ConfigError(
+            "the role in --dsn may not create objects in this database (GRANT CREATE ON "
+            "DATABASE …, or run init as the database owner); nothing was changed"
+        )
+    if not can_roles and not _roles_exist(conn):
+        raise ConfigError(
+            "the role in --dsn may not create the ledger's group roles (CREATEROLE, or run "
+            "init once as a superuser); nothing was changed"
+        )
+    if slot and not replication:
+        raise ConfigError(
+            "the role in --dsn lacks REPLICATION, needed to create a slot; nothing was changed"
+        )
+
+
+def _roles_exist(conn: psycopg.Connection[Any]) -> bool:
+    row = conn.execute(
+        "SELECT count(*) = 4 FROM pg_roles WHERE rolname IN "
+        "('ledger_writer', 'ledger_reader', 'ledger_consumer', 'ledger_dispatcher')"
+    ).fetchone()
+    return bool(row and row[0])
+
+
 def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
-    """``psycopg.connect``, with a failure to connect as one ConfigError line (password hidden)."""
+    """``psycopg.connect``, its failure translated (errors.translate): one line, the password
+    hidden, a permanent cause as ConfigError, a passing one as DatabaseUnavailable."""
+    kwargs.setdefault("connect_timeout", 10)
     try:
         return psycopg.connect(dsn, **kwargs)
-    except psycopg.OperationalError as e:
-        raise ConfigError(f"cannot connect to {_redact(dsn)}: {str(e).strip()}") from e
-
-
-def _redact(dsn: str) -> str:
-    return re.sub(r"(password\s*=\s*)\S+|(:)[^:@/]+(@)", r"\1\2***\3", dsn)
+    except psycopg.Error as e:
+        raise translate(e, dsn=dsn, doing="cannot connect") from e
 
 
 def drop_slot(dsn: str, name: str, *, force: bool = False) -> bool:
     """Drop a slot; an active one only with ``force`` (its walsender is terminated first).
     Returns False if there was no such slot."""
     validate_slot_name(name)
+    try:
+        return _drop_slot(dsn, name, force)
+    except psycopg.Error as e:
+        raise translate(e, dsn=dsn, doing=f"dropping slot {name}") from e
+
+
+def _drop_slot(dsn: str, name: str, force: bool) -> bool:
     with psycopg.connect(dsn, autocommit=True) as conn:
         for _ in range(50):
             row = conn.execute(

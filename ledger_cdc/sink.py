@@ -11,15 +11,17 @@ can never overwrite newer projections.
 
 from __future__ import annotations
 
+import datetime as dt
+import functools
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import psycopg
 
-from .errors import LedgerError, format_lsn, parse_lsn
+from .errors import FencedError, format_lsn, parse_lsn, translate
 from .fold import (
     FORMAT_VERSION,
     PROJECTION_FORMAT,
@@ -30,10 +32,6 @@ from .fold import (
 )
 
 __all__ = ["BOOTSTRAPPING", "Batch", "DeadLetter", "FencedError", "PgSink", "SnapshotRow"]
-
-
-class FencedError(LedgerError):
-    """The checkpoint moved under us: another consumer owns the slot now."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +78,7 @@ class Batch:
     notify: list[uuid.UUID] = field(default_factory=list)  # runs that became ready to lease
     channel: str = "ledger_runs"
     session_notices: list[str] = field(default_factory=list)  # '<session>:<position>' changed
+    max_seq: int | None = None  # the highest seq this batch folded or quarantined
     published: list[tuple[Any, int]] = field(default_factory=list)  # (event, commit LSN) to fan out
 
 
@@ -161,27 +160,54 @@ ON CONFLICT DO NOTHING
 """
 _NOTIFY = "SELECT count(pg_notify(c, p)) FROM unnest(%s::text[], %s::text[]) AS n(c, p)"
 _CHECKPOINT = """
-INSERT INTO ledger_checkpoints AS c (slot_name, lsn, epoch, heartbeat_at, updated_at)
-VALUES (%(slot)s, %(lsn)s::pg_lsn, coalesce(%(epoch)s, 0), to_timestamp(%(hb)s), now())
+INSERT INTO ledger_checkpoints AS c (slot_name, lsn, epoch, heartbeat_at, updated_at, folded_seq,
+                                     publication, applied_commit_at)
+VALUES (%(slot)s, %(lsn)s::pg_lsn, coalesce(%(epoch)s, 0), to_timestamp(%(hb)s), now(),
+        coalesce(%(seq)s, 0), %(pub)s, %(commit_at)s::timestamptz)
 ON CONFLICT (slot_name) DO UPDATE SET
     lsn = EXCLUDED.lsn, updated_at = now(),
     epoch = coalesce(%(epoch)s, c.epoch),
-    heartbeat_at = coalesce(EXCLUDED.heartbeat_at, c.heartbeat_at)
+    heartbeat_at = coalesce(EXCLUDED.heartbeat_at, c.heartbeat_at),
+    folded_seq = greatest(c.folded_seq, EXCLUDED.folded_seq),
+    publication = coalesce(EXCLUDED.publication, c.publication),
+    applied_commit_at = coalesce(EXCLUDED.applied_commit_at, c.applied_commit_at)
 WHERE c.lsn IS NOT DISTINCT FROM %(prev)s::pg_lsn
 RETURNING 1
 """
+_PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)
 SESSIONS_CHANNEL = "ledger_sessions"
 """NOTIFY channel of projection changes (payload ``<session_id>:<last_position>``)."""
 BOOTSTRAPPING = -1
 """Checkpoint epoch while a bootstrap / resync is under way: a restart must redo it."""
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _translated(fn: _F) -> _F:
+    """Driver errors leave the sink translated (errors.translate): permanent ones as
+    ConfigError / SchemaError, the rest as DatabaseUnavailable, the connection dropped."""
+
+    @functools.wraps(fn)
+    def wrapper(self: PgSink, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except psycopg.Error as e:
+            self.close()
+            raise translate(e, dsn=self.dsn, doing="projection database") from e
+
+    return wrapper  # type: ignore[return-value]
+
+
 class PgSink:
     """Projections in a PostgreSQL database (the source database, or ``--target-dsn``)."""
 
-    def __init__(self, dsn: str, slot: str, *, idle_timeout: float = 10.0) -> None:
+    def __init__(
+        self, dsn: str, slot: str, *, idle_timeout: float = 10.0, publication: str | None = None
+    ) -> None:
         self.dsn = dsn
         self.slot = slot
+        self.publication = publication
         self.idle_timeout = idle_timeout
         self._conn: psycopg.Connection[Any] | None = None
         self._staged = False
@@ -214,6 +240,7 @@ class PgSink:
         for pub in self.publishers:
             pub.close()
 
+    @_translated
     def load_checkpoint(self) -> int | None:
         row = self.conn.execute(
             "SELECT lsn::text, epoch FROM ledger_checkpoints WHERE slot_name = %s", (self.slot,)
@@ -222,11 +249,23 @@ class PgSink:
         self.epoch = int(row[1]) if row else None
         return self.checkpoint
 
+    @_translated
     def mark_bootstrap(self) -> None:
         """Record that the slot is being (re)built from the table (see BOOTSTRAPPING)."""
         self.commit(Batch(end_lsn=0, epoch=BOOTSTRAPPING))
         self.epoch = BOOTSTRAPPING
 
+    @_translated
+    def unmark_bootstrap(self) -> None:
+        """A bootstrap that could not start (a permanent error before the slot existed): no
+        later start must take it for one interrupted."""
+        self.conn.execute(
+            "UPDATE ledger_checkpoints SET epoch = 0 WHERE slot_name = %s AND epoch = %s",
+            (self.slot, BOOTSTRAPPING),
+        )
+        self.epoch = 0
+
+    @_translated
     def positions(self) -> dict[uuid.UUID, int]:
         """How far each session's projection has folded (its last position)."""
         return {
@@ -236,6 +275,7 @@ class PgSink:
             )
         }
 
+    @_translated
     def load_contexts(self, session_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, SessionContext]:
         ids = list(session_ids)
         if not ids:
@@ -251,6 +291,7 @@ class PgSink:
                 out[sid] = decode_context(text)
         return out
 
+    @_translated
     def commit(self, batch: Batch) -> None:
         """Write the batch in one transaction; raises FencedError if the checkpoint moved.
 
@@ -337,6 +378,11 @@ class PgSink:
                     "hb": batch.heartbeat_at,
                     "prev": prev,
                     "epoch": batch.epoch,
+                    "seq": batch.max_seq,
+                    "pub": self.publication,
+                    "commit_at": None
+                    if not batch.last_commit_ts
+                    else _PG_EPOCH + dt.timedelta(microseconds=batch.last_commit_ts),
                 },
             ).fetchone()
             if row is None:

@@ -74,12 +74,14 @@ class VerifyReport:
     memo: int = 0  # completed calls compared with agent_memo
     chained_events: int = 0
     quarantined: int = 0  # events every fold skips (unreadable payload or time, reducer error)
+    unknown: list[uuid.UUID] = field(default_factory=list)  # asked for, no trace of them
     differences: list[Difference] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.differences
+        """No difference, and every session asked for exists."""
+        return not self.differences and not self.unknown
 
 
 def _compare(
@@ -287,7 +289,7 @@ def verify(
             if ids is not None:
                 for sid in ids:
                     if sid not in seen and sid not in projected and sid not in snapped:
-                        report.notes.append(f"session {sid}: no events, projection or snapshot")
+                        report.unknown.append(sid)
             if chain:
                 _chain(conn, report, ids, archived)
                 _witness(conn, report, ids)

@@ -10,7 +10,9 @@ caller's own side effects (outbox rows, application tables) or not at all.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import threading
 import uuid
 from collections.abc import AsyncIterator, Generator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -20,6 +22,7 @@ from typing import Any, TypeAlias
 import msgspec
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from .errors import (
     AppendError,
@@ -27,16 +30,17 @@ from .errors import (
     ConfigError,
     IdempotencyConflictError,
     InvalidEventError,
+    translate,
 )
 from .events import DEFAULT_LIMITS, Limits, encode_payload, refuse_nul, too_deep
 
 __all__ = [
     "AppendResult",
-    "AsyncBatch",
     "AsyncLedger",
-    "Batch",
+    "AsyncWriteTransaction",
     "Ledger",
     "OutboxItem",
+    "WriteTransaction",
     "append",
     "append_async",
 ]
@@ -232,10 +236,13 @@ def _standalone(
 
 
 def _drive(conn: psycopg.Connection[Any], req: _Request) -> AppendResult:
-    if _standalone(conn, req):
-        return _drive_steps(conn, _append_steps(req), savepoints=False)
-    with conn.transaction():
-        return _drive_steps(conn, _append_steps(req), savepoints=True)
+    try:
+        if _standalone(conn, req):
+            return _drive_steps(conn, _append_steps(req), savepoints=False)
+        with conn.transaction():
+            return _drive_steps(conn, _append_steps(req), savepoints=True)
+    except psycopg.Error as e:  # the boundary: what leaves the writer is a LedgerError
+        raise translate(e, doing=f"append to session {req.session_id}") from e
 
 
 def _drive_steps(conn: psycopg.Connection[Any], steps: _Steps, savepoints: bool) -> AppendResult:
@@ -258,10 +265,13 @@ def _drive_steps(conn: psycopg.Connection[Any], steps: _Steps, savepoints: bool)
 
 
 async def _drive_async(conn: psycopg.AsyncConnection[Any], req: _Request) -> AppendResult:
-    if _standalone(conn, req):
-        return await _drive_steps_async(conn, _append_steps(req), savepoints=False)
-    async with conn.transaction():
-        return await _drive_steps_async(conn, _append_steps(req), savepoints=True)
+    try:
+        if _standalone(conn, req):
+            return await _drive_steps_async(conn, _append_steps(req), savepoints=False)
+        async with conn.transaction():
+            return await _drive_steps_async(conn, _append_steps(req), savepoints=True)
+    except psycopg.Error as e:
+        raise translate(e, doing=f"append to session {req.session_id}") from e
 
 
 async def _drive_steps_async(
@@ -357,14 +367,23 @@ def session_head(conn: psycopg.Connection[Any], session_id: uuid.UUID | str) -> 
     return int(row[0]) if row else 0
 
 
-class Batch:
-    """Several appends that commit together (see :meth:`Ledger.transaction`)."""
+async def session_head_async(
+    conn: psycopg.AsyncConnection[Any], session_id: uuid.UUID | str
+) -> int:
+    """The async twin of :func:`session_head`."""
+    cur = await conn.execute(_SELECT_HEAD, (_session_uuid(session_id),))
+    row = await cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+class WriteTransaction:
+    """Appends that commit together (what :meth:`Ledger.transaction` yields): on one
+    connection, inside one database transaction."""
 
     def __init__(self, conn: psycopg.Connection[Any], limits: Limits = DEFAULT_LIMITS) -> None:
         self.conn = conn
         self.limits = limits
         self.results: list[AppendResult] = []
-        self.keep_results = type(self) in (Batch, AsyncBatch)
 
     def append(
         self,
@@ -388,17 +407,17 @@ class Batch:
             outbox=outbox,
             limits=self.limits,
         )
-        if self.keep_results:
-            self.results.append(res)
+        self.results.append(res)
         return res
 
 
-class AsyncBatch:
+class AsyncWriteTransaction:
+    """The async twin of :class:`WriteTransaction`."""
+
     def __init__(self, conn: psycopg.AsyncConnection[Any], limits: Limits = DEFAULT_LIMITS) -> None:
         self.conn = conn
         self.limits = limits
         self.results: list[AppendResult] = []
-        self.keep_results = type(self) in (Batch, AsyncBatch)
 
     async def append(
         self,
@@ -422,32 +441,114 @@ class AsyncBatch:
             outbox=outbox,
             limits=self.limits,
         )
-        if self.keep_results:
-            self.results.append(res)
+        self.results.append(res)
         return res
 
 
-class Ledger(Batch):
-    """A writer bound to one connection (opened from ``dsn`` or given). ``append`` is
-    :meth:`Batch.append`: each call commits by itself unless inside :meth:`transaction`."""
+def _one_of(**given: object) -> str:
+    named = [k for k, v in given.items() if v is not None]
+    if len(named) != 1:
+        raise ValueError(
+            f"give exactly one of {', '.join(given)} (got {', '.join(named) or 'none'})"
+        )
+    return named[0]
+
+
+def _probe(dsn: str) -> None:
+    """Connect once, so a wrong DSN fails now, in one line, rather than as a pool timeout."""
+    from .schema import connect
+
+    connect(dsn).close()
+
+
+class Ledger:
+    """The writer; safe to share between threads.
+
+    From a DSN it keeps a pool (``psycopg_pool.ConnectionPool``, at most ``pool_size``
+    connections): each :meth:`append`, and each :meth:`transaction` for as long as it lasts,
+    holds a connection of its own, so threads append in parallel. From your pool (``pool=``)
+    it does the same with it. From one connection (``conn=``) it serialises: an append or a
+    transaction holds the connection under a lock until it ends, so threads never interleave
+    statements of one transaction. Each append outside :meth:`transaction` commits by itself.
+    """
 
     def __init__(
         self,
         dsn: str | None = None,
         *,
         conn: psycopg.Connection[Any] | None = None,
+        pool: ConnectionPool[Any] | None = None,
+        pool_size: int = 4,
         limits: Limits = DEFAULT_LIMITS,
-    ):
-        if (dsn is None) == (conn is None):
-            raise ValueError("give exactly one of dsn or conn")
-        self._own = conn is None
-        super().__init__(
-            conn if conn is not None else psycopg.connect(str(dsn), autocommit=True), limits
-        )
+    ) -> None:
+        kind = _one_of(dsn=dsn, conn=conn, pool=pool)
+        self.limits = limits
+        self._conn = conn
+        self._lock = threading.RLock()
+        self._own = kind == "dsn"
+        self._pool = pool
+        if dsn is not None:
+            _probe(dsn)
+            self._pool = ConnectionPool(
+                dsn,
+                min_size=1,
+                max_size=pool_size,
+                kwargs={"autocommit": True},
+                open=True,
+                name="ledger-cdc",
+            )
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A connection of this writer's for the length of the block (taken from the pool, or
+        the one connection, held under the lock)."""
+        if self._pool is not None:
+            with self._pool.connection() as conn:
+                yield conn
+        else:
+            assert self._conn is not None
+            with self._lock:
+                yield self._conn
+
+    def append(
+        self,
+        session_id: uuid.UUID | str,
+        agent_id: str,
+        event_type: str,
+        payload: Any,
+        *,
+        expected_position: int | None = None,
+        idempotency_key: str | None = None,
+        outbox: Sequence[OutboxItem] = (),
+    ) -> AppendResult:
+        """Append one event (see :func:`append`), committed by itself."""
+        with self.connection() as conn:
+            return append(
+                conn,
+                session_id,
+                agent_id,
+                event_type,
+                payload,
+                expected_position=expected_position,
+                idempotency_key=idempotency_key,
+                outbox=outbox,
+                limits=self.limits,
+            )
+
+    @contextmanager
+    def transaction(self) -> Iterator[WriteTransaction]:
+        """Appends made on the yielded object commit together, or not at all."""
+        with self.connection() as conn, conn.transaction():
+            yield WriteTransaction(conn, self.limits)
+
+    def head(self, session_id: uuid.UUID | str) -> int:
+        """The session's current position (0 if it has no events)."""
+        with self.connection() as conn:
+            return session_head(conn, session_id)
 
     def close(self) -> None:
-        if self._own:
-            self.conn.close()
+        if self._own and self._pool is not None:
+            self._pool.close()
 
     def __enter__(self) -> Ledger:
         return self
@@ -455,35 +556,92 @@ class Ledger(Batch):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @contextmanager
-    def transaction(self) -> Iterator[Batch]:
-        """Appends made on the yielded batch commit together, or not at all."""
-        with self.conn.transaction():
-            yield Batch(self.conn, self.limits)
 
-    def head(self, session_id: uuid.UUID | str) -> int:
-        return session_head(self.conn, session_id)
-
-
-class AsyncLedger(AsyncBatch):
-    """The async twin of :class:`Ledger`; create with ``await AsyncLedger.connect(dsn)``."""
+class AsyncLedger:
+    """The async twin of :class:`Ledger`, safe to share between tasks; create it with
+    ``await AsyncLedger.connect(dsn)`` (a pool of ``pool_size`` connections), or from your
+    ``AsyncConnectionPool`` (``pool=``) or one connection (``conn=``, serialised by a lock)."""
 
     def __init__(
         self,
-        conn: psycopg.AsyncConnection[Any],
+        conn: psycopg.AsyncConnection[Any] | None = None,
         *,
+        pool: AsyncConnectionPool[Any] | None = None,
         own: bool = False,
         dsn: str | None = None,
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
-        super().__init__(conn, limits)
+        _one_of(conn=conn, pool=pool)
+        self.limits = limits
+        self._conn = conn
+        self._pool = pool
         self._own = own
         self._dsn = dsn
+        self._lock: asyncio.Lock | None = None
 
     @classmethod
-    async def connect(cls, dsn: str, *, limits: Limits = DEFAULT_LIMITS) -> AsyncLedger:
-        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-        return cls(conn, own=True, dsn=dsn, limits=limits)
+    async def connect(
+        cls, dsn: str, *, pool_size: int = 4, limits: Limits = DEFAULT_LIMITS
+    ) -> AsyncLedger:
+        await asyncio.to_thread(_probe, dsn)
+        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=pool_size,
+            kwargs={"autocommit": True},
+            open=False,
+            name="ledger-cdc",
+        )
+        await pool.open()
+        return cls(pool=pool, own=True, dsn=dsn, limits=limits)
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A connection of this writer's for the length of the block."""
+        if self._pool is not None:
+            async with self._pool.connection() as conn:
+                yield conn
+        else:
+            assert self._conn is not None
+            if self._lock is None:
+                self._lock = asyncio.Lock()
+            async with self._lock:
+                yield self._conn
+
+    async def append(
+        self,
+        session_id: uuid.UUID | str,
+        agent_id: str,
+        event_type: str,
+        payload: Any,
+        *,
+        expected_position: int | None = None,
+        idempotency_key: str | None = None,
+        outbox: Sequence[OutboxItem] = (),
+    ) -> AppendResult:
+        """Append one event (see :func:`append`), committed by itself."""
+        async with self.connection() as conn:
+            return await append_async(
+                conn,
+                session_id,
+                agent_id,
+                event_type,
+                payload,
+                expected_position=expected_position,
+                idempotency_key=idempotency_key,
+                outbox=outbox,
+                limits=self.limits,
+            )
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncWriteTransaction]:
+        """Appends made on the yielded object commit together, or not at all."""
+        async with self.connection() as conn, conn.transaction():
+            yield AsyncWriteTransaction(conn, self.limits)
+
+    async def head(self, session_id: uuid.UUID | str) -> int:
+        async with self.connection() as conn:
+            return await session_head_async(conn, session_id)
 
     def pending_runs(self, **options: Any) -> AsyncIterator[Any]:
         """Runs ready to lease, as they become ready (see :func:`ledger_cdc.runs.pending_runs`;
@@ -498,20 +656,13 @@ class AsyncLedger(AsyncBatch):
 
     async def close(self) -> None:
         if self._own:
-            await self.conn.close()
+            if self._pool is not None:
+                await self._pool.close()
+            elif self._conn is not None:
+                await self._conn.close()
 
     async def __aenter__(self) -> AsyncLedger:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[AsyncBatch]:
-        async with self.conn.transaction():
-            yield AsyncBatch(self.conn, self.limits)
-
-    async def head(self, session_id: uuid.UUID | str) -> int:
-        cur = await self.conn.execute(_SELECT_HEAD, (_session_uuid(session_id),))
-        row = await cur.fetchone()
-        return int(row[0]) if row else 0

@@ -295,3 +295,29 @@ def assert_clean_exit(r: Result, *codes: int) -> None:
     assert escaped is None, f"escaped {escaped!r}\n{r.output}"
     assert r.exit_code in want, f"exit {r.exit_code}, want {want}:\n{r.output}"
     assert "Traceback" not in r.output
+
+
+def assert_verify_exact(dsn: str) -> None:
+    """``verify --all`` passes; then a real difference, put into one projection, makes it fail
+    (so it was able to fail); then the projection is put back."""
+    assert_clean_exit(run_cli("verify", "--all", "--dsn", dsn))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT session_id, context FROM agent_sessions ORDER BY session_id LIMIT 1"
+        ).fetchone()
+        assert row is not None, "no projection to tamper with"
+        sid, context = row
+        conn.execute(
+            "UPDATE agent_sessions SET context = jsonb_set(context, '{event_count}', "
+            "to_jsonb((context->>'event_count')::int + 1)) WHERE session_id = %s",
+            (sid,),
+        )
+        try:
+            r = run_cli("verify", "--all", "--json", "--dsn", dsn)
+            assert_clean_exit(r, 1)
+            assert '"event_count"' in r.stdout and str(sid) in r.stdout
+        finally:
+            conn.execute(
+                "UPDATE agent_sessions SET context = %s WHERE session_id = %s",
+                (psycopg.types.json.Jsonb(context), sid),
+            )

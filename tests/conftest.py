@@ -60,13 +60,16 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         if major in _REQUIRED:
             pytest.fail(f"{msg}, but LEDGER_CDC_REQUIRE_PG requires it", pytrace=False)
         pytest.skip(msg)
-    with EmbeddedPostgres(inst, logical_decoding_work_mem="64kB") as pg:
+    # one role that must give its password (scram), for the tests of bad credentials
+    hba = ("host all ledger_pw 127.0.0.1/32 scram-sha-256",)
+    with EmbeddedPostgres(inst, logical_decoding_work_mem="64kB", hba=hba) as pg:
         template = "ledger_template"
         with psycopg.connect(pg.dsn(), autocommit=True) as conn:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(template)))
         with psycopg.connect(pg.dsn(template), autocommit=True) as conn:
             migrate(conn)
             create_publication(conn)
+            conn.execute("CREATE ROLE ledger_pw LOGIN PASSWORD 'S3cretPW' SUPERUSER")
         yield Server(pg, template)
 
 

@@ -28,7 +28,15 @@ import psycopg2.errors
 import psycopg2.extensions
 import psycopg2.extras
 
-from ..errors import ConfigError, LedgerError, format_lsn
+from ..errors import (
+    ConfigError,
+    SlotBusyError,
+    SlotError,
+    SlotLostError,
+    TransportError,
+    format_lsn,
+    translate,
+)
 
 __all__ = [
     "ReplicationStream",
@@ -42,22 +50,6 @@ __all__ = [
 _SESSION_OPTIONS = (
     "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3"
 )
-
-
-class TransportError(LedgerError):
-    """The replication connection failed in a way a reconnect can cure."""
-
-
-class SlotBusyError(TransportError):
-    """Another consumer streams the slot (a hot standby waits for it)."""
-
-
-class SlotError(ConfigError):
-    """The slot is missing or not usable (wrong plugin, wrong database)."""
-
-
-class SlotLostError(LedgerError):
-    """The slot was invalidated (WAL it needed was removed): resynchronise from the table."""
 
 
 class XLogData(Protocol):
@@ -121,8 +113,16 @@ class ReplicationStream:
                 keepalives_interval=5,
                 keepalives_count=3,
             )
-        except psycopg2.OperationalError as e:
-            raise TransportError(f"cannot open a replication connection: {_first_line(e)}") from e
+        except psycopg2.Error as e:
+            raise self._failure(e, "cannot open a replication connection") from e
+
+    def _failure(self, e: BaseException, doing: str) -> ConfigError | TransportError:
+        """A driver error as what the consumer does about it: a permanent cause (credentials,
+        privileges, wal_level, a missing publication) stops it; anything else is retried."""
+        err = translate(e, dsn=self.dsn, doing=doing)
+        if isinstance(err, ConfigError):
+            return err
+        return TransportError(str(err))
 
     def create_slot_exported(self) -> tuple[int, str]:
         """CREATE_REPLICATION_SLOT … EXPORT_SNAPSHOT on a connection kept open for
@@ -140,7 +140,7 @@ class ReplicationStream:
             raise SlotError(f"slot {self.slot!r} already exists") from e
         except psycopg2.Error as e:
             conn.close()
-            raise TransportError(f"cannot create slot {self.slot!r}: {_first_line(e)}") from e
+            raise self._failure(e, f"cannot create slot {self.slot!r}") from e
         self._conn, self._cur = conn, cur
         hi, lo = str(consistent_point).split("/")
         return (int(hi, 16) << 32) | int(lo, 16), str(snapshot_name)
@@ -193,7 +193,7 @@ class ReplicationStream:
         except psycopg2.Error as e:
             conn.close()
             self._conn = self._cur = None
-            raise TransportError(f"START_REPLICATION failed: {_first_line(e)}") from e
+            raise self._failure(e, "START_REPLICATION failed") from e
         self._conn, self._cur = conn, cur
         self.server_version = conn.server_version
         self.confirmed = start_lsn
@@ -231,7 +231,7 @@ class ReplicationStream:
                     append(msg)
         except (psycopg2.Error, AttributeError) as e:
             self.close()
-            raise TransportError(f"replication stream lost: {_first_line(e)}") from e
+            raise self._failure(e, "replication stream lost") from e
         return out
 
     def wait(self, timeout: float, *also: int) -> None:

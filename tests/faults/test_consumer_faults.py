@@ -20,6 +20,7 @@ from tests.cdc import (
     ConsumerProcess,
     Writers,
     assert_projections_equal_refold,
+    assert_verify_exact,
     until,
     wait_caught_up,
 )
@@ -57,6 +58,7 @@ def test_crash_loop_sigkill(db: Database, tmp_path: Path) -> None:
     with ConsumerProcess(db.dsn, "--snapshot-every", "5", log=tmp_path / "consumer.log"):
         wait_caught_up(db.dsn, 120)
     n = assert_projections_equal_refold(db.dsn)
+    assert_verify_exact(db.dsn)
     assert n >= writers.turns * 3
 
 
@@ -80,6 +82,7 @@ def test_server_immediate_restart_mid_stream(server: Server, db: Database, tmp_p
         writers.stop()
         wait_caught_up(db.dsn, 120)
     assert_projections_equal_refold(db.dsn)
+    assert_verify_exact(db.dsn)
 
 
 def test_walsender_terminated(db: Database, tmp_path: Path) -> None:
@@ -104,6 +107,7 @@ def test_walsender_terminated(db: Database, tmp_path: Path) -> None:
         writers.stop()
         wait_caught_up(db.dsn, 120)
     assert_projections_equal_refold(db.dsn)
+    assert_verify_exact(db.dsn)
 
 
 class CuttableProxy:
@@ -184,6 +188,7 @@ def test_tcp_connection_cut(server: Server, db: Database, tmp_path: Path) -> Non
     finally:
         proxy.close()
     assert_projections_equal_refold(db.dsn)
+    assert_verify_exact(db.dsn)
     with psycopg.connect(db.dsn) as conn:
         (n,) = conn.execute("SELECT count(*) FROM ledger_dead_letters").fetchone()  # type: ignore[misc]
     assert n == 0

@@ -16,6 +16,7 @@ from tests.cdc import (
     ConsumerProcess,
     Writers,
     assert_projections_equal_refold,
+    assert_verify_exact,
     until,
     wait_caught_up,
 )
@@ -85,6 +86,7 @@ def test_standby_takes_over_within_5s_of_a_sigkill(db: Database, tmp_path: Path)
         writers.stop()
     wait_caught_up(db.dsn)
     assert assert_projections_equal_refold(db.dsn) > 0
+    assert_verify_exact(db.dsn)
     assert "acquired: this consumer is active now" in (tmp_path / "b.log").read_text()
     if b is not None:
         b.kill()
@@ -134,6 +136,7 @@ def test_a_paused_consumer_that_resumes_cannot_overwrite_newer_projections(
     watch.join(5)
     assert len(watch.seen) > 10 and watch.monotonic()  # the checkpoint never went back
     assert assert_projections_equal_refold(db.dsn) > 0
+    assert_verify_exact(db.dsn)
     log_a = (tmp_path / "a.log").read_text()
     assert "standing by" in log_a or "no longer" in log_a, log_a[-2000:]
     a.kill()

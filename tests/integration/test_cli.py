@@ -54,7 +54,7 @@ def test_connection_error_is_one_line_and_exit_4() -> None:
     )
     assert p.returncode == 4
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert lines and lines[0].startswith("error: cannot connect")
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Connection refused" in lines[0]
     assert "Traceback" not in p.stderr
 
 

@@ -548,6 +548,6 @@ def test_replay_and_inspect_commands(db: Database) -> None:
     assert marks == {"c1": (None, observed_seq), "c2": ("in flight", None)}
     assert "in flight" in _cli(db, "inspect", str(sid)).stdout
     missing = _cli(db, "replay", str(uuid.uuid4()))
-    assert missing.returncode == 5 and "has no events" in missing.stderr
+    assert missing.returncode == 1 and "has no events" in missing.stderr
     bad = _cli(db, "replay", "not-a-uuid")
     assert bad.returncode == 2 and "not a session id" in bad.stderr

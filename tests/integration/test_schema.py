@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from ledger_cdc import Ledger
-from ledger_cdc.errors import ConfigError, MigrationError
+from ledger_cdc.errors import ConfigError, MigrationError, RetryableError
 from ledger_cdc.schema import (
     Migration,
     applied_migrations,
@@ -94,7 +94,7 @@ def test_existing_slot_with_another_plugin_is_an_error(db: Database) -> None:
 
 
 def test_unreachable_database_is_one_clear_error() -> None:
-    with pytest.raises(ConfigError, match="cannot connect"):
+    with pytest.raises(RetryableError, match="Connection refused"):
         init("host=127.0.0.1 port=1 dbname=x connect_timeout=2")
 
 

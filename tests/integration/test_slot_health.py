@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,14 @@ import pytest
 
 from ledger_cdc.embedded import EmbeddedPostgres
 from ledger_cdc.schema import create_publication, create_slot, migrate
+from ledger_cdc.writer import Ledger
 from tests.cdc import (
     ROOT,
     ConsumerProcess,
+    InThread,
     Writers,
     assert_projections_equal_refold,
+    assert_verify_exact,
     until,
     wait_caught_up,
 )
@@ -47,12 +51,14 @@ LAG_KEYS = {
     "retained_bytes",
     "lag_bytes",
     "lag_seconds",
+    "unfolded_events",
     "max_slot_wal_keep_size",
     "keep_size_share",
     "checkpoint_lsn",
     "checkpoint_behind_slot_bytes",
     "checkpoint_age_seconds",
     "heartbeat_age_seconds",
+    "inactive_seconds",
     "invalidation_reason",
     "wal_rate_bytes_per_s",
     "ledger_insert_rate",
@@ -218,6 +224,7 @@ def test_stalled_consumer_warning_critical_lost_then_resync(
     text = log.read_text()
     assert "resynchronising from the ledger table" in text
     assert_projections_equal_refold(dsn)
+    assert_verify_exact(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_drop_replication_slot('agent_slot')")
         conn.execute(
@@ -278,6 +285,7 @@ def test_bootstrap_with_history_under_concurrent_writers(db: Database, tmp_path:
     text = (tmp_path / "c.log").read_text()
     assert "bootstrap:" in text and "events folded from the table" in text
     n = assert_projections_equal_refold(db.dsn)
+    assert_verify_exact(db.dsn)
     assert n > 50_000
 
 
@@ -302,6 +310,7 @@ def test_interrupted_bootstrap_is_redone(db: Database, tmp_path: Path) -> None:
     with ConsumerProcess(db.dsn, "--create-slot", log=tmp_path / "c.log"):
         wait_caught_up(db.dsn, 120)
     assert_projections_equal_refold(db.dsn)
+    assert_verify_exact(db.dsn)
 
 
 def test_slot_commands(db: Database) -> None:
@@ -325,7 +334,7 @@ def test_slot_commands(db: Database) -> None:
     bad = cli("create", "td")
     assert bad.returncode == 4 and "not a pgoutput logical slot" in bad.stderr
     missing = cli("drop", "nope")
-    assert missing.returncode == 4 and "does not exist" in missing.stderr
+    assert missing.returncode == 3 and "does not exist" in missing.stderr
     with ConsumerProcess(db.dsn, "--slot", "s1"):
         until(lambda: json.loads(cli("list", "--json").stdout)[0]["active"] is True, 30)
         busy = cli("drop", "s1")
@@ -360,3 +369,35 @@ def test_rate_watch_reports_rates_and_flags_a_retry_storm(db: Database) -> None:
         time.sleep(0.1)
         storm = watch.sample(conn)
         assert storm is not None and storm.spike is not None and "retry storm" in storm.spike
+
+
+def test_lag_sees_a_dead_consumer_by_time(db: Database, tmp_path: Path) -> None:
+    """A stopped consumer a few events behind (a few kB of WAL) is a warning once the oldest
+    event it has not committed is older than --warn-seconds; lag_seconds is never 0 meanwhile,
+    and the consumer's metrics say the same."""
+    sid = uuid.uuid4()
+    log = tmp_path / "consume.log"
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+    with Ledger(db.dsn) as ledger:
+        with ConsumerProcess(db.dsn, log=log):
+            ledger.append(sid, "a", "tool.invoked", {"call_id": "0", "tool": "t"})
+            wait_caught_up(db.dsn)
+        code, (h,) = lag(db.dsn, "--slot", "agent_slot", "--warn-seconds", "2")
+        assert code == 0 and h["lag_seconds"] == 0 and h["unfolded_events"] == 0, h
+        for i in range(1, 11):
+            ledger.append(sid, "a", "tool.invoked", {"call_id": str(i), "tool": "t"})
+        code, (h,) = lag(db.dsn, "--slot", "agent_slot", "--warn-seconds", "2")
+        assert h["lag_seconds"] > 0 and h["unfolded_events"] == 10, h
+        until(lambda: lag(db.dsn, "--slot", "agent_slot", "--warn-seconds", "2")[0] == 1, 30)
+        code, (h,) = lag(db.dsn, "--slot", "agent_slot", "--warn-seconds", "2")
+        assert h["lag_bytes"] < 1024 * 1024 and h["lag_seconds"] >= 2, h
+        assert any("behind" in r for r in h["reasons"]) and h["active"] is False
+        with InThread(db.dsn, health_interval=0.2) as consumer:
+            wait_caught_up(db.dsn)
+            until(lambda: lag(db.dsn, "--slot", "agent_slot", "--warn-seconds", "2")[0] == 0, 30)
+            # the consumer's guard exports the same figures
+            until(lambda: consumer.metrics.extra.get("slot_unfolded_events") == 0.0, 30)
+            assert consumer.metrics.extra["slot_lag_seconds"] == 0.0
+    code, (h,) = lag(db.dsn, "--slot", "agent_slot", "--warn-seconds", "2")
+    assert h["lag_seconds"] == 0 and h["unfolded_events"] == 0

@@ -15,6 +15,7 @@ import pytest
 from ledger_cdc import (
     AsyncLedger,
     ConcurrentAppendError,
+    ConfigError,
     IdempotencyConflictError,
     InvalidEventError,
     Ledger,
@@ -24,6 +25,7 @@ from ledger_cdc import (
     append,
     register_event_type,
 )
+from ledger_cdc.errors import RetryableError
 from tests.conftest import Database
 
 pytestmark = pytest.mark.server
@@ -330,6 +332,81 @@ def test_async_ledger(db: Database) -> None:
     assert _count(db) == 2
 
 
-def test_writer_connection_errors_are_psycopg_operational() -> None:
-    with pytest.raises(psycopg.OperationalError):
+def test_writer_connection_errors_are_translated_and_retryable() -> None:
+    with pytest.raises(RetryableError, match="Connection refused"):
         Ledger("host=127.0.0.1 port=1 dbname=x connect_timeout=2")
+
+
+def _check_sessions(db: Database, sessions: list[uuid.UUID], per_session: int) -> None:
+    with db.connect() as conn:
+        for sid in sessions:
+            positions = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT position FROM agent_events WHERE session_id = %s ORDER BY position",
+                    (sid,),
+                )
+            ]
+            assert positions == list(range(1, per_session + 1)), (sid, positions)
+
+
+@pytest.mark.parametrize("shared", ["pool", "one connection"])
+def test_one_async_ledger_shared_by_many_tasks(db: Database, shared: str) -> None:
+    """Concurrent tasks share one AsyncLedger: each transaction holds a connection of its own
+    (pool) or the one connection under a lock; never OutOfOrderTransactionNesting."""
+    sessions = [uuid.uuid4() for _ in range(30)]
+    common = uuid.uuid4()
+
+    async def turn(ledger: AsyncLedger, sid: uuid.UUID) -> None:
+        for i in range(3):
+            async with ledger.transaction() as tx:
+                await tx.append(sid, "a", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
+                await asyncio.sleep(0)  # let the other tasks in, mid-transaction
+                await tx.append(sid, "a", "tool.observed", {"call_id": f"c{i}", "result": i})
+            await ledger.append(common, "a", "tool.invoked", {"call_id": f"{sid}-{i}", "tool": "t"})
+
+    async def run() -> None:
+        if shared == "pool":
+            ledger = await AsyncLedger.connect(db.dsn, pool_size=4)
+        else:
+            conn = await psycopg.AsyncConnection.connect(db.dsn, autocommit=True)
+            ledger = AsyncLedger(conn, own=True)
+        async with ledger:
+            await asyncio.gather(*(turn(ledger, sid) for sid in sessions))
+            assert await ledger.head(common) == 90
+
+    asyncio.run(run())
+    _check_sessions(db, sessions, 6)
+
+
+@pytest.mark.parametrize("shared", ["pool", "one connection"])
+def test_one_ledger_shared_by_many_threads(db: Database, shared: str) -> None:
+    sessions = [uuid.uuid4() for _ in range(8)]
+    errors: list[BaseException] = []
+    conn = psycopg.connect(db.dsn, autocommit=True) if shared != "pool" else None
+    ledger = Ledger(db.dsn, pool_size=3) if conn is None else Ledger(conn=conn)
+
+    def work(sid: uuid.UUID) -> None:
+        try:
+            for i in range(5):
+                with ledger.transaction() as tx:
+                    tx.append(sid, "a", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
+                    tx.append(sid, "a", "tool.observed", {"call_id": f"c{i}", "result": i})
+        except BaseException as e:
+            errors.append(e)
+
+    with ledger:
+        threads = [threading.Thread(target=work, args=(sid,)) for sid in sessions]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    if conn is not None:
+        conn.close()
+    assert not errors, errors[0]
+    _check_sessions(db, sessions, 10)
+
+
+def test_a_wrong_dsn_fails_at_once_in_one_line() -> None:
+    with pytest.raises(ConfigError, match="invalid port"):
+        Ledger("host=127.0.0.1 port=99999 dbname=x")
