@@ -22,13 +22,15 @@ import json
 import logging
 import math
 import os
+import pickle
 import random
 import signal
+import tempfile
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,7 @@ from .fold import (
     RUN_PENDING,
     SessionContext,
     completion,
+    decode_context,
     encode_context,
     encode_snapshot,
     fold_one,
@@ -57,10 +60,10 @@ from .fold import (
 from .health import LOST, RateWatch, Thresholds, check_slots
 from .pgoutput import Decoder, Delete, Insert, LogicalMessage, Relation, Truncate, Update
 from .pgoutput.messages import MessageType
-from .replay import load_events
+from .replay import load_events_sized
 from .schema import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, drop_slot, load_migrations
-from .sink import BOOTSTRAPPING, Batch, DeadLetter, FencedError, PgSink, SnapshotRow
-from .stream.assemble import Assembler, Transaction
+from .sink import BOOTSTRAPPING, Batch, ChunkedTail, DeadLetter, FencedError, PgSink, SnapshotRow
+from .stream.assemble import Assembler, SpilledItems, Transaction, estimate
 from .stream.rows import LedgerRowDecoder
 from .stream.transport import (
     ReplicationStream,
@@ -120,11 +123,12 @@ class ConsumerConfig:
     status_interval: float = 2.0
     proto_version: int = 2
     streaming: bool = True
-    memory_limit: int = 64 * 1024 * 1024
+    # bytes for what grows with the data: buffered transactions, the session cache, the batch
+    # in hand and their encoded rows; see Consumer._fold
+    memory_limit: int = 512 * 1024 * 1024
     spill_dir: str | None = None
     reconnect_base: float = 0.1
     reconnect_cap: float = 5.0
-    cache_sessions: int = 100_000
     table: str = LEDGER_TABLE
     on_slot_lost: str = "resync"  # or "exit"
     health_interval: float = 10.0
@@ -243,6 +247,138 @@ class _Held:
 
 
 Item = LedgerEvent | _Held | _Anomaly
+
+
+_LOAD_AT_ONCE = 512  # sessions whose contexts are loaded by one query
+_CONTEXT_FACTOR = 3  # a decoded context holds about 3× its JSON in memory (measured)
+
+
+def _sid_of(it: Item) -> uuid.UUID | None:
+    kind = type(it)
+    if kind is LedgerEvent:
+        return it.session_id  # type: ignore[union-attr]
+    if kind is _Held:
+        return it.rejected.session_id  # type: ignore[union-attr]
+    return None
+
+
+@dataclass
+class _Fold:
+    """What a batch (or a part of a big transaction) has folded so far."""
+
+    batch: Batch
+    # session → (context, commit LSN, hash of its last event as streamed)
+    changed: dict[uuid.UUID, tuple[SessionContext, int, bytes | None]] = field(default_factory=dict)
+    runs_before: dict[uuid.UUID, tuple[str, int] | None] = field(default_factory=dict)
+    max_seq: int = 0
+    used: int = 0  # estimated bytes held: the changes folded
+
+
+_BUCKETS = 64
+
+
+def _by_session(
+    sized: Iterable[tuple[Item, int]], directory: str | None
+) -> Iterator[tuple[Item, int]]:
+    """The same changes, grouped by session (a session's in their order) through _BUCKETS
+    temporary files: a few dozen changes in memory at a time."""
+    files: list[Any] = [None] * _BUCKETS
+    held: list[list[tuple[Item, int]]] = [[] for _ in range(_BUCKETS)]
+
+    def spill(k: int) -> None:
+        if files[k] is None:
+            files[k] = tempfile.TemporaryFile(prefix="ledger-cdc-group-", dir=directory)  # noqa: SIM115
+        pickle.dump(held[k], files[k], protocol=pickle.HIGHEST_PROTOCOL)
+        held[k] = []
+
+    try:
+        for pair in sized:
+            sid = _sid_of(pair[0])
+            k = 0 if sid is None else sid.int % _BUCKETS
+            held[k].append(pair)
+            if len(held[k]) >= 32:
+                spill(k)
+        for k in range(_BUCKETS):
+            f = files[k]
+            if f is not None:
+                f.seek(0)
+                while True:
+                    try:
+                        chunk: list[tuple[Item, int]] = pickle.load(f)
+                    except EOFError:
+                        break
+                    yield from chunk
+            yield from held[k]
+            held[k] = []
+    finally:
+        for f in files:
+            if f is not None:
+                f.close()
+
+
+class _BigRun:
+    """The state of one big transaction folded in parts (see Consumer._apply_big)."""
+
+    def __init__(self, txn: Transaction[Item], epoch: int | None) -> None:
+        self.txn = txn
+        self.epoch = epoch
+        self.events = 0
+        self.dead = 0
+        self.max_seq = 0
+        self.last = self.part()
+
+    def part(self) -> _Fold:
+        return _Fold(Batch(end_lsn=self.txn.end_lsn))
+
+    def count(self, chunk: Batch) -> None:
+        self.events += chunk.events
+        self.dead += len(chunk.dead_letters)
+        self.max_seq = max(self.max_seq, chunk.max_seq or 0)
+
+
+class SessionCache:
+    """Contexts by session, least recently used first, bounded by their estimated bytes
+    (_CONTEXT_FACTOR × their JSON: what the Python objects take, measured)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.bytes = 0
+        self._ctx: OrderedDict[uuid.UUID, SessionContext] = OrderedDict()
+        self._size: dict[uuid.UUID, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ctx)
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self._ctx
+
+    def get(self, sid: uuid.UUID) -> SessionContext | None:
+        return self._ctx.get(sid)  # recency is marked once per batch (touch), not per event
+
+    def touch(self, sid: uuid.UUID, size: int) -> None:
+        """A session the batch changed: most recently used now, at its new size."""
+        if sid in self._ctx:
+            self._ctx.move_to_end(sid)
+        self.resize(sid, size)
+
+    def put(self, sid: uuid.UUID, ctx: SessionContext, size: int) -> None:
+        self._ctx[sid] = ctx
+        self._ctx.move_to_end(sid)
+        self.resize(sid, size)
+
+    def resize(self, sid: uuid.UUID, size: int) -> None:
+        self.bytes += size - self._size.get(sid, 0)
+        self._size[sid] = size
+
+    def evict(self) -> None:
+        while self.bytes > self.budget and len(self._ctx) > 1:
+            sid, _ = self._ctx.popitem(last=False)
+            self.bytes -= self._size.pop(sid, 0)
+
+    def clear(self) -> None:
+        self._ctx.clear()
+        self._size.clear()
+        self.bytes = 0
 
 
 class _SinkWorker:
@@ -451,7 +587,12 @@ class Consumer:
             streaming=config.streaming,
             status_interval=config.status_interval,
         )
-        self._cache: OrderedDict[uuid.UUID, SessionContext] = OrderedDict()
+        # of the memory limit: 35 % buffered transactions, 15 % the cache, 15 % the batch in
+        # hand; the rest is headroom for what a batch transiently adds (its encoded rows)
+        self._cache = SessionCache(config.memory_limit * 15 // 100)
+        self._budget_batch = max(1, config.memory_limit * 15 // 100)
+        self._loaded_bytes = 0  # contexts loaded since the part in hand began (see _Fold.used)
+        self._version = reducer_version()
         self._heartbeat: threading.Thread | None = None
         self._standing_by = False
         self._worker = _SinkWorker(self.sink)
@@ -480,7 +621,7 @@ class Consumer:
         self.decoder = Decoder()
         self.assembler: Assembler[Item] = Assembler(
             skip_upto=checkpoint,
-            memory_limit=self.config.memory_limit,
+            memory_limit=self.config.memory_limit * 35 // 100,
             spill_dir=self.config.spill_dir,
         )
         self._decode = self.decoder.decode
@@ -489,6 +630,7 @@ class Consumer:
         self._ledger_relids: set[int] = set()
         self._pending: list[Transaction[Item]] = []
         self._pending_events = 0
+        self._pending_bytes = 0
         self._pending_since: float | None = None
         self._idle_lsn: int | None = None  # heartbeat LSN to checkpoint when nothing is in flight
         self._idle_hb_at: float | None = None
@@ -671,40 +813,42 @@ class Consumer:
                 self.sink.unmark_bootstrap()
             raise
         positions = self.sink.positions()
-        folded = 0
+        progress = cfg.progress
+        self._reset_stream_state(consistent)
+        self._cache.clear()
         with _connected(cfg.dsn, "ledger database (bootstrap)", autocommit=False) as src:
             src.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             src.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
             total = count_unfolded(src, positions)
-            if cfg.progress:
-                cfg.progress(0, total)
+            if progress:
+                progress(0, total)
+            folded = [0]
+
+            def rows() -> Iterator[tuple[Item, int]]:
+                # a server-side cursor: the history is read as it is folded, never held whole
+                for ev, size in load_events_sized(src):
+                    if ev.position <= positions.get(ev.session_id, 0):
+                        continue
+                    folded[0] += 1
+                    if progress and folded[0] % 5000 == 0:
+                        progress(folded[0], total)
+                    item = ev if type(ev) is LedgerEvent else _Held(consistent, ev)  # type: ignore[arg-type]
+                    yield item, estimate(size)
+
             txn: Transaction[Item] = Transaction(0, consistent, consistent, 0, [])
-            for ev in load_events(src):
-                if ev.position <= positions.get(ev.session_id, 0):
-                    continue
-                txn.items.append(ev if type(ev) is LedgerEvent else _Held(consistent, ev))  # type: ignore[arg-type]
-                folded += 1
-                if cfg.progress and folded % 5000 == 0:
-                    cfg.progress(folded, total)
+            events, dead = self._apply_big(txn, rows(), epoch=0, grouped=True)
             src.rollback()
         # the snapshot is no longer needed: everything after it comes from the stream
-        self._reset_stream_state(consistent)
-        self._cache.clear()
-        batch = self._fold([txn], consistent)
-        batch.epoch = 0
-        self.sink.commit(batch)
-        if cfg.progress:
-            cfg.progress(folded, folded)
+        if progress:
+            progress(folded[0], folded[0])
         self._submitted_lsn = consistent
         self.stream.start(consistent, reuse=True)
-        self.stream.confirm(consistent)
-        self.metrics.confirmed_lsn = consistent
-        self.metrics.events += batch.events
+        self._confirmed(consistent, 0, events, dead, None, None)
         log.info(
             "slot %s created at %s; %d events folded from the table",
             cfg.slot,
             format_lsn(consistent),
-            folded,
+            folded[0],
         )
 
     def _stream_loop(self) -> None:
@@ -725,10 +869,13 @@ class Consumer:
                 raise SlotLostError(f"slot {self.config.slot} was invalidated (wal_status lost)")
             msgs = read_many(256)
             if msgs:
-                for msg in msgs:
-                    on_message(msg.payload, msg.data_start)
                 metrics.server_wal_end = msgs[-1].wal_end
-                if self._pending_events >= batch_size:
+                msgs.reverse()  # popped as handled: a large message is not held to the end
+                while msgs:
+                    msg = msgs.pop()
+                    on_message(msg.payload, msg.data_start)
+                del msg
+                if self._pending_events >= batch_size or self._pending_bytes > self._budget_batch:
                     self._flush(wait=True)  # the batch is full: wait for the sink if it is busy
                 elif (
                     self._pending_since is not None
@@ -807,12 +954,28 @@ class Consumer:
                 self._on_heartbeat(msg, lsn)
             return
         txns = self._feed(msg, item, len(payload), lsn)
-        if txns:
-            self._pending.extend(txns)
-            for t in txns:
-                self._pending_events += len(t.items)
+        for t in txns:
+            if t.spilled or t.size > self._budget_batch:
+                self._big(t)
+                continue
+            self._pending.append(t)
+            self._pending_events += len(t.items)
+            self._pending_bytes += t.size
             if self._pending_since is None:
                 self._pending_since = time.monotonic()
+
+    def _big(self, txn: Transaction[Item]) -> None:
+        """A transaction over the batch budget: folded in parts as it is read back, committed
+        with its checkpoint, confirmed."""
+        items = txn.items
+        sized = items.sized() if isinstance(items, SpilledItems) else ((it, 0) for it in items)
+        if not isinstance(items, SpilledItems):  # in memory: its share of the budget is known
+            share = txn.size // max(1, len(items))
+            sized = ((it, share) for it in items)
+        # a few changes need no sorting by session: they are one window of loads anyway
+        events, dead = self._apply_big(txn, sized, epoch=None, grouped=len(items) <= _LOAD_AT_ONCE)
+        self._submitted_lsn = max(self._submitted_lsn, txn.end_lsn)
+        self._confirmed(txn.end_lsn, 1, events, dead, txn.commit_ts, time.time())
 
     def _unknown_kind(self, payload: bytes, lsn: int, e: DecodeError) -> None:
         """A message kind this decoder does not know (a newer server or protocol): not ours to
@@ -850,7 +1013,8 @@ class Consumer:
     # -- flushing -------------------------------------------------------------------------------
 
     def _flush(self, *, wait: bool = False) -> None:
-        """Fold the pending transactions and hand the batch to the sink worker."""
+        """Fold the pending transactions (as many as fit a batch) and hand the batch to the
+        sink worker."""
         worker = self._worker
         if worker.busy:
             if not wait:
@@ -859,20 +1023,21 @@ class Consumer:
                 worker.wait()
         self._settle()
         txns, self._pending = self._pending, []
-        self._pending_events = 0
-        self._pending_since = None
-        end_lsn = txns[-1].end_lsn if txns else 0
+        batch, rest = self._fold(txns) if txns else (Batch(end_lsn=0), [])
+        self._pending = rest
+        self._pending_events = sum(len(t.items) for t in rest)
+        self._pending_bytes = sum(t.size for t in rest)
+        self._pending_since = time.monotonic() if rest else None
         hb_at = None
-        if self._idle_lsn is not None and not self.assembler.in_flight:
-            if self._idle_lsn > end_lsn:
-                end_lsn = self._idle_lsn
+        if not rest and self._idle_lsn is not None and not self.assembler.in_flight:
+            if self._idle_lsn > batch.end_lsn:
+                batch.end_lsn = self._idle_lsn
             hb_at = self._idle_hb_at
-        self._idle_lsn = self._idle_hb_at = None
-        if end_lsn <= self._submitted_lsn:
+            self._idle_lsn = self._idle_hb_at = None
+        if batch.end_lsn <= self._submitted_lsn:
             return
-        batch = self._fold(txns, end_lsn)
         batch.heartbeat_at = hb_at
-        self._submitted_lsn = end_lsn
+        self._submitted_lsn = batch.end_lsn
         worker.submit(batch)
 
     def _settle(self) -> None:
@@ -880,132 +1045,305 @@ class Consumer:
         batch = self._worker.take()
         if batch is None:
             return
-        self.stream.confirm(batch.end_lsn)
+        self._confirmed(
+            batch.end_lsn,
+            batch.transactions,
+            batch.events,
+            len(batch.dead_letters),
+            batch.last_commit_ts,
+            batch.committed_at,
+        )
+        if self.on_batch is not None:
+            self.on_batch(batch, self.metrics)
+
+    def _confirmed(
+        self,
+        end_lsn: int,
+        transactions: int,
+        events: int,
+        dead: int,
+        last_commit_ts: int | None,
+        committed_at: float | None,
+    ) -> None:
+        """What the sink committed is durable: confirm it to the server, count it."""
+        self.stream.confirm(end_lsn)
         m = self.metrics
-        m.confirmed_lsn = batch.end_lsn
+        m.confirmed_lsn = end_lsn
         m.skipped_transactions = self.assembler.skipped
         m.spills = self.assembler.spills
         m.batches += 1
-        m.transactions += batch.transactions
-        m.events += batch.events
-        m.dead_letters += len(batch.dead_letters)
-        if batch.last_commit_ts is not None:
-            m.last_commit_ts = _PG_EPOCH + batch.last_commit_ts / 1e6
-            m.last_applied_at = batch.committed_at
-        if self.on_batch is not None:
-            self.on_batch(batch, m)
+        m.transactions += transactions
+        m.events += events
+        m.dead_letters += dead
+        if last_commit_ts:
+            m.last_commit_ts = _PG_EPOCH + last_commit_ts / 1e6
+            m.last_applied_at = committed_at
 
-    def _fold(self, txns: list[Transaction[Item]], end_lsn: int) -> Batch:
-        batch = Batch(end_lsn=end_lsn)
-        every = self.config.snapshot_every
-        version = reducer_version()
-        needed = {
-            it.session_id if type(it) is LedgerEvent else it.rejected.session_id  # type: ignore[union-attr]
-            for t in txns
-            for it in t.items
-            if type(it) is not _Anomaly
-        }
-        missing = [s for s in needed if s not in self._cache]
-        if missing:
-            for sid, loaded in self.sink.load_contexts(missing).items():
-                self._cache[sid] = loaded
-        changed: dict[uuid.UUID, tuple[SessionContext, int]] = {}
-        heads: dict[uuid.UUID, bytes | None] = {}  # hash of each session's last event, as streamed
-        max_seq = 0
-        publish = bool(self.sink.publishers)
-        runs_before: dict[uuid.UUID, tuple[str, int] | None] = {}
-        for txn in txns:
+    # -- folding ------------------------------------------------------------------------------
+    #
+    # Memory is bounded by --memory-limit-mb (M): buffered transactions 35 % of M (the assembler
+    # spills past it), the session cache 15 % (least recently used contexts evicted, by their
+    # estimated size), a batch 15 % (a batch ends at the transaction where it would pass it; a
+    # single transaction over it is folded and written in chunks inside one sink transaction),
+    # and the rest for what sealing a batch adds for a moment (its rows, encoded).
+
+    def _fold(self, txns: list[Transaction[Item]]) -> tuple[Batch, list[Transaction[Item]]]:
+        """Fold committed transactions into one batch, as many as fit its byte budget (at least
+        one): the batch, and the transactions left for the next."""
+        f = _Fold(Batch(end_lsn=0))
+        rest: list[Transaction[Item]] = []
+        loaded_upto = 0
+        for i, txn in enumerate(txns):
             before: dict[uuid.UUID, tuple[int, str]] = {}
-            for it in txn.items:
-                kind = type(it)
-                if kind is LedgerEvent or kind is _Held:
-                    ev: LedgerEvent | Rejected = it if kind is LedgerEvent else it.rejected  # type: ignore[union-attr,assignment]
-                    sid = ev.session_id
-                    found = self._cache.get(sid)
-                    if found is None:
-                        found = self._cache[sid] = SessionContext(sid)
-                    ctx = found
-                    if ev.position <= ctx.last_position:
-                        continue  # already folded (a projection ahead of a lost checkpoint)
-                    if sid not in before:
-                        before[sid] = (ctx.event_count, ctx.status)
-                    if sid not in runs_before:
-                        r = ctx.run
-                        runs_before[sid] = None if r is None else (r.status, r.leases)
-                    reason = fold_one(ctx, ev)
-                    changed[sid] = (ctx, txn.commit_lsn)
-                    heads[sid] = ev.hash
-                    if ev.seq > max_seq:
-                        max_seq = ev.seq
-                    if reason is not None:
-                        lsn = it.lsn if kind is _Held else txn.commit_lsn  # type: ignore[union-attr]
-                        row = _rejected_row(ev) if kind is _Held else {"seq": ev.seq}  # type: ignore[arg-type]
-                        batch.dead_letters.append(
-                            DeadLetter(ev.seq, sid, lsn, "quarantined", reason, row)
-                        )
-                        continue
-                    done = completion(ctx, ev)  # type: ignore[arg-type]
-                    if done is not None:
-                        batch.memo.append((sid, ev.position, done))
-                    batch.events += 1
-                    if publish:
-                        batch.published.append((ev, txn.commit_lsn))
-                else:
-                    assert isinstance(it, _Anomaly)
-                    self.metrics.anomalies += 1
-                    log.error(
-                        "ledger %s seen at %s (seq %s): the append-only guard was bypassed; "
-                        "not folded",
-                        it.kind.upper(),
-                        format_lsn(it.lsn),
-                        it.seq,
+            items = txn.items
+            assert isinstance(items, list)
+            if i >= loaded_upto:
+                loaded_upto = self._load_for(txns, i)
+            f.used += self._loaded_bytes
+            self._loaded_bytes = 0
+            for it in items:
+                self._fold_item(f, it, txn, before)
+            self._cut_snapshots(f, before)
+            f.batch.transactions += 1
+            f.batch.end_lsn = txn.end_lsn
+            f.batch.commit_times.append(txn.commit_ts)
+            f.batch.last_commit_ts = txn.commit_ts
+            f.used += txn.size
+            if f.used > self._budget_batch and i + 1 < len(txns):
+                rest = txns[i + 1 :]
+                break
+        self._seal(f)
+        return f.batch, rest
+
+    def _load_for(self, txns: list[Transaction[Item]], i: int) -> int:
+        """Load the contexts that the transactions from ``i`` on need and the cache lacks, up to
+        a few hundred sessions in one query; returns the index of the first transaction not
+        covered."""
+        cache = self._cache
+        missing: dict[uuid.UUID, None] = {}
+        j = i
+        while j < len(txns) and len(missing) < _LOAD_AT_ONCE:
+            items = txns[j].items
+            assert isinstance(items, list)
+            for it in items:
+                sid = _sid_of(it)
+                if sid is not None and sid not in cache:
+                    missing[sid] = None
+            j += 1
+        self._load(list(missing))
+        return j
+
+    def _load(self, missing: list[uuid.UUID]) -> None:
+        """Bring these sessions into the cache: their projected context, or a new one for a
+        session without a projection (so that a session missing from the cache later was
+        evicted, and is read back)."""
+        if missing:
+            found = self.sink.load_contexts_sized(missing)
+            for sid in missing:
+                ctx, size = found.get(sid) or (SessionContext(sid), 0)
+                self._cache.put(sid, ctx, size)
+                self._loaded_bytes += size
+
+    def _fold_item(
+        self,
+        f: _Fold,
+        it: Item,
+        txn: Transaction[Item],
+        before: dict[uuid.UUID, tuple[int, str]] | None,
+    ) -> None:
+        """One change into the batch: an event folded (or quarantined) into its session, or an
+        anomaly reported. ``before`` collects what each session was at the transaction's start
+        (the snapshot rule); None in a chunked transaction, whose chunks record it instead."""
+        kind = type(it)
+        if kind is _Anomaly:
+            assert isinstance(it, _Anomaly)
+            self.metrics.anomalies += 1
+            log.error(
+                "ledger %s seen at %s (seq %s): the append-only guard was bypassed; not folded",
+                it.kind.upper(),
+                format_lsn(it.lsn),
+                it.seq,
+            )
+            f.batch.dead_letters.append(
+                DeadLetter(
+                    it.seq,
+                    it.session_id,
+                    it.lsn,
+                    it.kind,
+                    f"{it.kind.upper()} on the append-only ledger",
+                    it.row,
+                )
+            )
+            return
+        ev: LedgerEvent | Rejected = it if kind is LedgerEvent else it.rejected  # type: ignore[assignment,union-attr]
+        sid = ev.session_id
+        ctx = self._cache.get(sid)
+        if ctx is None:  # evicted since it was loaded: its projection has what it had
+            self._load([sid])
+            ctx = self._cache.get(sid)
+            assert ctx is not None
+        if ev.position <= ctx.last_position:
+            return  # already folded (a projection ahead of a lost checkpoint)
+        changed = f.changed
+        if sid not in changed:
+            r = ctx.run
+            f.runs_before[sid] = None if r is None else (r.status, r.leases)
+            if before is None:  # a chunk records what the session was before the transaction
+                f.batch.touched.append(
+                    (
+                        sid,
+                        ctx.event_count,
+                        ctx.status,
+                        None if r is None else r.status,
+                        None if r is None else r.leases,
                     )
-                    batch.dead_letters.append(
-                        DeadLetter(
-                            it.seq,
-                            it.session_id,
-                            it.lsn,
-                            it.kind,
-                            f"{it.kind.upper()} on the append-only ledger",
-                            it.row,
-                        )
-                    )
-            # snapshots are cut here, between transactions, never inside one
-            for sid, (count_before, status_before) in before.items():
-                ctx = self._cache[sid]
-                due = every > 0 and ctx.event_count // every != count_before // every
-                ended = ctx.status != status_before and ctx.status in ("completed", "failed")
-                if due or ended:
-                    data = encode_snapshot(ctx)
-                    batch.snapshots.append(
-                        SnapshotRow(
-                            sid,
-                            ctx.last_seq,
-                            ctx.last_position,
-                            version,
-                            hashlib.sha256(data).digest(),
-                            data,
-                            heads.get(sid),
-                        )
-                    )
-            batch.transactions += 1
-        for sid, (ctx, commit_lsn) in changed.items():
-            batch.sessions[sid] = (ctx, encode_context(ctx), commit_lsn, heads.get(sid))
+                )
+        if before is not None and sid not in before:
+            before[sid] = (ctx.event_count, ctx.status)
+        reason = fold_one(ctx, ev)
+        changed[sid] = (ctx, txn.commit_lsn, ev.hash)
+        if ev.seq > f.max_seq:
+            f.max_seq = ev.seq
+        if reason is not None:
+            lsn = it.lsn if kind is _Held else txn.commit_lsn  # type: ignore[union-attr]
+            row = _rejected_row(ev) if kind is _Held else {"seq": ev.seq}  # type: ignore[arg-type]
+            f.batch.dead_letters.append(DeadLetter(ev.seq, sid, lsn, "quarantined", reason, row))
+            return
+        done = completion(ctx, ev)  # type: ignore[arg-type]
+        if done is not None:
+            f.batch.memo.append((sid, ev.position, done))
+        f.batch.events += 1
+        if self.sink.publishers:
+            f.batch.published.append((ev, txn.commit_lsn))
+
+    def _cut_snapshots(self, f: _Fold, before: dict[uuid.UUID, tuple[int, str]]) -> None:
+        """Snapshots are cut here, between transactions, never inside one."""
+        every = self.config.snapshot_every
+        for sid, (count_before, status_before) in before.items():
+            ctx = f.changed[sid][0]
+            due = every > 0 and ctx.event_count // every != count_before // every
+            ended = ctx.status != status_before and ctx.status in ("completed", "failed")
+            if due or ended:
+                f.batch.snapshots.append(self._snapshot(ctx, f.changed[sid][2]))
+
+    def _snapshot(self, ctx: SessionContext, head: bytes | None) -> SnapshotRow:
+        data = encode_snapshot(ctx)
+        return SnapshotRow(
+            ctx.session_id,
+            ctx.last_seq,
+            ctx.last_position,
+            self._version,
+            hashlib.sha256(data).digest(),
+            data,
+            head,
+        )
+
+    def _seal(self, f: _Fold, *, notices: bool = True) -> Batch:
+        """The batch's projections (each changed context, encoded), runs that became ready,
+        change notices; the cache brought back within its budget."""
+        batch = f.batch
+        for sid, (ctx, commit_lsn, head) in f.changed.items():
+            data = encode_context(ctx)
+            batch.sessions[sid] = (ctx, data, commit_lsn, head)
+            self._cache.touch(sid, _CONTEXT_FACTOR * len(data))
+            if not notices:
+                continue
             run = ctx.run
             if run is not None and run.status == RUN_PENDING:
-                was = runs_before.get(sid)
+                was = f.runs_before.get(sid)
                 if was is None or was != (RUN_PENDING, run.leases):
                     batch.notify.append(sid)  # became ready to lease in this batch
         batch.channel = self.config.notify_channel
-        if self.config.notify_sessions:
-            batch.session_notices = [f"{sid}:{c.last_position}" for sid, (c, _) in changed.items()]
-        batch.max_seq = max_seq or None
-        if txns:
-            batch.last_commit_ts = txns[-1].commit_ts
-            batch.commit_times = [t.commit_ts for t in txns]
-        while len(self._cache) > self.config.cache_sessions:
-            self._cache.popitem(last=False)
+        if notices and self.config.notify_sessions:
+            batch.session_notices = [
+                f"{sid}:{c.last_position}" for sid, (c, _, _) in f.changed.items()
+            ]
+        batch.max_seq = f.max_seq or None
+        self._cache.evict()
         return batch
+
+    def _apply_big(
+        self,
+        txn: Transaction[Item],
+        sized: Iterable[tuple[Item, int]],
+        *,
+        epoch: int | None,
+        grouped: bool = False,
+    ) -> tuple[int, int]:
+        """A transaction too big for one batch (spilled, over the batch budget, or a bootstrap)
+        is folded as its changes are read — from the spill file, or the table — and written in
+        chunks inside one sink transaction that ends with its checkpoint. Everything before it
+        is committed first. Returns (events folded, dead letters), once committed.
+
+        Sessions are independent of one another and a session's changes keep their order, so
+        unless they come ``grouped`` by session already (a bootstrap reads them so), the changes
+        are first sorted into files by session: each session's context is then loaded once,
+        not once per part, however many sessions the transaction touches."""
+        self._drain_pending()
+        run = _BigRun(txn, epoch)
+
+        def chunks() -> Iterator[Batch]:
+            f = run.part()
+            ahead: list[tuple[Item, int]] = []
+            for pair in sized if grouped else _by_session(sized, self.config.spill_dir):
+                ahead.append(pair)
+                if len(ahead) >= _LOAD_AT_ONCE:
+                    f = yield from self._fold_ahead(run, f, ahead)
+                    ahead = []
+            run.last = yield from self._fold_ahead(run, f, ahead)
+
+        def finish(tail: ChunkedTail) -> Batch:
+            rest = self._seal(run.last, notices=False)
+            run.count(rest)
+            self.sink.write_part(rest)  # in the projections before the tail reads them
+            for rows in tail.due_snapshots(self.config.snapshot_every):
+                snaps = [
+                    self._snapshot(self._cache.get(sid) or decode_context(text), head)
+                    for sid, text, head in rows
+                ]
+                self.sink.write_part(Batch(end_lsn=txn.end_lsn, snapshots=snaps))
+            tail.notify(self.config.notify_channel, self.config.notify_sessions)
+            final = Batch(end_lsn=txn.end_lsn, epoch=epoch, max_seq=run.max_seq or None)
+            if txn.commit_ts:
+                final.last_commit_ts = txn.commit_ts
+                final.commit_times = [txn.commit_ts]
+            return final
+
+        with self.stream.keepalive_during():
+            self.sink.commit_chunked(chunks(), finish)
+        return run.events, run.dead
+
+    def _fold_ahead(
+        self, run: _BigRun, f: _Fold, ahead: list[tuple[Item, int]]
+    ) -> Generator[Batch, None, _Fold]:
+        """Fold a run of a big transaction's changes (the contexts they lack loaded in one
+        query); each time the part in hand passes the batch budget, hand it over as a chunk and
+        go on with a new part. Returns the part in hand."""
+        self._load_missing(ahead)
+        for i, (it, size) in enumerate(ahead):
+            self._fold_item(f, it, run.txn, None)
+            f.used += size + self._loaded_bytes  # the changes, and the contexts they pin
+            self._loaded_bytes = 0
+            if f.used > self._budget_batch:
+                chunk = self._seal(f, notices=False)
+                run.count(chunk)
+                yield chunk
+                f = run.part()  # what was written is in the projections (same transaction)
+                self._load_missing(ahead[i + 1 :])  # what the seal evicted, read back at once
+        return f
+
+    def _load_missing(self, ahead: list[tuple[Item, int]]) -> None:
+        cache = self._cache
+        wanted = dict.fromkeys(map(_sid_of, (it for it, _ in ahead)))
+        self._load([s for s in wanted if s is not None and s not in cache])
+
+    def _drain_pending(self) -> None:
+        """Commit everything folded or pending before what comes next, in order."""
+        while self._pending or self._worker.busy:
+            self._flush(wait=True)
+            with self.stream.keepalive_during():
+                self._worker.wait()
+            self._settle()
 
     # -- slot guard -----------------------------------------------------------------------------
 

@@ -309,7 +309,9 @@ def json_depth(data: bytes, stop_at: int = READ_MAX_DEPTH) -> int:
 
 
 def too_deep(data: bytes, limit: int) -> bool:
-    """Whether JSON text nests deeper than ``limit`` (free when it has fewer brackets)."""
+    """Whether JSON text nests deeper than ``limit`` (free when it is too short to)."""
+    if len(data) <= 2 * limit:  # n levels take 2n brackets
+        return False
     return data.count(b"{") + data.count(b"[") > limit and json_depth(data, limit) > limit
 
 
@@ -479,16 +481,19 @@ def decode_payload(event_type: str, data: bytes | str) -> Any:
 def admit_time(value: Any) -> dt.datetime:
     """A row's ``created_at`` as a UTC datetime, or :class:`InvalidEventError` when it is not a
     time inside [:data:`MIN_TIME`, :data:`MAX_TIME`] (the same rule on every path)."""
-    if not isinstance(value, dt.datetime) or value.tzinfo is None:
+    if type(value) is not dt.datetime or value.tzinfo is None:
         raise InvalidEventError(f"created_at {value!r} is not a time this reader can hold")
     if not MIN_TIME <= value <= MAX_TIME:
         raise InvalidEventError(
             f"created_at {value.isoformat()} is outside {MIN_TIME.date()}..{MAX_TIME.date()}"
         )
-    return value if value.utcoffset() == _ZERO else value.astimezone(dt.timezone.utc)
+    if value.tzinfo is _UTC or value.utcoffset() == _ZERO:
+        return value
+    return value.astimezone(_UTC)
 
 
 _ZERO = dt.timedelta(0)
+_UTC = dt.timezone.utc
 
 
 def _name(typ: Any) -> str:

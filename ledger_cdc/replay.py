@@ -151,6 +151,19 @@ def load_events(
             yield row_event(row)
 
 
+def load_events_sized(
+    conn: psycopg.Connection[Any], *, itersize: int = 2000
+) -> Iterator[tuple[LedgerEvent | Rejected, int]]:
+    """Every event in (session, position) order with the size of its payload's JSON, read by a
+    server-side cursor (in the caller's transaction): the table is never held in memory."""
+    query, params = _events_query(None, 0, None)
+    with conn.cursor(name="ledger_events_all") as cur:
+        cur.itersize = itersize
+        cur.execute(query, params)
+        for row in cur:
+            yield row_event(row), len(row[5]) + 200
+
+
 def fold_all(conn: psycopg.Connection[Any]) -> dict[uuid.UUID, SessionContext]:
     """Every session folded from zero, as the consumer folds them (quarantining the same
     events)."""

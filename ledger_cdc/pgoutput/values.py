@@ -17,11 +17,11 @@ from typing import Any
 
 import msgspec
 import psycopg
+from psycopg.abc import Buffer
 from psycopg.abc import Transformer as TransformerProto
-from psycopg.adapt import AdaptersMap, Transformer
+from psycopg.adapt import AdaptersMap, Loader, Transformer
 from psycopg.pq import Format
 from psycopg.types.json import set_json_loads
-from psycopg.types.string import TextLoader
 
 from ..errors import DecodeError
 from .messages import Binary, Relation, UnchangedToast
@@ -36,12 +36,21 @@ def adapters_with_msgspec_json() -> AdaptersMap:
     return am
 
 
+class RawLoader(Loader):
+    """A value's bytes as they came (no copy when they are bytes already): json/jsonb text
+    that the caller decodes once, straight into a typed Struct — no str in between, which for a
+    large payload would be another copy of it."""
+
+    def load(self, data: Buffer) -> bytes:
+        return data if type(data) is bytes else bytes(data)
+
+
 def raw_json_adapters() -> AdaptersMap:
-    """Adapters that leave json/jsonb as its text (psycopg's C text loader), for callers that
-    decode it once, straight into a typed Struct."""
+    """Adapters that leave json/jsonb as the bytes of its text, for callers that decode it
+    once, straight into a typed Struct."""
     am = AdaptersMap(psycopg.adapters)
-    am.register_loader("json", TextLoader)
-    am.register_loader("jsonb", TextLoader)
+    am.register_loader("json", RawLoader)
+    am.register_loader("jsonb", RawLoader)
     return am
 
 

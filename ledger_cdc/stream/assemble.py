@@ -10,10 +10,11 @@ The assembler is the transaction state machine of the protocol, with no I/O but 
   at the COMMIT PREPARED position) or dropped at Rollback Prepared. Stream Prepare moves a
   streamed transaction to the prepared set.
 
-Buffered changes are bounded in memory: past ``memory_limit`` bytes (as counted by the sizes fed
-in, i.e. the wire size of each change) the largest buffer is spilled to a temporary file and read
-back when its transaction commits. Items are opaque to the assembler (the consumer feeds decoded
-ledger events and anomalies); they must be picklable to spill.
+Buffered changes are bounded in memory: past ``memory_limit`` bytes (estimated from the sizes fed
+in: what a decoded change costs, ``2 × wire size + 512``) the largest buffer is spilled to a
+temporary file. A transaction that was spilled is handed over as :class:`SpilledItems`, read back
+from its file chunk by chunk while it is folded, never whole. Items are opaque to the assembler
+(the consumer feeds decoded ledger events and anomalies); they must be picklable to spill.
 
 Transactions that end at or below ``skip_upto`` (the stored checkpoint) are dropped, whatever the
 server resends: the checkpoint decides, not the server's memory of what was confirmed.
@@ -43,9 +44,43 @@ from ..pgoutput.messages import (
     StreamStop,
 )
 
-__all__ = ["Assembler", "Transaction"]
+__all__ = ["Assembler", "SpilledItems", "Transaction", "estimate"]
 
 T = TypeVar("T")
+
+
+def estimate(size: int) -> int:
+    """Bytes a decoded change of ``size`` wire bytes holds in memory (measured: 1.0–3.2× the
+    wire size, plus the event's own fields)."""
+    return 2 * size + 512
+
+
+class SpilledItems(Generic[T]):
+    """The changes of a transaction that was spilled to disk: ``len()`` is known, iteration
+    reads them back in the chunks they were written in (once; the file is closed after)."""
+
+    def __init__(self, buffer: _Buffer[T]) -> None:
+        self._buffer = buffer
+        self._count = buffer.count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[T]:
+        for item, _ in self.sized():
+            yield item
+
+    def sized(self) -> Iterator[tuple[T, int]]:
+        """(item, its estimated bytes), read back in order; the file is closed after."""
+        buf = self._buffer
+        try:
+            for t in buf.iter_items():
+                yield t[1], t[2]
+        finally:
+            buf.close()
+
+    def close(self) -> None:
+        self._buffer.close()
 
 
 @dataclass
@@ -56,9 +91,14 @@ class Transaction(Generic[T]):
     commit_lsn: int
     end_lsn: int
     commit_ts: int  # microseconds since 2000-01-01 UTC
-    items: list[T]
+    items: list[T] | SpilledItems[T]
     gid: str | None = None
     streamed: bool = False
+    size: int = 0  # estimated bytes its changes hold in memory (see estimate())
+
+    @property
+    def spilled(self) -> bool:
+        return isinstance(self.items, SpilledItems)
 
 
 @dataclass
@@ -68,15 +108,22 @@ class _Buffer(Generic[T]):
     xid: int
     first_lsn: int
     items: list[tuple[int, T, int]] = field(default_factory=list)  # (subxid, item, size)
-    size: int = 0  # bytes held in memory
+    size: int = 0  # bytes held in memory (estimated)
     spill: BinaryIO | None = None
+    count: int = 0  # items, in memory and spilled
+    total: int = 0  # estimated bytes of all items, in memory and spilled
 
     def add(self, subxid: int, item: T, size: int) -> None:
         self.items.append((subxid, item, size))
         self.size += size
+        self.total += size
+        self.count += 1
+
+    _dir: str | None = None
 
     def spill_out(self, directory: str | None) -> int:
         """Move the in-memory items to the spill file; returns the bytes freed."""
+        self._dir = directory
         if self.spill is None:
             # closed in close() / all_items(): it lives as long as its transaction
             self.spill = tempfile.TemporaryFile(prefix="ledger-cdc-spill-", dir=directory)  # noqa: SIM115
@@ -98,21 +145,40 @@ class _Buffer(Generic[T]):
     def drop_subxact(self, subxid: int) -> int:
         """Discard the changes of an aborted subtransaction; returns the bytes freed."""
         if self.spill is not None:
-            kept = [t for t in self._read_spill() if t[0] != subxid]
-            self.spill.seek(0)
-            self.spill.truncate()
-            pickle.dump(kept, self.spill, protocol=pickle.HIGHEST_PROTOCOL)
+            # rewritten chunk by chunk through a second file: never the whole spill in memory
+            old, self.spill = self.spill, None
+            old.seek(0)
+            kept = count = total = 0
+            self.spill = tempfile.TemporaryFile(prefix="ledger-cdc-spill-", dir=self._dir)  # noqa: SIM115
+            while True:
+                try:
+                    chunk: list[tuple[int, T, int]] = pickle.load(old)
+                except EOFError:
+                    break
+                chunk = [t for t in chunk if t[0] != subxid]
+                kept += len(chunk)
+                total += sum(t[2] for t in chunk)
+                pickle.dump(chunk, self.spill, protocol=pickle.HIGHEST_PROTOCOL)
+            old.close()
+            count, self.total = kept, total
+        else:
+            count, self.total = 0, 0
         before = self.size
         self.items = [t for t in self.items if t[0] != subxid]
         self.size = sum(t[2] for t in self.items)
+        self.count = count + len(self.items)
+        self.total += self.size
         return before - self.size
 
-    def all_items(self) -> list[T]:
-        out: list[T] = []
+    def iter_items(self) -> Iterator[tuple[int, T, int]]:
+        """Every item in order: the spilled chunks, then what is in memory."""
         if self.spill is not None:
-            out.extend(t[1] for t in self._read_spill())
-            self.close()
-        out.extend(t[1] for t in self.items)
+            yield from self._read_spill()
+        yield from self.items
+
+    def all_items(self) -> list[T]:
+        out = [t[1] for t in self.iter_items()]
+        self.close()
         return out
 
     def close(self) -> None:
@@ -258,8 +324,9 @@ class Assembler(Generic[T]):
                 message_type=type(msg).__name__,
                 lsn=lsn,
             )
-        buf.add(subxid, item, size)
-        self._memory += size
+        cost = estimate(size)
+        buf.add(subxid, item, cost)
+        self._memory += cost
         if self._memory > self.memory_limit:
             self._spill_largest()
 
@@ -267,10 +334,13 @@ class Assembler(Generic[T]):
         buffers = [*self._streams.values(), *(b for b, _ in self._prepared.values())]
         if self._current is not None:
             buffers.append(self._current)
+        # a buffer holding one change is not spilled: it would only be read back whole
+        buffers = [b for b in buffers if len(b.items) > 1]
         while self._memory > self.memory_limit // 2 and buffers:
             big = max(buffers, key=lambda b: b.size)
             if big.size == 0:
                 break
+            buffers.remove(big)
             self._memory -= big.spill_out(self.spill_dir)
             self.spills += 1
 
@@ -324,7 +394,11 @@ class Assembler(Generic[T]):
             buf.close()
             self.skipped += 1
             return []
-        return [Transaction(xid, commit_lsn, end_lsn, commit_ts, buf.all_items(), gid, streamed)]
+        if buf.spill is not None:  # read back while it is folded, not here
+            items: list[T] | SpilledItems[T] = SpilledItems(buf)
+        else:
+            items = [t[1] for t in buf.items]
+        return [Transaction(xid, commit_lsn, end_lsn, commit_ts, items, gid, streamed, buf.total)]
 
     def reset(self) -> None:
         """Forget everything in flight (after a reconnect the server resends it)."""

@@ -1,0 +1,123 @@
+"""Memory: the consumer's peak RSS against the size of one transaction, with --memory-limit-mb.
+
+For each size, one transaction is written to a fresh ledger while ``ledger-cdc consume`` (its own
+process) streams the slot; its idle RSS (after start-up) and its peak RSS (VmHWM) once every event
+is in a committed projection are printed, with peak − idle beside the limit. Two shapes: many
+small events over many sessions, and one event carrying a single large tool result.
+
+    sh scripts/dev.sh bench memory [--limit-mb 16] [--pg-major 18]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+from common import ROOT, proc_peak_rss_mb, wait_until
+
+from ledger_cdc.embedded import EmbeddedPostgres
+from ledger_cdc.schema import init
+
+MANY = """
+INSERT INTO agent_events (session_id, position, agent_id, event_type, payload)
+SELECT ('00000000-0000-4000-8000-' || lpad(to_hex(s), 12, '0'))::uuid, p, 'a', 'tool.invoked',
+       jsonb_build_object('call_id', 'c' || p, 'tool', 'search',
+                          'arguments', jsonb_build_object('q', repeat('x', 150)))
+FROM generate_series(1, 10) p, generate_series(1, %(sessions)s) s ORDER BY p, s
+"""
+ONE = """
+INSERT INTO agent_events (session_id, agent_id, event_type, payload)
+VALUES (gen_random_uuid(), 'a', 'tool.observed',
+        jsonb_build_object('call_id', 'c', 'result', repeat('x', %(bytes)s)))
+"""
+
+
+def _rss(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run(pg: EmbeddedPostgres, limit: int, query: str, params: dict[str, int], events: int) -> str:
+    dbname = f"m{time.monotonic_ns()}"
+    with psycopg.connect(pg.dsn(), autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {dbname}")
+    dsn = pg.dsn(dbname)
+    init(dsn, slot=f"s_{dbname}")
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ledger_cdc.cli",
+                "consume",
+                "--dsn",
+                dsn,
+                "--slot",
+                f"s_{dbname}",
+                "--memory-limit-mb",
+                str(limit),
+                "--log-format",
+                "text",
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=log,
+        )
+        try:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                wait_until(
+                    lambda: (
+                        conn.execute(
+                            "SELECT active FROM pg_replication_slots WHERE slot_name = %s",
+                            (f"s_{dbname}",),
+                        ).fetchone()
+                        == (True,)
+                    ),
+                    60,
+                )
+                idle = _rss(proc.pid)
+                started = time.monotonic()
+                conn.execute(query, params)
+                wait_until(
+                    lambda: (
+                        conn.execute(
+                            "SELECT coalesce(sum(event_count), 0) FROM agent_sessions"
+                        ).fetchone()[0]
+                        >= events
+                    ),
+                    600,
+                )
+                took = time.monotonic() - started
+            peak = proc_peak_rss_mb(proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    return f"idle {idle:5.0f} MB  peak {peak:5.0f} MB  peak − idle {peak - idle:5.0f} MB  ({took:.1f} s)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="memory benchmark")
+    ap.add_argument("--limit-mb", type=int, default=16)
+    ap.add_argument("--pg-major", type=int, default=None)
+    args = ap.parse_args()
+    with EmbeddedPostgres(major=args.pg_major, max_slot_wal_keep_size="8GB") as pg:
+        print(f"PostgreSQL {pg.major}, consume --memory-limit-mb {args.limit_mb}")
+        for sessions in (1_000, 5_000, 20_000):
+            line = run(pg, args.limit_mb, MANY, {"sessions": sessions}, sessions * 10)
+            print(
+                f"  one transaction of {sessions * 10:>7,} events in {sessions:>6,} sessions  {line}"
+            )
+        for mb in (10, 50):
+            line = run(pg, args.limit_mb, ONE, {"bytes": mb * 1024 * 1024}, 1)
+            print(f"  one event with a {mb:>3} MB tool result                  {line}")
+
+
+if __name__ == "__main__":
+    main()
