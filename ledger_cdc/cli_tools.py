@@ -506,6 +506,14 @@ def fork(
     help="Seconds between polls when nothing is due.",
 )
 @click.option("--timeout", default=10.0, show_default=True, help="HTTP request timeout (s).")
+@click.option(
+    "--claim-seconds",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0.1),
+    help="Lease of a claimed row, renewed while its call is in flight: a dead dispatcher's "
+    "rows are retried by another after this long.",
+)
 @click.option("--once", is_flag=True, help="One pass over what is due now, then exit.")
 @click.option(
     "--until-idle", is_flag=True, help="Exit when no row is left to dispatch (retries included)."
@@ -525,15 +533,17 @@ def dispatch(
     backoff_cap: float,
     poll_interval: float,
     timeout: float,
+    claim_seconds: float,
     once: bool,
     until_idle: bool,
     log_format: str,
 ) -> None:
-    """Perform the outbox's external calls: claim due rows (FOR UPDATE SKIP LOCKED, so several
-    dispatchers can run at once without sending a row twice concurrently), call the target with
-    the row's idempotency key, mark the row dispatched in the same transaction. A failed call
-    is retried with backoff and parked after --max-attempts (see `ledger-cdc outbox --parked`).
-    Killed between a call and its mark, the row is retried with the same key.
+    """Perform the outbox's external calls: claim due rows with a lease (several dispatchers
+    can run at once and never call one row at the same time), call the target with the row's
+    idempotency key with no database transaction open, then record the outcome. A failed call
+    is retried with backoff and parked after --max-attempts attempts, every call counted (see
+    `ledger-cdc outbox --parked`). A dispatcher killed mid-call leaves a claim that expires
+    after --claim-seconds; the row is then retried with the same key.
 
     Exit 0 when stopped (SIGINT/SIGTERM finish the batch), 1 if rows were parked.
     """
@@ -555,6 +565,7 @@ def dispatch(
             backoff_base=backoff,
             backoff_cap=backoff_cap,
             poll_interval=poll_interval,
+            claim_seconds=claim_seconds,
         )
     )
 
@@ -733,6 +744,38 @@ def partitions() -> None:
     """Partitions of a partitioned ledger (init --partition-by): list, ensure, archive."""
 
 
+@cli.command("import")
+@dsn_option
+@click.argument("source", type=click.File("rb"))
+@click.option(
+    "--batch", default=1000, show_default=True, type=click.IntRange(1), help="Events per commit."
+)
+@click.pass_obj
+@handles_errors
+def import_cmd(state: State, dsn: str, source: Any, batch: int) -> None:
+    """Import existing agent logs with their own times, from SOURCE (JSON lines, - for stdin):
+    {"session_id", "agent_id", "event_type", "payload", "created_at", "idempotency_key"?}.
+
+    The one way to place events in the past: created_at is otherwise the server's clock. Needs
+    the ledger's owner (or a member of its role). Each line is validated like an append; a
+    session's positions follow on from what it holds; on a partitioned ledger the partitions
+    the times fall into are created (never one already archived). Commits every --batch
+    events: a failure names the line to go on from."""
+    from .importer import import_events, read_lines
+
+    with _connect(dsn) as conn, state.console.status("importing…") as status:
+        res = import_events(
+            conn,
+            read_lines(source),
+            batch=batch,
+            progress=lambda n: status.update(f"importing… {n:,} events"),
+        )
+    made = f"; partitions created: {', '.join(res.partitions_created)}" * bool(
+        res.partitions_created
+    )
+    state.console.print(f"imported {res.events:,} events of {res.sessions:,} sessions{made}")
+
+
 @partitions.command("list")
 @dsn_option
 @click.option("--json", "as_json", is_flag=True)
@@ -820,8 +863,10 @@ def partitions_ensure(state: State, dsn: str, ahead: int) -> None:
 def partitions_archive(state: State, dsn: str, older: str, to_dir: Path) -> None:
     """Archive partitions entirely older than --older-than: refused unless the consumer has
     folded every session in them; each session gets a snapshot at or after its last event
-    there; the rows are exported (COPY, gzip) with a sha256 manifest, then the partition is
-    detached and dropped. The only way ledger data is removed."""
+    there; the partition is detached (CONCURRENTLY: writers are never blocked; it waits for
+    transactions that could still insert into it, and for open snapshots), what it holds is
+    checked again, exported (COPY, gzip) with a sha256 manifest, recorded and dropped. A row is
+    always in the ledger or in the archive. The only way ledger data is removed."""
     from .partitions import archive
 
     bound = _duration(older)

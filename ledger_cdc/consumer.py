@@ -246,7 +246,17 @@ class _Held:
         return (_Held, (self.lsn, self.rejected))
 
 
-Item = LedgerEvent | _Held | _Anomaly
+class _Base:
+    """A session's starting point other than empty: its archive snapshot (a bootstrap over
+    archived history). Folding it puts the context in place, as the projection to write."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, ctx: SessionContext) -> None:
+        self.ctx = ctx
+
+
+Item = LedgerEvent | _Held | _Anomaly | _Base
 
 
 _LOAD_AT_ONCE = 512  # sessions whose contexts are loaded by one query
@@ -259,6 +269,8 @@ def _sid_of(it: Item) -> uuid.UUID | None:
         return it.session_id  # type: ignore[union-attr]
     if kind is _Held:
         return it.rejected.session_id  # type: ignore[union-attr]
+    if kind is _Base:
+        return it.ctx.session_id  # type: ignore[union-attr]
     return None
 
 
@@ -823,9 +835,13 @@ class Consumer:
             if progress:
                 progress(0, total)
             folded = [0]
+            bases = self._archived_bases(src, positions)
 
             def rows() -> Iterator[tuple[Item, int]]:
-                # a server-side cursor: the history is read as it is folded, never held whole
+                # sessions whose history before the projection's point was archived start from
+                # their archive snapshot; then the history, read by a server-side cursor as it
+                # is folded, never held whole
+                yield from bases
                 for ev, size in load_events_sized(src):
                     if ev.position <= positions.get(ev.session_id, 0):
                         continue
@@ -850,6 +866,39 @@ class Consumer:
             format_lsn(consistent),
             folded[0],
         )
+
+    def _archived_bases(
+        self, src: psycopg.Connection[Any], positions: dict[uuid.UUID, int]
+    ) -> list[tuple[Item, int]]:
+        """For each session whose history up to some position was archived and whose projection
+        is behind that point: its archive snapshot (with its memo), to fold the rest on. Only in
+        the ledger's own database, where the archive keeps its snapshots and memo rows; into
+        another (--target-dsn) the bootstrap is refused rather than folded wrong."""
+        from .partitions import archived_heads
+        from .verify import _archive_base
+
+        out: list[tuple[Item, int]] = []
+        version = reducer_version()
+        for sid, (upto, _, name) in archived_heads(src).items():
+            if positions.get(sid, 0) >= upto:
+                continue
+            if self.config.target_dsn:
+                raise ConfigError(
+                    f"session {sid}: its history up to position {upto} was archived ({name}) and "
+                    "the projection database lacks it: a bootstrap into another database cannot "
+                    "rebuild it (bootstrap into the ledger's own database, which keeps the "
+                    "archive snapshots, or restore the archive)"
+                )
+            base = _archive_base(src, sid, upto, version)
+            if base is None:
+                raise ConfigError(
+                    f"session {sid}: its history up to position {upto} was archived ({name}) "
+                    "and no usable snapshot covers it: the bootstrap cannot fold it (restore "
+                    "the archive)"
+                )
+            positions[sid] = base.last_position
+            out.append((_Base(base), 0))
+        return out
 
     def _stream_loop(self) -> None:
         stream = self.stream
@@ -1155,6 +1204,12 @@ class Consumer:
         anomaly reported. ``before`` collects what each session was at the transaction's start
         (the snapshot rule); None in a chunked transaction, whose chunks record it instead."""
         kind = type(it)
+        if kind is _Base:
+            assert isinstance(it, _Base)
+            base = it.ctx
+            self._cache.put(base.session_id, base, 0)
+            f.changed[base.session_id] = (base, txn.commit_lsn, None)
+            return
         if kind is _Anomaly:
             assert isinstance(it, _Anomaly)
             self.metrics.anomalies += 1

@@ -23,13 +23,16 @@ ledger data.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as dt
+import functools
 import gzip
 import hashlib
 import json
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -39,8 +42,13 @@ import psycopg
 from psycopg import sql
 
 from .errors import ConfigError, LedgerError
-from .fold import FORMAT_VERSION, encode_snapshot, reducer_version
-from .replay import rebuild_context
+from .fold import (
+    FORMAT_VERSION,
+    PROJECTION_FORMAT,
+    decode_context,
+    encode_snapshot,
+    reducer_version,
+)
 from .sink import SNAPSHOT_CONFLICT
 
 __all__ = [
@@ -51,6 +59,7 @@ __all__ = [
     "archive",
     "check_archive",
     "ensure",
+    "ensure_for",
     "is_partitioned",
     "list_partitions",
     "setup",
@@ -169,6 +178,42 @@ def ensure(
     return created
 
 
+def ensure_for(conn: psycopg.Connection[Any], times: Iterable[dt.datetime]) -> list[str]:
+    """Create the partitions these times fall into, if missing (an import of old history).
+    Refused for a range that was archived: its archive is final."""
+    unit = _unit(conn)
+    created = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (0x1ED6E2C1,))
+        existing = {p.name for p in list_partitions(conn)}
+        archived = {
+            r[0] for r in conn.execute("SELECT partition_name FROM ledger_archives").fetchall()
+        }
+        starts = set()
+        for t in times:
+            row = conn.execute(
+                "SELECT date_trunc(%s, %s::timestamptz AT TIME ZONE 'UTC')", (unit, t)
+            ).fetchone()
+            assert row is not None
+            starts.add(row[0].replace(tzinfo=dt.timezone.utc))
+        for start in sorted(starts):
+            name = f"agent_events_p{start:%Y%m%d}"
+            if name in archived:
+                raise ConfigError(
+                    f"{name} ({start:%Y-%m-%d}) was archived: events cannot be imported into it"
+                )
+            if name not in existing:
+                if conn.execute("SELECT to_regclass(%s)", (name,)).fetchone() != (None,):
+                    raise ConfigError(
+                        f"{name} ({start:%Y-%m-%d}) is being archived: events cannot be "
+                        "imported into it"
+                    )
+                _create(conn, name, start, _next(start, unit))
+                created.append(name)
+                existing.add(name)
+    return created
+
+
 def _next(start: dt.datetime, unit: str) -> dt.datetime:
     if unit == "day":
         return start + dt.timedelta(days=1)
@@ -226,17 +271,16 @@ SELECT p.session_id, min(p.position), max(p.position), count(*), max(p.seq),
 FROM {part} p LEFT JOIN agent_sessions s ON s.session_id = p.session_id
 GROUP BY p.session_id, s.last_position
 """
-_HAS_SNAPSHOT = """
+_SNAPSHOT = """
 SELECT EXISTS (SELECT FROM agent_snapshots WHERE session_id = %s AND upto_position >= %s
                AND format_version = %s AND reducer_version = %s)
 """
 _SNAPSHOT = """
 INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version, reducer_version,
-                             content_hash, data)
-VALUES (%s, %s, %s, %s, %s, %s, %s)
+                             content_hash, data, upto_hash)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s)
 """
 _SNAPSHOT += SNAPSHOT_CONFLICT
-_FOLDED_SEQ = "SELECT last_seq FROM agent_sessions WHERE session_id = %s"
 _EXPORT = (
     "COPY (SELECT seq, session_id, position, agent_id, event_type, payload, idempotency_key, "
     "created_at, encode(prev_hash, 'hex'), encode(hash, 'hex') FROM {part} "
@@ -250,9 +294,17 @@ def archive(
     to_dir: Path,
     *,
     on_partition: Callable[[str], None] | None = None,
+    on_step: Callable[[str, str], None] | None = None,
+    consumer_wait: float = 30.0,
 ) -> list[ArchivedPartition]:
-    """Archive every partition whose whole range ends at or before ``now - older_than``."""
+    """Archive every partition whose whole range ends at or before ``now - older_than``.
+
+    ``conn`` must be in autocommit mode (``DETACH … CONCURRENTLY`` cannot run in a transaction
+    block). ``on_step(partition, step)`` is told each step as it is done: ``checked``,
+    ``snapshots``, ``detached``, ``exported``, ``recorded``."""
     _unit(conn)
+    if not conn.autocommit:
+        raise ConfigError("archive needs an autocommit connection (DETACH … CONCURRENTLY)")
     to_dir.mkdir(parents=True, exist_ok=True)
     now_row = conn.execute("SELECT now()").fetchone()
     assert now_row is not None
@@ -263,64 +315,198 @@ def archive(
             continue
         if on_partition is not None:
             on_partition(p.name)
-        out.append(_archive_one(conn, p, to_dir))
+        out.append(
+            _archive_one(conn, p, to_dir, functools.partial(_step, on_step, p.name), consumer_wait)
+        )
     return out
 
 
-def _archive_one(conn: psycopg.Connection[Any], p: Partition, to_dir: Path) -> ArchivedPartition:
+def _step(on_step: Callable[[str, str], None] | None, name: str, step: str) -> None:
+    if on_step is not None:
+        on_step(name, step)
+
+
+# What the consumer has of a partition's sessions: every session's last position in it, against
+# its projection and its latest usable snapshot.
+_FOLDED = """
+SELECT p.session_id, max(p.position), s.last_position,
+       (SELECT max(n.upto_position) FROM agent_snapshots n
+        WHERE n.session_id = p.session_id AND n.format_version = %s AND n.reducer_version = %s)
+FROM {part} p LEFT JOIN agent_sessions s ON s.session_id = p.session_id
+GROUP BY p.session_id, s.last_position
+"""
+_PROJECTION = (
+    "SELECT last_seq, last_position, format_version, context::text, last_hash "
+    "FROM agent_sessions WHERE session_id = %s"
+)
+
+
+def _archive_one(
+    conn: psycopg.Connection[Any],
+    p: Partition,
+    to_dir: Path,
+    step: Callable[[str], None],
+    consumer_wait: float,
+) -> ArchivedPartition:
+    """Archive one partition, race-free by construction: its sessions are covered by snapshots,
+    then it is detached (CONCURRENTLY: writers of the other partitions never wait; the detach
+    waits for every transaction that could still insert into it), then what it holds now — the
+    rows committed up to the detach, all of them — is checked once more, exported, recorded and
+    dropped. A row can only be in the ledger or in the archive. On any failure after the
+    detach, the partition is attached again."""
     part = sql.Identifier(p.name)
-    sessions = conn.execute(sql.SQL(_PER_SESSION).format(part=part)).fetchall()
-    behind = [
-        (sid, last, folded)
-        for sid, _, last, _, _, _, folded in sessions
-        if folded is None or folded < last
-    ]
-    if behind:
-        sid, last, folded = behind[0]
-        raise ArchiveRefusedError(
-            f"partition {p.name}: the consumer has not folded {len(behind)} session(s) past it "
-            f"(e.g. {sid}: position {last} in the partition, projection at "
-            f"{'none' if folded is None else folded}); archive refused — let the consumer catch up"
-        )
     data_file = to_dir / f"{p.name}.csv.gz"
     manifest_file = to_dir / f"{p.name}.manifest.json"
     if manifest_file.exists():
         raise ArchiveRefusedError(
             f"{manifest_file} exists: archive {p.name} into another directory"
         )
-    taken = 0
+    if not _detach_pending(conn, p.name):
+        taken = _cover(conn, p, consumer_wait=0.0)
+        step("checked")
+        step("snapshots")
+        _detach(conn, p.name)
+    else:
+        taken = 0
+        _detach(conn, p.name)  # an archive interrupted mid-detach: finish it
+    step("detached")
+    try:
+        # what the detach waited for may have added rows: they must be folded and covered too
+        taken += _cover(conn, p, consumer_wait=consumer_wait)
+        with conn.transaction():
+            conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(part))
+            sessions = conn.execute(sql.SQL(_PER_SESSION).format(part=part)).fetchall()
+            file_hash, content_hash, rows = _export(conn, part, data_file)
+            manifest = _manifest(p, data_file, file_hash, content_hash, rows, sessions)
+            manifest_file.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            step("exported")
+            conn.execute(
+                "INSERT INTO ledger_archives (partition_name, range_start, range_end, events, "
+                "file_name, file_sha256, manifest) VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb)",
+                (p.name, p.start, p.end, rows, data_file.name, file_hash, json.dumps(manifest)),
+            )
+            for sid, _, last, _, _, h, _ in sessions:
+                conn.execute(
+                    "INSERT INTO ledger_archived_heads (session_id, upto_position, last_hash, "
+                    "partition_name) VALUES (%s, %s, %s, %s) ON CONFLICT (session_id) DO "
+                    "UPDATE SET upto_position = EXCLUDED.upto_position, "
+                    "last_hash = EXCLUDED.last_hash, partition_name = EXCLUDED.partition_name "
+                    "WHERE ledger_archived_heads.upto_position < EXCLUDED.upto_position",
+                    (sid, last, h, p.name),
+                )
+            # idempotency keys (and signal ids) stay: agent_event_keys keeps what a retry
+            # compares, and agent_session_heads each session's head
+            conn.execute(sql.SQL("DROP TABLE {}").format(part))
+    except BaseException:
+        for f in (manifest_file, data_file):
+            f.unlink(missing_ok=True)
+        _attach(conn, p)
+        raise
+    step("recorded")
+    return ArchivedPartition(
+        p.name, p.start, p.end, rows, len(sessions), taken, data_file, manifest_file, file_hash
+    )
+
+
+def _cover(conn: psycopg.Connection[Any], p: Partition, *, consumer_wait: float) -> int:
+    """Every session of the partition folded by the consumer past its last event there, and a
+    usable snapshot at or after it (cut from its projection where missing). The consumer is
+    waited for up to ``consumer_wait`` seconds; then the archive is refused. Returns the
+    snapshots taken."""
+    part = sql.Identifier(p.name)
     version = reducer_version()
-    for sid, _, last, _, _, _, _ in sessions:
-        row = conn.execute(_HAS_SNAPSHOT, (sid, last, FORMAT_VERSION, version)).fetchone()
-        if row and row[0]:
+    deadline = time.monotonic() + consumer_wait
+    while True:
+        rows = conn.execute(
+            sql.SQL(_FOLDED).format(part=part), (FORMAT_VERSION, version)
+        ).fetchall()
+        behind = [(sid, last, folded) for sid, last, folded, _ in rows if (folded or 0) < last]
+        if not behind:
+            break
+        if time.monotonic() >= deadline:
+            sid, last, folded = behind[0]
+            raise ArchiveRefusedError(
+                f"partition {p.name}: the consumer has not folded {len(behind)} session(s) past "
+                f"it (e.g. {sid}: position {last} in the partition, projection at "
+                f"{'none' if folded is None else folded}); archive refused — let the consumer "
+                "catch up"
+            )
+        time.sleep(0.2)
+    taken = 0
+    for sid, last, _, snapped in rows:
+        if snapped is not None and snapped >= last:
             continue
-        # at the consumer's point, not the head: the snapshot leaves its memo to agent_memo,
-        # which holds what the consumer has folded
-        seq_row = conn.execute(_FOLDED_SEQ, (sid,)).fetchone()
-        assert seq_row is not None  # the consumer is past the partition (checked above)
-        ctx = rebuild_context(conn, sid, int(seq_row[0]))  # the whole log is still here
-        data = encode_snapshot(ctx)
+        # the snapshot is cut from the projection: the consumer's own point, whose memo is in
+        # agent_memo already (a snapshot leaves its memo to that table)
+        row = conn.execute(_PROJECTION, (sid,)).fetchone()
+        if row is None or row[2] != PROJECTION_FORMAT:
+            raise ArchiveRefusedError(
+                f"partition {p.name}: session {sid} has no projection of the current format to "
+                "cut a snapshot from; archive refused"
+            )
+        last_seq, position, _, text, head = row
+        data = encode_snapshot(decode_context(text))
         conn.execute(
             _SNAPSHOT,
             (
                 sid,
-                ctx.last_seq,
-                ctx.last_position,
+                last_seq,
+                position,
                 FORMAT_VERSION,
                 version,
                 hashlib.sha256(data).digest(),
                 data,
+                head,
             ),
         )
-        row = conn.execute(_HAS_SNAPSHOT, (sid, last, FORMAT_VERSION, version)).fetchone()
-        if not (row and row[0]):
-            raise ArchiveRefusedError(
-                f"partition {p.name}: session {sid} has no usable snapshot at or after position "
-                f"{last} even after taking one at {ctx.last_position}; archive refused"
-            )
         taken += 1
-    file_hash, content_hash, rows = _export(conn, part, data_file)
-    manifest = {
+    return taken
+
+
+def _detach_pending(conn: psycopg.Connection[Any], name: str) -> bool:
+    row = conn.execute(
+        "SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (name,)
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def _detach(conn: psycopg.Connection[Any], name: str) -> None:
+    """DETACH … CONCURRENTLY (or FINALIZE a detach a crash interrupted): it takes no lock that
+    waits for or blocks the writers of the other partitions; it waits for the transactions that
+    could still insert into this one (and for open snapshots, such as a running ``verify``)."""
+    part = sql.Identifier(name)
+    if _detach_pending(conn, name):
+        conn.execute(sql.SQL("ALTER TABLE agent_events DETACH PARTITION {} FINALIZE").format(part))
+    else:
+        conn.execute(
+            sql.SQL("ALTER TABLE agent_events DETACH PARTITION {} CONCURRENTLY").format(part)
+        )
+
+
+def _attach(conn: psycopg.Connection[Any], p: Partition) -> None:
+    with contextlib.suppress(psycopg.Error):
+        if conn.execute("SELECT to_regclass(%s)", (p.name,)).fetchone() == (None,):
+            return  # dropped: nothing to put back
+        if conn.execute(
+            "SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (p.name,)
+        ).fetchone():
+            return
+        conn.execute(
+            sql.SQL(
+                "ALTER TABLE agent_events ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})"
+            ).format(sql.Identifier(p.name), sql.Literal(p.start), sql.Literal(p.end))
+        )
+
+
+def _manifest(
+    p: Partition,
+    data_file: Path,
+    file_hash: str,
+    content_hash: str,
+    rows: int,
+    sessions: list[tuple[Any, ...]],
+) -> dict[str, Any]:
+    return {
         "partition": p.name,
         "range": [p.start.isoformat(), p.end.isoformat()],
         "events": rows,
@@ -340,33 +526,6 @@ def _archive_one(conn: psycopg.Connection[Any], p: Partition, to_dir: Path) -> A
             for sid, first, last, n, seq, h, _ in sessions
         },
     }
-    manifest_file.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    with conn.transaction():
-        conn.execute(
-            "INSERT INTO ledger_archives (partition_name, range_start, range_end, events, "
-            "file_name, file_sha256, manifest) VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb)",
-            (p.name, p.start, p.end, rows, data_file.name, file_hash, json.dumps(manifest)),
-        )
-        for sid, _, last, _, _, h, _ in sessions:
-            conn.execute(
-                "INSERT INTO ledger_archived_heads (session_id, upto_position, last_hash, "
-                "partition_name) VALUES (%s, %s, %s, %s) ON CONFLICT (session_id) DO UPDATE SET "
-                "upto_position = EXCLUDED.upto_position, last_hash = EXCLUDED.last_hash, "
-                "partition_name = EXCLUDED.partition_name "
-                "WHERE ledger_archived_heads.upto_position < EXCLUDED.upto_position",
-                (sid, last, h, p.name),
-            )
-        conn.execute(
-            sql.SQL(
-                "DELETE FROM agent_event_keys k USING {} p WHERE k.session_id = p.session_id "
-                "AND k.idempotency_key = p.idempotency_key"
-            ).format(part)
-        )
-        conn.execute(sql.SQL("ALTER TABLE agent_events DETACH PARTITION {}").format(part))
-        conn.execute(sql.SQL("DROP TABLE {}").format(part))
-    return ArchivedPartition(
-        p.name, p.start, p.end, rows, len(sessions), taken, data_file, manifest_file, file_hash
-    )
 
 
 def _export(

@@ -251,6 +251,20 @@ def _no_archived_history(sid: uuid.UUID, row: Sequence[Any] | None) -> None:
         )
 
 
+def _not_inside_archive(
+    sid: uuid.UUID, after: int, upto_seq: int, archived: Sequence[Any] | None
+) -> None:
+    """A point between a snapshot and archived history: what happened between them left with
+    the archive, so the state there is not known (unless a snapshot is at exactly that seq)."""
+    if archived is not None and archived[0] is not None and int(archived[0]) > after:
+        raise HistoryArchivedError(
+            f"session {sid}: seq {upto_seq} falls in history archived up to position "
+            f"{archived[0]}; the nearest snapshot before it is at position {after}, and no "
+            "snapshot is at exactly that seq (rebuild at a snapshot's seq or after the archived "
+            "history, or restore the archive)"
+        )
+
+
 def _tail_query(
     sid: uuid.UUID, after_seq: int, after_position: int, upto_seq: int
 ) -> tuple[bytes, list[Any]]:
@@ -356,6 +370,8 @@ def rebuild_context(
         nxt = conn.execute(_NEXT, _next_params(sid, rows, after, upto_seq)).fetchone()
         if not _contiguous(rows, after) or (nxt is not None and nxt[0]):
             rows = conn.execute(*exact).fetchall()
+    if upto_seq is not None and not rows and ctx is not None and after_seq != upto_seq:
+        _not_inside_archive(sid, after, upto_seq, conn.execute(_ARCHIVED, (sid,)).fetchone())
     ctx = _fold_tail(sid, ctx, rows)
     return load_memo(conn, ctx) if memo else ctx
 
@@ -393,6 +409,9 @@ async def rebuild_context_async(
         nxt = await cur1.fetchone()
         if not _contiguous(rows, after) or (nxt is not None and nxt[0]):
             rows = await (await conn.execute(*exact)).fetchall()
+    if upto_seq is not None and not rows and ctx is not None and after_seq != upto_seq:
+        archived = await (await conn.execute(_ARCHIVED, (sid,))).fetchone()
+        _not_inside_archive(sid, after, upto_seq, archived)
     ctx = _fold_tail(sid, ctx, rows)
     return await load_memo_async(conn, ctx) if memo else ctx
 
@@ -689,6 +708,13 @@ def fork(
     bound = _NO_LIMIT if upto_seq is None else upto_seq
     new = new_session_id or uuid.uuid4()
     with conn.transaction():
+        archived = conn.execute(_ARCHIVED, (origin,)).fetchone()
+        if archived is not None and archived[0] is not None:
+            raise HistoryArchivedError(
+                f"session {origin}: its history up to position {archived[0]} was archived; a "
+                "fork copies the events themselves, so it needs them back (restore the "
+                "archive), or start a new session from rebuild_context instead"
+            )
         row = conn.execute(_PREFIX, (origin, bound)).fetchone()
         assert row is not None
         position, last_seq, count = (int(v) for v in row)

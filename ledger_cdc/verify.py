@@ -260,32 +260,45 @@ def verify(
                     fields_per_object,
                     archived.get(sid),
                 )
-            for sid in sorted(set(projected) - seen):
-                report.differences.append(
-                    Difference(
+            for sid in sorted((set(projected) | set(snapped)) - seen):
+                if sid in archived:  # its whole history left with an archive
+                    _verify_archived(
+                        conn,
+                        report,
                         sid,
-                        "orphan",
-                        None,
-                        projected[sid],
-                        None,
-                        None,
-                        None,
-                        "projection of a session that has no events",
+                        archived[sid],
+                        projected.get(sid),
+                        version,
+                        fields_per_object,
                     )
-                )
-            for sid in sorted(set(snapped) - seen):
-                report.differences.append(
-                    Difference(
-                        sid,
-                        "orphan",
-                        None,
-                        None,
-                        None,
-                        None,
-                        None,
-                        f"{len(snapped[sid])} snapshot(s) of a session that has no events",
+                    continue
+                if sid in projected:
+                    report.differences.append(
+                        Difference(
+                            sid,
+                            "orphan",
+                            None,
+                            projected[sid],
+                            None,
+                            None,
+                            None,
+                            "projection of a session that has no events (and no archived history)",
+                        )
                     )
-                )
+                if sid in snapped:
+                    report.differences.append(
+                        Difference(
+                            sid,
+                            "orphan",
+                            None,
+                            None,
+                            None,
+                            None,
+                            None,
+                            f"{len(snapped[sid])} snapshot(s) of a session that has no events "
+                            "(and no archived history)",
+                        )
+                    )
             if ids is not None:
                 for sid in ids:
                     if sid not in seen and sid not in projected and sid not in snapped:
@@ -407,6 +420,62 @@ def _verify_session(
     elif projection_at < head:
         report.notes.append(
             f"session {sid}: projection at position {projection_at} of {head} (consumer behind?)"
+        )
+
+
+def _verify_archived(
+    conn: psycopg.Connection[Any],
+    report: VerifyReport,
+    sid: uuid.UUID,
+    archived: tuple[int, bytes, str],
+    projection_at: int | None,
+    version: str,
+    limit: int,
+) -> None:
+    """A session whose every event was archived: its archive snapshot must be usable (its
+    bytes match their hash), and its projection, if at the same point, must equal it."""
+    report.sessions += 1
+    base = _archive_base(conn, sid, archived[0], version)
+    if base is None:
+        report.differences.append(
+            Difference(
+                sid,
+                "snapshot",
+                None,
+                archived[0],
+                None,
+                None,
+                None,
+                f"history up to position {archived[0]} was archived ({archived[2]}) but no "
+                "usable snapshot covers it: the session cannot be rebuilt",
+            )
+        )
+        return
+    report.notes.append(
+        f"session {sid}: all its history archived ({archived[2]}); checked against the "
+        f"snapshot at position {base.last_position}"
+    )
+    if projection_at == base.last_position:
+        row = conn.execute(
+            "SELECT last_seq, format_version, context::text FROM agent_sessions "
+            "WHERE session_id = %s",
+            (sid,),
+        ).fetchone()
+        if row is not None and row[1] == PROJECTION_FORMAT:
+            report.projections += 1
+            _compare(
+                report,
+                "projection",
+                base,
+                decode_context(row[2]),
+                int(row[0]),
+                base.last_position,
+                limit,
+            )
+    elif projection_at is not None:
+        report.notes.append(
+            f"session {sid}: projection at position {projection_at}, archive snapshot at "
+            f"{base.last_position}: not compared"
         )
 
 

@@ -252,8 +252,9 @@ class InThread:
     if it stops on an exception, is kept and re-raised on exit: a test cannot pass while the
     consumer died."""
 
-    def __init__(self, dsn: str, **kw: Any) -> None:
+    def __init__(self, dsn: str, *, precreate_slot: bool = True, **kw: Any) -> None:
         kw.setdefault("create_slot", True)
+        self.precreate_slot = precreate_slot
         self.consumer = Consumer(ConsumerConfig(dsn=dsn, **kw))
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -269,8 +270,10 @@ class InThread:
 
     def __enter__(self) -> Consumer:
         # the slot exists before any test write: rows written before it are not in the stream
-        with psycopg.connect(self.consumer.config.dsn, autocommit=True) as conn:
-            create_slot(conn, self.consumer.config.slot)
+        # (unless the test wants the consumer to create it, and bootstrap the history)
+        if self.precreate_slot:
+            with psycopg.connect(self.consumer.config.dsn, autocommit=True) as conn:
+                create_slot(conn, self.consumer.config.slot)
         self.thread.start()
         return self.consumer
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -80,7 +81,7 @@ def _rows(db: Database) -> dict[str, tuple[bool, bool, int, str | None]]:
 def test_killed_between_call_and_mark_retries_with_the_same_key(db: Database) -> None:
     (key,) = _outbox_rows(db, 1)
     with Target(lambda k, n: -1 if n == 1 else 200) as target:
-        first = _dispatcher(db, "--target", f"tool:search={target.url}")
+        first = _dispatcher(db, "--target", f"tool:search={target.url}", "--claim-seconds", "1")
         try:
             assert target.first_request.wait(30), "the dispatcher never called the target"
             first.send_signal(signal.SIGKILL)  # the target has the call; the mark never lands
@@ -88,6 +89,7 @@ def test_killed_between_call_and_mark_retries_with_the_same_key(db: Database) ->
         finally:
             first.kill()
         assert _rows(db)[key][:2] == (False, False)
+        # the dead dispatcher's claim expires after a second; then the row is called again
         second = _dispatcher(db, "--target", f"tool:search={target.url}", "--until-idle")
         out, _ = second.communicate(timeout=60)
         assert second.returncode == 0, out
@@ -95,7 +97,8 @@ def test_killed_between_call_and_mark_retries_with_the_same_key(db: Database) ->
         assert [r["headers"]["Idempotency-Key"] for r in target.requests] == [key, key]
         assert json.loads(target.requests[1]["body"]) == {"i": 0}
     dispatched, parked, attempts, error = _rows(db)[key]
-    assert dispatched and not parked and attempts == 1 and error is None  # marked once
+    assert dispatched and not parked and error is None
+    assert attempts == 2  # every call is counted, the one whose outcome was never written too
 
 
 def test_two_dispatchers_never_send_a_row_twice(db: Database) -> None:
@@ -259,5 +262,99 @@ def test_a_database_that_is_briefly_unreachable_is_retried(db: Database) -> None
         finally:
             p.send_signal(signal.SIGTERM)
             out, _ = p.communicate(timeout=30)
-        assert "ledger database unavailable" in out
+        assert "outbox database" in out and "retrying in" in out, out
         assert target.seen == {k: 1 for k in first + later}
+
+
+def test_no_transaction_is_held_across_a_call(db: Database) -> None:
+    """A server that ends sessions idle in a transaction for 1 s, a target that takes 2 s: the
+    call is made and marked, once, without a traceback (no transaction was open meanwhile)."""
+    keys = _outbox_rows(db, 3)
+    with db.connect() as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET idle_in_transaction_session_timeout = '1s'").format(
+                sql.Identifier(db.name)
+            )
+        )
+    with Target(delay=2.0) as target:
+        p = _dispatcher(db, "--target", f"tool:search={target.url}", "--until-idle")
+        out, _ = p.communicate(timeout=90)
+    assert p.returncode == 0 and "Traceback" not in out, out
+    assert target.seen == {k: 1 for k in keys}
+    assert all(d and a == 1 for d, _, a, _ in _rows(db).values())
+
+
+def test_a_claim_outlives_a_hanging_call_and_a_terminated_session(db: Database) -> None:
+    """The target hangs longer than the claim, and the dispatcher's database session is
+    terminated meanwhile: its claim is renewed (on a new connection), no second dispatcher calls
+    the row, and the outcome is recorded once."""
+    (key,) = _outbox_rows(db, 1)
+    released = threading.Event()
+
+    def behaviour(k: str, n: int) -> int:
+        released.wait(60)
+        return 200
+
+    with Target(behaviour) as target:
+        args = ("--target", f"tool:search={target.url}", "--claim-seconds", "1", "--timeout", "60")
+        first = _dispatcher(db, *args, "--until-idle")
+        try:
+            assert target.first_request.wait(30)
+            with db.connect() as conn:
+                conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND application_name <> 'keep' "
+                    "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+                )
+            second = _dispatcher(db, *args, "--until-idle")
+            deadline = time.monotonic() + 4  # four claims long: the claim must be renewed
+            while time.monotonic() < deadline:
+                if target.seen[key] != 1:
+                    released.set()
+                    first.kill()
+                    raise AssertionError(first.communicate()[0])
+                time.sleep(0.1)
+            released.set()
+            outs = [p.communicate(timeout=60)[0] for p in (first, second)]
+        finally:
+            released.set()
+            for p in (first,):
+                if p.poll() is None:
+                    p.kill()
+        assert target.seen == {key: 1}, outs
+        assert all("Traceback" not in o for o in outs), outs
+    dispatched, parked, attempts, error = _rows(db)[key]
+    assert dispatched and not parked and attempts == 1 and error is None
+
+
+def test_the_dispatcher_role_is_enough(db: Database) -> None:
+    keys = _outbox_rows(db, 2)
+    role = f"d_{db.name}"
+    with psycopg.connect(db.server.dsn(), autocommit=True) as admin:
+        admin.execute(
+            sql.SQL("CREATE ROLE {} LOGIN IN ROLE ledger_dispatcher").format(sql.Identifier(role))
+        )
+    try:
+        with Target() as target:
+            p = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "ledger_cdc",
+                    "dispatch",
+                    "--dsn",
+                    db.dsn_as(role),
+                    "--target",
+                    f"tool:search={target.url}",
+                    "--until-idle",
+                ],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                timeout=60,
+            )
+            assert p.returncode == 0, p.stderr
+            assert target.seen == {k: 1 for k in keys}
+    finally:
+        with psycopg.connect(db.server.dsn(), autocommit=True) as admin:
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))

@@ -5,7 +5,6 @@ then nothing lost, rebuild_context unchanged, manifest checksums verified."""
 from __future__ import annotations
 
 import datetime as dt
-import json
 import subprocess
 import sys
 import uuid
@@ -17,6 +16,7 @@ import pytest
 
 from ledger_cdc.errors import ConfigError, IdempotencyConflictError
 from ledger_cdc.fold import FORMAT_VERSION, decode_context, encode_context
+from ledger_cdc.importer import ImportedEvent, import_events
 from ledger_cdc.partitions import (
     ArchiveRefusedError,
     archive,
@@ -42,19 +42,17 @@ OLD = dt.timedelta(days=120)
 
 
 def _old_event(conn: psycopg.Connection[Any], sid: uuid.UUID, i: int, when: dt.datetime) -> None:
-    """An event written 'long ago' (the owner may place created_at in import mode; writers
-    cannot)."""
-    conn.execute("SET ledger.import_times = on")
-    conn.execute(
-        "INSERT INTO agent_events (session_id, agent_id, event_type, payload, idempotency_key, "
-        "created_at) VALUES (%s, 'old', 'tool.invoked', %s::jsonb, %s, %s)",
-        (
-            sid,
-            json.dumps({"call_id": f"old-{i}", "tool": "t", "arguments": {"i": i}}),
-            f"old-{i}",
-            when,
-        ),
+    """An event written 'long ago', by the one path that may place created_at: the owner's
+    import (writers cannot)."""
+    ev = ImportedEvent(
+        sid,
+        "old",
+        "tool.invoked",
+        {"call_id": f"old-{i}", "tool": "t", "arguments": {"i": i}},
+        when,
+        f"old-{i}",
     )
+    import_events(conn, [(1, ev)])
 
 
 def test_partitioned_ledger_keeps_guards_and_per_session_uniqueness(empty_db: Database) -> None:
@@ -82,7 +80,8 @@ def test_partitioned_ledger_keeps_guards_and_per_session_uniqueness(empty_db: Da
             )
             assert dup.duplicate and dup.seq == r2.seq
         # position 2 exists in the current partition: an insert at 2 into the old one is refused
-        with pytest.raises(psycopg.errors.UniqueViolation) as e:
+        with pytest.raises(psycopg.errors.UniqueViolation) as e, conn.transaction():
+            conn.execute("SET LOCAL ledger.import_times = on")
             conn.execute(
                 "INSERT INTO agent_events (session_id, position, agent_id, event_type, payload, created_at) "
                 "VALUES (%s, 2, 'a', 'x.y', '{}', %s)",

@@ -1,0 +1,267 @@
+"""Retention that loses nothing: an archive has no race, never stalls writers, and keeps what the
+live system still needs (heads, idempotency keys, signal ids); rebuilds, verify and bootstraps
+understand archived history or refuse it loudly."""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import gzip
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from ledger_cdc.errors import ConcurrentAppendError, ConfigError, HistoryArchivedError
+from ledger_cdc.importer import ImportedEvent, import_events
+from ledger_cdc.partitions import archive, ensure
+from ledger_cdc.replay import fork, rebuild_context, retry_tool
+from ledger_cdc.runs import lease, signal, submit
+from ledger_cdc.schema import drop_slot, init
+from ledger_cdc.verify import verify
+from ledger_cdc.writer import Ledger
+from tests.cdc import (
+    InThread,
+    assert_clean_exit,
+    run_cli,
+    stored_projections,
+    wait_caught_up,
+)
+from tests.conftest import Database
+
+pytestmark = pytest.mark.server
+
+OLD = dt.timedelta(days=120)
+
+
+def _import(
+    conn: psycopg.Connection[Any], sid: uuid.UUID, n: int, when: dt.datetime, **p: Any
+) -> None:
+    ev = ImportedEvent(
+        sid,
+        "old",
+        p.get("event_type", "tool.invoked"),
+        p.get("payload", {"call_id": f"old-{n}", "tool": "t", "arguments": {"n": n}}),
+        when,
+        p.get("key", f"old-{n}"),
+    )
+    import_events(conn, [(n, ev)])
+
+
+def _partitioned(db: Database) -> dt.datetime:
+    init(db.dsn, partition_by="month", slot="agent_slot")
+    with db.connect() as conn:
+        now: dt.datetime = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+        ensure(conn, 0, at=now - OLD)
+    return now
+
+
+def _archived_keys(directory: Path) -> set[str]:
+    keys = set()
+    for f in directory.glob("*.csv.gz"):
+        with gzip.open(f, "rt", newline="") as g:
+            keys |= {row["idempotency_key"] for row in csv.DictReader(g)}
+    return keys
+
+
+def test_an_insert_at_any_step_of_an_archive_is_archived_or_kept(
+    empty_db: Database, tmp_path: Path
+) -> None:
+    """An import into the partition being archived commits at every step: each such event ends
+    in the archive file or in the ledger, never in neither."""
+    now = _partitioned(empty_db)
+    sid = uuid.uuid4()
+    late: list[str] = []
+    with empty_db.connect() as conn:
+        for i in range(1, 4):
+            _import(conn, sid, i, now - OLD + dt.timedelta(minutes=i))
+    with (
+        InThread(empty_db.dsn, create_slot=False),
+        empty_db.connect() as conn,
+    ):
+        wait_caught_up(empty_db.dsn)
+
+        writers: list[threading.Thread] = []
+
+        def late_import(key: str) -> None:
+            with empty_db.connect() as own:
+                try:
+                    _import(own, sid, 100, now - OLD + dt.timedelta(hours=1), key=key)
+                    late.append(key)
+                except (ConfigError, psycopg.Error):
+                    pass  # refused (the range is being archived, or gone): nothing committed
+
+        def at_step(partition: str, step: str) -> None:
+            # an import at this very step, on a connection of its own; one that must wait for
+            # the archive's lock goes on waiting while the archive proceeds
+            t = threading.Thread(target=late_import, args=(f"late-{step}",), daemon=True)
+            t.start()
+            t.join(2)
+            writers.append(t)
+
+        archive(conn, dt.timedelta(days=90), tmp_path / "a", on_step=at_step, consumer_wait=30)
+        for t in writers:
+            t.join(30)
+            assert not t.is_alive()
+        with empty_db.connect() as check:
+            in_ledger = {
+                r[0]
+                for r in check.execute(
+                    "SELECT idempotency_key FROM agent_events WHERE session_id = %s", (sid,)
+                )
+            }
+    archived = _archived_keys(tmp_path / "a")
+    assert late, "no late insert was accepted at all"
+    for key in late:
+        assert key in archived or key in in_ledger, f"{key} committed, then lost"
+    assert {f"old-{i}" for i in range(1, 4)} <= archived
+
+
+def test_an_archive_never_stalls_writers_behind_a_reader(
+    empty_db: Database, tmp_path: Path
+) -> None:
+    """A REPEATABLE READ reader (a running verify) keeps the detach waiting; appends to the
+    current partition go on meanwhile at their usual latency."""
+    now = _partitioned(empty_db)
+    sid, live = uuid.uuid4(), uuid.uuid4()
+    with empty_db.connect() as conn:
+        _import(conn, sid, 1, now - OLD)
+    latencies: list[float] = []
+    with InThread(empty_db.dsn, create_slot=False), Ledger(empty_db.dsn) as ledger:
+        wait_caught_up(empty_db.dsn)
+        reader = psycopg.connect(empty_db.dsn)
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM agent_events")
+        done = threading.Event()
+
+        def run_archive() -> None:
+            with empty_db.connect() as conn:
+                archive(conn, dt.timedelta(days=90), tmp_path / "a")
+            done.set()
+
+        t = threading.Thread(target=run_archive, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 3
+        n = 0
+        while time.monotonic() < deadline:  # the archive waits on the reader all this time
+            t0 = time.monotonic()
+            ledger.append(live, "a", "tool.invoked", {"call_id": f"c{n}", "tool": "t"})
+            latencies.append(time.monotonic() - t0)
+            n += 1
+        assert not done.is_set(), "the detach did not wait for the open reader"
+        reader.rollback()
+        reader.close()
+        t.join(60)
+        assert done.is_set()
+    assert max(latencies) < 1.0, max(latencies)
+
+
+def test_archived_sessions_go_on(empty_db: Database, tmp_path: Path) -> None:
+    """Whole sessions archived: appends, retries, leases and re-sent keys continue at the right
+    position; a fork is refused clearly; rebuilds inside the archive are refused unless a
+    snapshot is at exactly that point; verify passes; a bootstrap starts from the archive."""
+    now = _partitioned(empty_db)
+    a, b = uuid.uuid4(), uuid.uuid4()
+    with empty_db.connect() as conn:
+        _import(conn, a, 1, now - OLD)  # tool.invoked old-1: in flight when archived
+        _import(conn, a, 2, now - OLD, event_type="run.queued", payload={}, key=None)
+        _import(
+            conn,
+            a,
+            3,
+            now - OLD,
+            event_type="signal.received",
+            payload={"name": "approve", "sender": "signal"},
+            key="signal:sig-1",
+        )
+        for i in range(1, 5):
+            _import(conn, b, 10 + i, now - OLD + dt.timedelta(minutes=i))
+    with InThread(empty_db.dsn, create_slot=False, snapshot_every=2):
+        wait_caught_up(empty_db.dsn)
+        with empty_db.connect() as conn:
+            snap_seq = conn.execute(
+                "SELECT min(upto_seq) FROM agent_snapshots WHERE session_id = %s", (b,)
+            ).fetchone()[0]  # type: ignore[index]
+            inside = conn.execute(
+                "SELECT seq FROM agent_events WHERE session_id = %s AND position = 3", (b,)
+            ).fetchone()[0]  # type: ignore[index]
+            (done,) = archive(conn, dt.timedelta(days=90), tmp_path / "a")
+            assert done.events == 7
+        assert_clean_exit(run_cli("verify", "--all", "--dsn", empty_db.dsn))
+        with empty_db.connect() as conn:
+            # heads survive: appends at the right position
+            with Ledger(empty_db.dsn) as ledger:
+                assert ledger.head(a) == 3 and ledger.head(b) == 4
+                with pytest.raises(ConcurrentAppendError):
+                    ledger.append(
+                        b, "x", "tool.invoked", {"call_id": "n", "tool": "t"}, expected_position=0
+                    )
+                r = ledger.append(
+                    b, "x", "tool.invoked", {"call_id": "n", "tool": "t"}, expected_position=4
+                )
+                assert r.position == 5
+                # a key of an archived event: the same event is a duplicate, another a conflict
+                dup = ledger.append(
+                    b,
+                    "old",
+                    "tool.invoked",
+                    {"call_id": "old-11", "tool": "t", "arguments": {"n": 11}},
+                    idempotency_key="old-11",
+                )
+                assert dup.duplicate and dup.position == 1
+            assert signal(conn, a, "approve", signal_id="sig-1").duplicate
+            # a rebuilt context resumes: the in-flight call is retried, the run leased
+            ctx = rebuild_context(conn, a)
+            assert ctx.last_position == 3 and "old-1" in ctx.pending_tools
+            retry_tool(conn, ctx, "old-1", "w2")
+            assert ctx.last_position == 4
+            run = lease(conn, a, "w2", ttl=30)
+            assert run.ctx.last_position == 5
+            with pytest.raises(HistoryArchivedError, match="fork"):
+                fork(conn, b)
+            # time travel: inside the archive only at a snapshot's exact point
+            assert rebuild_context(conn, b, snap_seq).last_seq == snap_seq
+            with pytest.raises(HistoryArchivedError):
+                rebuild_context(conn, b, inside)
+            submit(conn, b)
+        wait_caught_up(empty_db.dsn)
+    assert_clean_exit(run_cli("verify", "--all", "--dsn", empty_db.dsn))
+    with empty_db.connect() as conn:
+        before = stored_projections(conn)
+        # the slot is lost and the projections with it: a bootstrap rebuilds them, archived
+        # sessions from their archive snapshot
+        drop_slot(empty_db.dsn, "agent_slot", force=True)
+        conn.execute("TRUNCATE agent_sessions, ledger_checkpoints")
+    with InThread(empty_db.dsn, precreate_slot=False):
+        wait_caught_up(empty_db.dsn)
+    with empty_db.connect() as conn:
+        assert stored_projections(conn) == before
+    assert verify(empty_db.dsn).ok
+    drop_slot(empty_db.dsn, "agent_slot", force=True)
+
+
+def test_a_bootstrap_into_another_database_refuses_archived_history(
+    empty_db: Database, db: Database, tmp_path: Path
+) -> None:
+    now = _partitioned(empty_db)
+    with empty_db.connect() as conn:
+        _import(conn, uuid.uuid4(), 1, now - OLD)
+    with InThread(empty_db.dsn, create_slot=False):
+        wait_caught_up(empty_db.dsn)
+        with empty_db.connect() as conn:
+            archive(conn, dt.timedelta(days=90), tmp_path / "a")
+    drop_slot(empty_db.dsn, "agent_slot", force=True)
+    r = run_cli(
+        "consume",
+        "--dsn",
+        empty_db.dsn,
+        "--target-dsn",
+        db.dsn,
+        "--create-slot",
+    )
+    assert_clean_exit(r, 4)
+    assert "archived" in r.output
