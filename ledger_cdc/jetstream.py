@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import uuid
 from collections.abc import Sequence
@@ -93,6 +94,14 @@ class WireEvent(msgspec.Struct):
 
 
 _encode = msgspec.json.Encoder().encode
+_PING_INTERVAL = 2  # seconds between NATS pings
+_WINDOW = 1000  # publishes awaiting their acknowledgement at once
+log = logging.getLogger("ledger_cdc.jetstream")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 class JetStreamPublisher:
@@ -115,6 +124,7 @@ class JetStreamPublisher:
         self._nc: Any = None
         self._js: Any = None
         self._stream_ready = False
+        self._broken = False
         self.published = 0
 
     def _run(self, coro: Any, timeout: float) -> Any:
@@ -123,7 +133,23 @@ class JetStreamPublisher:
             return fut.result(timeout)
         except TimeoutError as e:
             fut.cancel()
+            self._broken = True
             raise JetStreamError(f"JetStream did not acknowledge within {timeout:.0f}s") from e
+        except BaseException:
+            self._broken = True
+            raise
+
+    async def _reset(self) -> None:
+        """After any failure: the connection and its JetStream context are dropped, never
+        reused. A context keeps the slots of the publishes it has not seen acknowledged (the
+        acknowledgements of a hung or restarted server never come): reusing it would leak them
+        until no publish can start. The old connection is closed without waiting on it."""
+        nc, self._nc, self._js = self._nc, None, None
+        self._stream_ready = False
+        self._broken = False
+        if nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 2)
 
     async def _connect(self) -> None:
         import nats
@@ -131,14 +157,22 @@ class JetStreamPublisher:
         from nats.js.errors import NotFoundError
 
         s = self.settings
-        if self._nc is None or self._nc.is_closed:
+        if self._broken or (self._nc is not None and not self._nc.is_connected):
+            await self._reset()
+        if self._nc is None:
             self._nc = await nats.connect(
                 servers=s.servers,
                 connect_timeout=5,
+                # a hung server is noticed within about ping_interval × (max_outstanding + 1)
+                ping_interval=_PING_INTERVAL,
+                max_outstanding_pings=2,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
                 allow_reconnect=True,
                 name=f"ledger-cdc:{self.slot}",
+                error_cb=self._on_error,
+                disconnected_cb=self._on_disconnected,
+                reconnected_cb=self._on_reconnected,
             )
             self._js = self._nc.jetstream(timeout=s.ack_timeout)
             self._stream_ready = False
@@ -159,6 +193,17 @@ class JetStreamPublisher:
             )
         self._stream_ready = True
 
+    # nats-py's own handlers print tracebacks on every disconnect: one line each instead
+    async def _on_error(self, e: Exception) -> None:
+        log.warning("NATS: %s", _first_line(e))
+
+    async def _on_disconnected(self) -> None:
+        log.warning("NATS: disconnected")
+
+    async def _on_reconnected(self) -> None:
+        url = getattr(self._nc, "connected_url", None)
+        log.info("NATS: reconnected to %s", getattr(url, "netloc", url))
+
     def connect(self) -> None:
         try:
             self._run(self._connect(), 30)
@@ -171,12 +216,23 @@ class JetStreamPublisher:
 
     async def _publish(self, msgs: list[tuple[str, bytes, str]]) -> None:
         await self._connect()
-        futures = []
-        for subject, data, msg_id in msgs:  # in order: one connection keeps the order
-            futures.append(
-                await self._js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id})
-            )
-        await asyncio.wait_for(asyncio.gather(*futures), self.settings.ack_timeout)
+        js = self._js
+        window: list[Any] = []
+        try:
+            for subject, data, msg_id in msgs:  # in order: one connection keeps the order
+                window.append(
+                    await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id})
+                )
+                if len(window) >= _WINDOW:  # never near the context's own limit (4,000)
+                    await asyncio.wait_for(asyncio.gather(*window), self.settings.ack_timeout)
+                    window = []
+            if window:
+                await asyncio.wait_for(asyncio.gather(*window), self.settings.ack_timeout)
+        except BaseException:
+            for f in window:
+                f.cancel()
+            await self._reset()
+            raise
 
     def publish(
         self,

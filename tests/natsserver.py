@@ -59,14 +59,19 @@ class NatsServer:
                 ",".join(f"nats://127.0.0.1:{p}" for p in peers),
             ]
         self.log = store.parent / f"{name}.log"
-        self.proc = subprocess.Popen(argv, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
+        self.argv = argv
+        self._start()
+
+    def _start(self) -> None:
+        out = open(self.log, "ab")  # noqa: SIM115 - the server's for as long as it runs
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", self.port)) == 0:
                     return
             time.sleep(0.05)
-        raise RuntimeError(f"nats-server {name} did not start: {self.log.read_text()[-2000:]}")
+        raise RuntimeError(f"nats-server {self.name} did not start: {self.log.read_text()[-2000:]}")
 
     @property
     def url(self) -> str:
@@ -76,6 +81,15 @@ class NatsServer:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
+
+    def hang(self) -> None:
+        """SIGSTOP: the process holds its sockets and answers nothing (a hung node)."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def restart(self) -> None:
+        """SIGKILL (a hung node is killed), then start again on the same port and store."""
+        self.kill()
+        self._start()
 
 
 def cluster(root: Path, n: int = 3) -> list[NatsServer]:
