@@ -929,7 +929,7 @@ def tail(
             from .jetstream import JetStreamSettings
 
             events: Any = follow_jetstream(
-                JetStreamSettings.from_url(nats_url).servers, session, after=after
+                JetStreamSettings.from_url(nats_url), session, after=after
             )
         else:
             events = follow_postgres(dsn, session, after=after)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import datetime as dt
 import logging
 import threading
 import uuid
@@ -88,7 +90,7 @@ class WireEvent(msgspec.Struct):
     agent_id: str
     event_type: str
     payload: Any
-    created_at: Any
+    created_at: dt.datetime  # RFC 3339 on the wire; parsed by msgspec on every Python
     idempotency_key: str | None = None
     commit_lsn: str | None = None
 
@@ -181,7 +183,7 @@ class JetStreamPublisher:
         # until the stream exists (a forming cluster may refuse to create it for a while)
         subjects = [f"{s.prefix}.events.*", f"{s.prefix}.sessions.*"]
         try:
-            await self._js.stream_info(s.stream)
+            info = await self._js.stream_info(s.stream)
         except NotFoundError:
             await self._js.add_stream(
                 StreamConfig(
@@ -191,7 +193,43 @@ class JetStreamPublisher:
                     duplicate_window=s.duplicate_window,
                 )
             )
+        else:
+            await self._reconcile(info.config, subjects)
         self._stream_ready = True
+
+    async def _reconcile(self, config: Any, subjects: list[str]) -> None:
+        """An existing stream whose settings differ from the URL's is updated to them (replicas,
+        duplicate window, our subjects), or refused with what differs."""
+        s = self.settings
+        want_subjects = sorted(set(config.subjects or []) | set(subjects))
+        differs = {
+            k: (have, want)
+            for k, have, want in (
+                ("replicas", config.num_replicas, s.replicas),
+                ("duplicate_window", float(config.duplicate_window or 0), s.duplicate_window),
+                ("subjects", sorted(config.subjects or []), want_subjects),
+            )
+            if have != want
+        }
+        if not differs:
+            return
+        try:
+            await self._js.update_stream(
+                dataclasses.replace(
+                    config,
+                    num_replicas=s.replicas,
+                    duplicate_window=s.duplicate_window,
+                    subjects=want_subjects,
+                )
+            )
+            log.info("JetStream stream %s updated: %s", s.stream, differs)
+        except Exception as e:
+            what = ", ".join(f"{k} {have!r} → {want!r}" for k, (have, want) in differs.items())
+            raise ConfigError(
+                f"JetStream stream {s.stream!r} exists with other settings ({what}) and the "
+                f"server refused to update it ({_first_line(e)}): change the URL's options to "
+                "match, or update the stream yourself"
+            ) from e
 
     # nats-py's own handlers print tracebacks on every disconnect: one line each instead
     async def _on_error(self, e: Exception) -> None:
@@ -271,7 +309,7 @@ class JetStreamPublisher:
             return
         try:
             self._run(self._publish(msgs), self.settings.ack_timeout + 5)
-        except JetStreamError:
+        except (JetStreamError, ConfigError):
             raise
         except Exception as e:
             raise JetStreamError(f"publish to JetStream failed: {type(e).__name__}: {e}") from e

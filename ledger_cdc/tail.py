@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator
 import msgspec
 import psycopg
 
+from .errors import ConfigError, DatabaseUnavailable, InvalidEventError
 from .events import LedgerEvent, Rejected
+from .jetstream import JetStreamSettings
 from .replay import _COLUMNS, row_event
 from .sink import SESSIONS_CHANNEL
 
@@ -50,20 +52,36 @@ async def follow_postgres(
 
 
 async def follow_jetstream(
-    servers: list[str], session_id: uuid.UUID, *, after: int = 0, prefix: str = "ledger"
-) -> AsyncIterator[LedgerEvent]:
-    """Events of the session from the JetStream stream (all of them, then live)."""
-    import datetime as dt
-
+    settings: JetStreamSettings, session_id: uuid.UUID, *, after: int = 0
+) -> AsyncIterator[LedgerEvent | Rejected]:
+    """Events of the session from the JetStream stream (all of them, then live), by the URL's
+    stream and subject prefix. A payload that does not fit its type comes as Rejected, by the
+    rule every reader shares."""
     import nats
+    from nats.js.errors import NotFoundError
 
-    from .events import EVENT_TYPES, decode_payload
+    from .events import admit_time, load_payload
     from .jetstream import WireEvent
 
-    nc = await nats.connect(servers=servers, connect_timeout=5)
+    try:
+        nc = await nats.connect(
+            servers=settings.servers, connect_timeout=5, max_reconnect_attempts=3
+        )
+    except Exception as e:
+        raise DatabaseUnavailable(
+            f"cannot reach NATS at {', '.join(settings.servers)}: {type(e).__name__}: {e}"
+        ) from e
     try:
         js = nc.jetstream()
-        sub = await js.subscribe(f"{prefix}.events.{session_id}", ordered_consumer=True)
+        subject = f"{settings.prefix}.events.{session_id}"
+        try:
+            sub = await js.subscribe(subject, stream=settings.stream, ordered_consumer=True)
+        except NotFoundError as e:
+            raise ConfigError(
+                f"JetStream stream {settings.stream!r} does not exist at "
+                f"{', '.join(settings.servers)} (a consumer creates it: ledger-cdc consume "
+                "--sink nats://…; or give ?stream= of the one it uses)"
+            ) from e
         dec = msgspec.json.Decoder(WireEvent)
         while True:
             try:
@@ -74,11 +92,12 @@ async def follow_jetstream(
             if w.position <= after:
                 continue
             after = w.position
-            raw = msgspec.json.encode(w.payload)
-            payload = (
-                decode_payload(w.event_type, raw) if w.event_type in EVENT_TYPES else w.payload
-            )
-            created = dt.datetime.fromisoformat(str(w.created_at))
+            try:
+                created = admit_time(w.created_at)
+                payload = load_payload(w.event_type, msgspec.json.encode(w.payload))
+            except InvalidEventError as e:
+                yield Rejected(w.seq, w.session_id, w.position, w.agent_id, w.event_type, str(e))
+                continue
             yield LedgerEvent(
                 w.seq,
                 w.session_id,

@@ -90,3 +90,55 @@ def test_tail_from_jetstream(db: Database, tmp_path: Path) -> None:
         assert [r["position"] for r in rows] == [1, 2, 3, 4]
     finally:
         srv.kill()
+
+
+def test_tail_from_jetstream_honours_the_urls_stream_and_prefix(
+    db: Database, tmp_path: Path
+) -> None:
+    srv = NatsServer(tmp_path / "js")
+    try:
+        wait_jetstream([srv.url])
+        url = f"{srv.url}?stream=AGENTS&prefix=agents&duplicate_window=30"
+        # no stream yet: one line, the configuration exit code
+        missing = _tail(db, uuid.uuid4(), "--nats", url)
+        _, err = missing.communicate(timeout=60)
+        assert missing.returncode == 4 and "AGENTS" in err and "Traceback" not in err, err
+        with ConsumerProcess(db.dsn, "--create-slot", "--sink", url) as c, db.connect() as conn:
+            until(
+                lambda: (
+                    conn.execute(
+                        "SELECT count(*) FROM pg_replication_slots WHERE active"
+                    ).fetchone()
+                    == (1,)
+                )
+            )
+            sid = uuid.uuid4()
+            _write(db, uuid.uuid4(), 1, 1)
+            until(lambda: conn.execute("SELECT count(*) FROM agent_sessions").fetchone() == (1,))
+            rows = _follow(db, sid, "--nats", url)
+            c.kill()
+        assert [r["position"] for r in rows] == [1, 2, 3, 4]
+        # a consumer with another duplicate window updates the existing stream to it
+        with ConsumerProcess(
+            db.dsn, "--sink", f"{srv.url}?stream=AGENTS&prefix=agents&duplicate_window=60"
+        ):
+            _write(db, uuid.uuid4(), 1, 1)
+            until(lambda: _stream_window(srv.url) == 60.0, timeout=60)
+    finally:
+        srv.kill()
+
+
+def _stream_window(url: str) -> float | None:
+    import asyncio
+
+    import nats
+
+    async def go() -> float | None:
+        nc = await nats.connect(servers=[url])
+        try:
+            si = await nc.jetstream().stream_info("AGENTS")
+            return float(si.config.duplicate_window or 0)
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
