@@ -15,9 +15,9 @@ import uuid
 
 import psycopg
 
-from ledger_cdc.embedded import EmbeddedPostgres
-from ledger_cdc.schema import init
-from ledger_cdc.writer import Ledger
+from ledger_cdc.admin.schema import init
+from ledger_cdc.client.writer import Ledger
+from ledger_cdc.demo.embedded import EmbeddedPostgres
 
 PLAIN = """
 CREATE TABLE plain_events (LIKE agent_events INCLUDING DEFAULTS INCLUDING INDEXES);

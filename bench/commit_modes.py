@@ -22,8 +22,8 @@ from pathlib import Path
 
 from common import PGBENCH_SCRIPT, ROOT, pgbench_argv
 
-from ledger_cdc.embedded import EmbeddedPostgres
-from ledger_cdc.schema import init
+from ledger_cdc.admin.schema import init
+from ledger_cdc.demo.embedded import EmbeddedPostgres
 
 
 def main() -> None:

@@ -22,11 +22,11 @@ from collections.abc import Callable
 
 import psycopg
 
-from ledger_cdc.embedded import EmbeddedPostgres
+from ledger_cdc.admin.schema import create_slot, init
+from ledger_cdc.demo.embedded import EmbeddedPostgres
 from ledger_cdc.pgoutput import Decoder, Insert, Relation
 from ledger_cdc.pgoutput.spec import MESSAGE
-from ledger_cdc.schema import create_slot, init
-from ledger_cdc.stream.rows import LedgerRowDecoder
+from ledger_cdc.stream.ledger import LedgerRowDecoder
 
 WRITE = """
 CREATE PROCEDURE bench_write(n int) LANGUAGE plpgsql AS $$

@@ -21,8 +21,8 @@ from pathlib import Path
 import psycopg
 from common import ROOT, proc_cpu_seconds, proc_peak_rss_mb, wait_until, write_backlog
 
-from ledger_cdc.embedded import EmbeddedPostgres
-from ledger_cdc.schema import create_slot, init
+from ledger_cdc.admin.schema import create_slot, init
+from ledger_cdc.demo.embedded import EmbeddedPostgres
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 import psycopg
 from common import ROOT, proc_peak_rss_mb, wait_until
 
-from ledger_cdc.embedded import EmbeddedPostgres
-from ledger_cdc.schema import init
+from ledger_cdc.admin.schema import init
+from ledger_cdc.demo.embedded import EmbeddedPostgres
 
 MANY = """
 INSERT INTO agent_events (session_id, position, agent_id, event_type, payload)

@@ -33,11 +33,11 @@ from typing import Any
 import psycopg
 from common import ROOT, percentile, wait_until
 
-from ledger_cdc.embedded import EmbeddedPostgres
+from ledger_cdc.admin.schema import init
+from ledger_cdc.client.recovery import load_events, memoised_model, memoised_tool, rebuild_context
+from ledger_cdc.client.writer import Ledger
+from ledger_cdc.demo.embedded import EmbeddedPostgres
 from ledger_cdc.fold import SessionContext, encode_context, fold
-from ledger_cdc.replay import load_events, memoised_model, memoised_tool, rebuild_context
-from ledger_cdc.schema import init
-from ledger_cdc.writer import Ledger
 
 
 def write_session(dsn: str, sid: uuid.UUID, events: int, verbose: bool) -> None:
@@ -105,8 +105,8 @@ def without_memo(ctx: SessionContext) -> bytes:
 
 def breakdown(conn: psycopg.Connection[Any], sid: uuid.UUID, runs: int) -> dict[str, float]:
     """Where a rebuild at the head spends its time (medians, ms)."""
+    from ledger_cdc.client.recovery import _SNAPSHOT
     from ledger_cdc.fold import FORMAT_VERSION, decode_context, reducer_version
-    from ledger_cdc.replay import _SNAPSHOT
 
     out: dict[str, list[float]] = {"fetch": [], "sha256": [], "decode": []}
     for _ in range(runs):

@@ -32,9 +32,9 @@ from pathlib import Path
 import psycopg
 from common import PGBENCH_SCRIPT, ROOT, percentile, pgbench_argv, wait_until
 
-from ledger_cdc.consumer import Consumer, ConsumerConfig
-from ledger_cdc.embedded import EmbeddedPostgres
-from ledger_cdc.schema import create_slot, init
+from ledger_cdc.admin.schema import create_slot, init
+from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+from ledger_cdc.demo.embedded import EmbeddedPostgres
 
 PG_EPOCH = 946684800.0
 NOTIFY = """

@@ -23,9 +23,9 @@ import uuid
 import psycopg
 from common import ROOT, percentile, wait_until
 
-from ledger_cdc.embedded import EmbeddedPostgres
-from ledger_cdc.runs import lease, pending_runs, signal, submit
-from ledger_cdc.schema import init
+from ledger_cdc.admin.schema import init
+from ledger_cdc.client.runs import lease, pending_runs, signal, submit
+from ledger_cdc.demo.embedded import EmbeddedPostgres
 
 
 def main() -> None:

@@ -5,8 +5,23 @@ Public API: the writer (:func:`append`, :class:`Ledger`), recovery (:func:`rebui
 tree. Everything else lives in its stage's module (``runs``, ``dispatch``, ``partitions``, …).
 """
 
-from ._version import __version__
-from .errors import (
+from ledger_cdc import _compat
+from ledger_cdc._version import __version__
+from ledger_cdc.client.recovery import (
+    rebuild_context,
+    rebuild_context_async,
+    retry_tool,
+    retry_tool_async,
+)
+from ledger_cdc.client.writer import (
+    AppendResult,
+    AsyncLedger,
+    Ledger,
+    OutboxItem,
+    append,
+    append_async,
+)
+from ledger_cdc.errors import (
     AppendError,
     ConcurrentAppendError,
     ConfigError,
@@ -17,7 +32,7 @@ from .errors import (
     MigrationError,
     UnknownEventTypeError,
 )
-from .events import (
+from ledger_cdc.events import (
     ContextLoaded,
     HandoffEmitted,
     HandoffReceived,
@@ -33,9 +48,9 @@ from .events import (
     Usage,
     register_event_type,
 )
-from .fold import SessionContext
-from .replay import rebuild_context, rebuild_context_async, retry_tool, retry_tool_async
-from .writer import AppendResult, AsyncLedger, Ledger, OutboxItem, append, append_async
+from ledger_cdc.fold import SessionContext
+
+_compat.install()  # the flat layout's module paths (ledger_cdc.replay, …) stay importable
 
 __all__ = [
     "AppendError",

@@ -1,3 +1,3 @@
-from .cli import main
+from ledger_cdc.cli import main
 
 main()

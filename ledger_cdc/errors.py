@@ -15,9 +15,9 @@ and what to do about it, and never holds a password.
     ├── SlotLostError               exit 3  the slot was invalidated: resync from the table
     ├── RetryableError              exit 4  may succeed if tried again (the consumer retries)
     │   ├── DatabaseUnavailable     exit 4  server down, restarting, connection lost
-    │   └── TransportError          exit 4  the replication connection failed
-    │       ├── SlotBusyError       exit 4  another consumer streams the slot
-    │       └── JetStreamError      exit 4  a NATS server did not acknowledge
+    │   ├── TransportError          exit 4  the replication connection failed
+    │   │   └── SlotBusyError       exit 4  another consumer streams the slot
+    │   └── JetStreamError          exit 4  a NATS server did not acknowledge
     ├── NotFoundError               exit 1  no such session (a typo, or nothing written yet)
     │   └── NoSuchSessionError      exit 1
     ├── EmbeddedError               exit 5  a throwaway cluster failed to initialise, start or stop
@@ -29,6 +29,9 @@ and what to do about it, and never holds a password.
     │   └── IdempotencyConflictError   exit 5  same key, different event
     ├── FencedError                 exit 5  another consumer moved the checkpoint
     ├── HistoryArchivedError        exit 1  the history a rebuild needs was archived
+    ├── ArchiveRefusedError         exit 5  archiving would lose something (consumer behind, …)
+    ├── LeaseLostError              exit 5  the run was taken over since this worker leased it
+    ├── RunNotReadyError            exit 5  the run is not ready to lease
     ├── MemoNotLoadedError          exit 5  a rebuilt context asked for a memo it does not hold
     └── DecodeError                 exit 5  bytes that are not a valid pgoutput message
 """
@@ -37,6 +40,9 @@ from __future__ import annotations
 
 import re
 import uuid
+
+from ledger_cdc import lsn as _lsn
+from ledger_cdc.lsn import format_lsn
 
 
 class LedgerError(Exception):
@@ -91,7 +97,7 @@ class SlotBusyError(TransportError):
     """Another consumer streams the slot (a hot standby waits for it)."""
 
 
-class JetStreamError(TransportError):
+class JetStreamError(RetryableError):
     """A publish to NATS JetStream was not acknowledged (retried from the checkpoint)."""
 
 
@@ -109,6 +115,19 @@ class HistoryArchivedError(LedgerError):
     """The events a rebuild needs were archived and no snapshot covers them."""
 
     exit_code = 1
+
+
+class ArchiveRefusedError(LedgerError):
+    """Archiving was refused: it would lose something (the consumer is behind, or the target
+    directory already holds this partition's archive)."""
+
+
+class LeaseLostError(LedgerError):
+    """The run was taken over (or released) since this worker leased it: stop working on it."""
+
+
+class RunNotReadyError(LedgerError):
+    """The run is not ready to lease (it is running on a live lease, suspended, or ended)."""
 
 
 class FencedError(LedgerError):
@@ -224,22 +243,6 @@ def _excerpt(data: bytes, offset: int | None, width: int = 16) -> str:
     head = "…" if lo > 0 else ""
     tail = "…" if hi < len(data) else ""
     return head + data[lo:hi].hex(" ") + tail
-
-
-def format_lsn(lsn: int) -> str:
-    """An LSN as PostgreSQL prints it: ``16B3A40`` → ``0/16B3A40``."""
-    return f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}"
-
-
-def parse_lsn(text: str) -> int:
-    """``'0/16B3A40'`` → integer LSN; raises ConfigError on anything else."""
-    hi, sep, lo = text.strip().partition("/")
-    try:
-        if not sep:
-            raise ValueError(text)
-        return (int(hi, 16) << 32) | int(lo, 16)
-    except ValueError:
-        raise ConfigError(f"not an LSN: {text!r} (expected the form 0/16B3A40)") from None
 
 
 # -- driver errors, translated once ---------------------------------------------------------------
@@ -367,6 +370,7 @@ def describe(e: BaseException, dsn: str | None = None) -> str:
 
 __all__ = [
     "AppendError",
+    "ArchiveRefusedError",
     "ConcurrentAppendError",
     "ConfigError",
     "DatabaseUnavailable",
@@ -377,6 +381,7 @@ __all__ = [
     "IdempotencyConflictError",
     "InvalidEventError",
     "JetStreamError",
+    "LeaseLostError",
     "LedgerError",
     "MemoNotLoadedError",
     "MigrationError",
@@ -384,6 +389,7 @@ __all__ = [
     "NotFoundError",
     "PostgresNotFoundError",
     "RetryableError",
+    "RunNotReadyError",
     "SchemaError",
     "SlotBusyError",
     "SlotError",
@@ -397,3 +403,11 @@ __all__ = [
     "redact",
     "translate",
 ]
+
+
+def parse_lsn(text: str) -> int:
+    """``'0/16B3A40'`` → integer LSN; a ConfigError (exit code 4) on anything else."""
+    try:
+        return _lsn.parse_lsn(text)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

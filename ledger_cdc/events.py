@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 
-from .errors import InvalidEventError, UnknownEventTypeError
+from ledger_cdc.errors import InvalidEventError, UnknownEventTypeError
 
 __all__ = [
     "EVENT_TYPES",

@@ -3,7 +3,7 @@
 # PostgreSQL and test tools, then runs what was asked.
 #   sh scripts/dev.sh demo [OPTIONS]   agents writing to a throwaway local PostgreSQL
 #   sh scripts/dev.sh test [PYTEST…]   the whole test suite (PostgreSQL 15 and 18 where present)
-#   sh scripts/dev.sh lint             ruff check, ruff format --check, mypy --strict
+#   sh scripts/dev.sh lint             ruff check, ruff format --check, the layer contract, mypy
 #   sh scripts/dev.sh bench NAME       a benchmark under bench/
 set -eu
 cd "$(dirname "$0")/.."
@@ -22,10 +22,15 @@ cmd=${1:-help}
 [ $# -gt 0 ] && shift
 case "$cmd" in
     demo) exec "$VENV/bin/ledger-cdc" demo "$@" ;;
-    test) exec "$VENV/bin/python" -m pytest "$@" ;;
+    test)
+        # no arguments: the whole suite, spread over the machine's cores (one worker per core,
+        # tests that share a module fixture kept on one worker)
+        if [ $# -eq 0 ]; then set -- -n auto --dist loadgroup; fi
+        exec "$VENV/bin/python" -m pytest "$@" ;;
     lint)
         "$VENV/bin/ruff" check ledger_cdc tests bench
         "$VENV/bin/ruff" format --check ledger_cdc tests bench
+        "$VENV/bin/lint-imports" --no-cache
         exec "$VENV/bin/mypy" --strict ledger_cdc ;;
     bench) name=$1; shift; exec "$VENV/bin/python" "bench/$name.py" "$@" ;;
     *) sed -n '2,8p' "$0"; exit 2 ;;

@@ -1,8 +1,8 @@
 """The pgoutput logical replication protocol (versions 1–4): grammar, typed messages, decoder,
 value loading. Knows nothing about agents or the ledger."""
 
-from .decode import Decoder
-from .messages import (
+from ledger_cdc.pgoutput.decode import Decoder
+from ledger_cdc.pgoutput.messages import (
     UNCHANGED,
     Begin,
     BeginPrepare,
@@ -34,7 +34,6 @@ from .messages import (
     UnchangedToast,
     Update,
 )
-from .values import RowLoader
 
 __all__ = [
     "UNCHANGED",
@@ -57,7 +56,6 @@ __all__ = [
     "Relation",
     "ReplicaIdentity",
     "RollbackPrepared",
-    "RowLoader",
     "StreamAbort",
     "StreamCommit",
     "StreamPrepare",
@@ -70,3 +68,13 @@ __all__ = [
     "UnchangedToast",
     "Update",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # RowLoader loads values with psycopg, so it lives in ``stream.values``; this layer imports no
+    # I/O library. Kept reachable here for code written against the flat layout.
+    if name == "RowLoader":
+        import importlib
+
+        return importlib.import_module("ledger_cdc.stream.values").RowLoader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,9 +21,9 @@ from typing import Any
 
 import construct as c
 
-from ..errors import DecodeError
-from . import spec
-from .messages import (
+from ledger_cdc.errors import DecodeError
+from ledger_cdc.pgoutput import spec
+from ledger_cdc.pgoutput.messages import (
     UNCHANGED,
     Begin,
     BeginPrepare,

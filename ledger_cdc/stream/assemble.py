@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO, Generic, TypeVar
 
-from ..errors import DecodeError, format_lsn
-from ..pgoutput.messages import (
+from ledger_cdc.errors import DecodeError, format_lsn
+from ledger_cdc.pgoutput.messages import (
     Begin,
     BeginPrepare,
     Commit,

@@ -28,7 +28,7 @@ import psycopg2.errors
 import psycopg2.extensions
 import psycopg2.extras
 
-from ..errors import (
+from ledger_cdc.errors import (
     ConfigError,
     SlotBusyError,
     SlotError,
@@ -43,6 +43,7 @@ __all__ = [
     "SlotBusyError",
     "SlotError",
     "SlotLostError",
+    "Transport",
     "TransportError",
     "XLogData",
 ]
@@ -58,6 +59,30 @@ class XLogData(Protocol):
     data_start: int
     wal_end: int
     payload: bytes
+
+
+class Transport(Protocol):
+    """What the consumer loop needs of a replication stream (:class:`ReplicationStream`, or a
+    stream of prepared bytes in tests)."""
+
+    confirmed: int  # the last LSN confirmed to the server
+
+    def create_slot_exported(self) -> tuple[int, str]: ...
+
+    def start(self, start_lsn: int, *, reuse: bool = False) -> None: ...
+
+    def read_many(self, limit: int) -> list[XLogData]: ...
+
+    def wait(self, timeout: float, *also: int) -> None: ...
+
+    @property
+    def wal_end(self) -> int: ...
+
+    def confirm(self, lsn: int, *, force: bool = True) -> None: ...
+
+    def keepalive_during(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def close(self) -> None: ...
 
 
 class ReplicationStream:

@@ -19,11 +19,11 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ledger_cdc.embedded import EmbeddedPostgres, find_installations
+from ledger_cdc.admin.schema import create_publication, migrate
+from ledger_cdc.client.writer import Ledger
+from ledger_cdc.demo.embedded import EmbeddedPostgres, find_installations
 from ledger_cdc.pgoutput import Decoder
-from ledger_cdc.schema import create_publication, migrate
-from ledger_cdc.writer import Ledger
-from tests.pgcapture import StreamWatch, live_capture, make_slot
+from tests.support.pgcapture import StreamWatch, live_capture, make_slot
 
 HERE = Path(__file__).resolve().parent
 

@@ -15,16 +15,17 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from ledger_cdc.schema import create_slot
-from tests.cdc import (
+from ledger_cdc.admin.schema import create_slot
+from tests.support.cdc import (
     ConsumerProcess,
     Writers,
     assert_projections_equal_refold,
     assert_verify_exact,
     until,
     wait_caught_up,
+    wait_streaming,
 )
-from tests.conftest import Database, Server
+from tests.support.harness import Database, Server
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -40,7 +41,7 @@ def test_crash_loop_sigkill(db: Database, tmp_path: Path) -> None:
     writers = Writers(db.dsn, n=8, sessions=30, pace=0.03).start()
     kills = 0
     try:
-        while kills < 20:
+        while kills < 12:
             proc = ConsumerProcess(
                 db.dsn,
                 "--batch-size",
@@ -176,15 +177,18 @@ def test_tcp_connection_cut(server: Server, db: Database, tmp_path: Path) -> Non
     proxy = CuttableProxy(server.pg.port)
     try:
         via_proxy = f"host=127.0.0.1 port={proxy.port} dbname={db.name} user=postgres"
+        log = tmp_path / "consumer.log"
         with _running_consumer(db, tmp_path, via_proxy):
+            wait_streaming(db.dsn)
             writers = Writers(db.dsn, n=4, sessions=10).start()
-            for _ in range(3):
-                time.sleep(1.0)
+            for i in range(3):
+                time.sleep(0.5)  # writes in flight when the cut lands
                 proxy.cut()
+                until(lambda i=i: log.read_text().count("reconnecting") > i, 60)
+                wait_streaming(db.dsn)
             writers.stop()
             wait_caught_up(db.dsn, 120)
-        log = (tmp_path / "consumer.log").read_text()
-        assert "reconnecting" in log
+        assert "reconnecting" in log.read_text()
     finally:
         proxy.close()
     assert_projections_equal_refold(db.dsn)

@@ -12,10 +12,10 @@ import sys
 import time
 import uuid
 
-from ledger_cdc.runs import submit
-from tests.cdc import ROOT, ConsumerProcess, until, wait_caught_up
-from tests.conftest import Database
-from tests.httptarget import Target
+from ledger_cdc.client.runs import submit
+from tests.support.cdc import ROOT, ConsumerProcess, until, wait_caught_up
+from tests.support.harness import Database
+from tests.support.httptarget import Target
 
 
 def _worker(db: Database, name: str, url: str) -> subprocess.Popen[str]:
@@ -23,7 +23,7 @@ def _worker(db: Database, name: str, url: str) -> subprocess.Popen[str]:
         [
             sys.executable,
             "-m",
-            "tests.runworker",
+            "tests.support.runworker",
             db.dsn,
             name,
             url,

@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 
 from ledger_cdc.errors import parse_lsn
-from tests.cdc import (
+from tests.support.cdc import (
     ConsumerProcess,
     Writers,
     assert_projections_equal_refold,
@@ -20,7 +20,7 @@ from tests.cdc import (
     until,
     wait_caught_up,
 )
-from tests.conftest import Database
+from tests.support.harness import Database
 
 
 def _holder(conn: psycopg.Connection[object]) -> int | None:

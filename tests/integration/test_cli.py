@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from ledger_cdc import __version__
 from ledger_cdc.cli import cli
-from tests.conftest import Database
+from tests.support.harness import Database
 
 
 def test_version_and_help() -> None:

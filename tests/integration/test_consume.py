@@ -11,10 +11,10 @@ from typing import Any
 import psycopg
 import pytest
 
+from ledger_cdc.admin.schema import create_slot
+from ledger_cdc.client.writer import Ledger
 from ledger_cdc.errors import parse_lsn
-from ledger_cdc.schema import create_slot
-from ledger_cdc.writer import Ledger
-from tests.cdc import (
+from tests.support.cdc import (
     ConsumerProcess,
     InThread,
     Writers,
@@ -24,7 +24,7 @@ from tests.cdc import (
     until,
     wait_caught_up,
 )
-from tests.conftest import Database
+from tests.support.harness import Database
 
 pytestmark = pytest.mark.server
 
@@ -45,7 +45,7 @@ def test_commit_order_beats_a_seq_poller(db: Database) -> None:
         early_ledger = Ledger(db.dsn)
         try:
             with late.transaction():
-                from ledger_cdc.writer import append
+                from ledger_cdc.client.writer import append
 
                 r_late = append(late, a, "x", "task.completed", {"result": "late"})
                 r_early = early_ledger.append(b, "x", "task.completed", {"result": "early"})
@@ -96,13 +96,20 @@ def test_concurrent_writers_exactly_once_with_snapshots(db: Database) -> None:
         assert bad == []
 
 
+def _checkpoint_lsn(db: Database) -> int:
+    with db.connect() as conn:
+        row = conn.execute("SELECT lsn::text FROM ledger_checkpoints").fetchone()
+    return parse_lsn(row[0]) if row else 0
+
+
 def test_sigterm_finishes_the_batch_and_exits_zero(db: Database, tmp_path: Path) -> None:
     with db.connect() as conn:
         create_slot(conn, "agent_slot")
     proc = ConsumerProcess(db.dsn, log=tmp_path / "c.log").start()
     try:
         w = Writers(db.dsn, n=4, sessions=10).start()
-        time.sleep(2)
+        # SIGTERM while the consumer is mid-stream, not while the interpreter is still starting
+        until(lambda: _checkpoint_lsn(db) > 0, timeout=60)
         assert proc.terminate() == 0
         w.stop()
     finally:
@@ -274,7 +281,7 @@ def test_metrics_endpoint_and_separate_target_database(
 
     from psycopg import sql
 
-    from ledger_cdc.schema import migrate
+    from ledger_cdc.admin.schema import migrate
 
     target = f"{db.name}_proj"
     with psycopg.connect(server.dsn(), autocommit=True) as conn:

@@ -33,7 +33,6 @@ from ledger_cdc.pgoutput import (
     Relation,
     ReplicaIdentity,
     RollbackPrepared,
-    RowLoader,
     StreamAbort,
     StreamCommit,
     StreamPrepare,
@@ -43,8 +42,9 @@ from ledger_cdc.pgoutput import (
     Type,
     Update,
 )
-from tests.conftest import Database
-from tests.pgcapture import StreamWatch, capture, decode_all, live_capture, make_slot
+from ledger_cdc.stream.values import RowLoader
+from tests.support.harness import Database
+from tests.support.pgcapture import StreamWatch, capture, decode_all, live_capture, make_slot
 
 pytestmark = pytest.mark.server
 

@@ -17,10 +17,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from ledger_cdc.writer import Ledger, OutboxItem
-from tests.cdc import ROOT, until
-from tests.conftest import Database
-from tests.httptarget import Target
+from ledger_cdc.client.writer import Ledger, OutboxItem
+from tests.support.cdc import ROOT, until
+from tests.support.harness import Database
+from tests.support.httptarget import Target
 
 
 def _outbox_rows(db: Database, n: int, target: str = "tool:search") -> list[str]:

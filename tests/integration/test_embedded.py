@@ -8,7 +8,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from ledger_cdc.embedded import EmbeddedPostgres, find_installations, find_postgres
+from ledger_cdc.demo.embedded import EmbeddedPostgres, find_installations, find_postgres
 from ledger_cdc.errors import PostgresNotFoundError
 
 pytestmark = pytest.mark.server

@@ -17,13 +17,14 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from ledger_cdc.embedded import EmbeddedPostgres
-from ledger_cdc.schema import migrate
-from ledger_cdc.writer import Ledger
-from tests.cdc import ROOT, assert_clean_exit, run_cli
-from tests.conftest import _INSTALLS, Database
+from ledger_cdc.admin.schema import migrate
+from ledger_cdc.client.writer import Ledger
+from ledger_cdc.demo.embedded import EmbeddedPostgres
+from tests.support.cdc import ROOT, assert_clean_exit, run_cli
+from tests.support.harness import _INSTALLS, Database
 
-pytestmark = pytest.mark.server
+# one worker runs the module: a cluster with logical decoding off is a module fixture
+pytestmark = [pytest.mark.server, pytest.mark.xdist_group("errors")]
 
 SID, SID2 = str(uuid.uuid4()), str(uuid.uuid4())
 

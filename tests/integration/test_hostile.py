@@ -23,14 +23,14 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from ledger_cdc.admin.schema import drop_slot
+from ledger_cdc.admin.verify import verify
+from ledger_cdc.client.recovery import rebuild_context
+from ledger_cdc.client.writer import Ledger
 from ledger_cdc.errors import InvalidEventError
 from ledger_cdc.events import MAX_TIME, MIN_TIME, READ_MAX_DEPTH, Limits
 from ledger_cdc.fold import SessionContext
-from ledger_cdc.replay import rebuild_context
-from ledger_cdc.schema import drop_slot
-from ledger_cdc.verify import verify
-from ledger_cdc.writer import Ledger
-from tests.cdc import (
+from tests.support.cdc import (
     ConsumerProcess,
     InThread,
     assert_clean_exit,
@@ -41,9 +41,10 @@ from tests.cdc import (
     wait_caught_up,
     wait_streaming,
 )
-from tests.conftest import Database, Server, _new_database
+from tests.support.harness import Database, Server, _new_database
 
-pytestmark = pytest.mark.server
+# one worker runs the module: its consumer and hostile inputs are a module-scoped fixture
+pytestmark = [pytest.mark.server, pytest.mark.xdist_group("hostile")]
 
 
 def _deep(depth: int) -> str:

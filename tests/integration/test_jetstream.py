@@ -16,11 +16,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from ledger_cdc.jetstream import JetStreamPublisher, JetStreamSettings
-from ledger_cdc.replay import load_events
-from tests.cdc import ConsumerProcess, Writers, until, wait_caught_up
-from tests.conftest import Database
-from tests.natsserver import NatsServer, cluster, read_all, wait_jetstream
+from ledger_cdc.client.recovery import load_events
+from ledger_cdc.sink.jetstream import JetStreamPublisher, JetStreamSettings
+from tests.support.cdc import ConsumerProcess, Writers, until, wait_caught_up
+from tests.support.harness import Database
+from tests.support.natsserver import NatsServer, cluster, read_all, wait_jetstream
 
 
 def _check_exactly_once(db: Database, servers: list[str]) -> int:
@@ -97,6 +97,8 @@ def test_consumer_crash_republishes_without_duplicates(db: Database, tmp_path: P
 
 
 def test_three_node_cluster_loses_a_node_mid_run(db: Database, tmp_path: Path) -> None:
+    if db.server.major != 18:
+        pytest.skip("a NATS node lost is the same on every PostgreSQL: run once, on 18")
     nodes = cluster(tmp_path / "cluster", 3)
     consumer = None
     try:
@@ -129,12 +131,21 @@ def test_three_node_cluster_loses_a_node_mid_run(db: Database, tmp_path: Path) -
 
 def _stream_info(servers: list[str]) -> dict[str, Any]:
     import nats
+    import nats.errors
+    import nats.js.errors
 
     async def go() -> dict[str, Any]:
         nc = await nats.connect(servers=servers)
+        deadline = time.monotonic() + 60
         try:
-            si = await nc.jetstream().stream_info("LEDGER")
-            return {"config": {"num_replicas": si.config.num_replicas}}
+            while True:  # a stream whose leader is being elected answers 503 for a while
+                try:
+                    si = await nc.jetstream().stream_info("LEDGER")
+                    return {"config": {"num_replicas": si.config.num_replicas}}
+                except (nats.errors.TimeoutError, nats.js.errors.APIError):
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
         finally:
             await nc.close()
 

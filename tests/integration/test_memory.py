@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from ledger_cdc.schema import create_slot
-from tests.cdc import (
+from ledger_cdc.admin.schema import create_slot
+from tests.support.cdc import (
     ConsumerProcess,
     assert_projections_equal_refold,
     wait_caught_up,
     wait_streaming,
 )
-from tests.conftest import Database
+from tests.support.harness import Database
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

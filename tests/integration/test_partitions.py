@@ -14,21 +14,21 @@ from typing import Any
 import psycopg
 import pytest
 
-from ledger_cdc.errors import ConfigError, IdempotencyConflictError
-from ledger_cdc.fold import FORMAT_VERSION, decode_context, encode_context
-from ledger_cdc.importer import ImportedEvent, import_events
-from ledger_cdc.partitions import (
+from ledger_cdc.admin.importer import ImportedEvent, import_events
+from ledger_cdc.admin.partitions import (
     ArchiveRefusedError,
     archive,
     check_archive,
     ensure,
     list_partitions,
 )
-from ledger_cdc.replay import HistoryArchivedError, rebuild_context
-from ledger_cdc.schema import init
-from ledger_cdc.verify import verify
-from ledger_cdc.writer import Ledger
-from tests.cdc import (
+from ledger_cdc.admin.schema import init
+from ledger_cdc.admin.verify import verify
+from ledger_cdc.client.recovery import HistoryArchivedError, rebuild_context
+from ledger_cdc.client.writer import Ledger
+from ledger_cdc.errors import ConfigError, IdempotencyConflictError
+from ledger_cdc.fold import FORMAT_VERSION, decode_context, encode_context
+from tests.support.cdc import (
     ROOT,
     ConsumerProcess,
     Writers,
@@ -36,7 +36,7 @@ from tests.cdc import (
     until,
     wait_caught_up,
 )
-from tests.conftest import Database
+from tests.support.harness import Database
 
 OLD = dt.timedelta(days=120)
 

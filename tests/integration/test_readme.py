@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.cdc import ROOT, InThread
-from tests.conftest import Database
+from tests.support.cdc import ROOT, InThread
+from tests.support.harness import Database
 
 pytestmark = pytest.mark.server
 

@@ -19,10 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ledger_cdc import ConcurrentAppendError, register_event_type
-from ledger_cdc.consumer import Consumer, ConsumerConfig
-from ledger_cdc.errors import InvalidEventError, MemoNotLoadedError
-from ledger_cdc.fold import SessionContext, encode_context, fold
-from ledger_cdc.replay import (
+from ledger_cdc.admin.verify import verify
+from ledger_cdc.client.recovery import (
     fork,
     load_events,
     memoised_model,
@@ -34,10 +32,12 @@ from ledger_cdc.replay import (
     retry_tool,
     retry_tool_async,
 )
-from ledger_cdc.verify import verify
-from ledger_cdc.writer import Ledger
-from tests.cdc import ROOT, wait_caught_up, wait_streaming
-from tests.conftest import Database
+from ledger_cdc.client.writer import Ledger
+from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+from ledger_cdc.errors import InvalidEventError, MemoNotLoadedError
+from ledger_cdc.fold import SessionContext, encode_context, fold
+from tests.support.cdc import ROOT, wait_caught_up, wait_streaming
+from tests.support.harness import Database
 from tests.unit.test_fold import event_strategy
 
 register_event_type("x.unknown")  # free-form: kept in the log, ignored by the core reducers

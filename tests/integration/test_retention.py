@@ -16,22 +16,22 @@ from typing import Any
 import psycopg
 import pytest
 
+from ledger_cdc.admin.importer import ImportedEvent, import_events
+from ledger_cdc.admin.partitions import archive, ensure
+from ledger_cdc.admin.schema import drop_slot, init
+from ledger_cdc.admin.verify import verify
+from ledger_cdc.client.recovery import fork, rebuild_context, retry_tool
+from ledger_cdc.client.runs import lease, signal, submit
+from ledger_cdc.client.writer import Ledger
 from ledger_cdc.errors import ConcurrentAppendError, ConfigError, HistoryArchivedError
-from ledger_cdc.importer import ImportedEvent, import_events
-from ledger_cdc.partitions import archive, ensure
-from ledger_cdc.replay import fork, rebuild_context, retry_tool
-from ledger_cdc.runs import lease, signal, submit
-from ledger_cdc.schema import drop_slot, init
-from ledger_cdc.verify import verify
-from ledger_cdc.writer import Ledger
-from tests.cdc import (
+from tests.support.cdc import (
     InThread,
     assert_clean_exit,
     run_cli,
     stored_projections,
     wait_caught_up,
 )
-from tests.conftest import Database
+from tests.support.harness import Database
 
 pytestmark = pytest.mark.server
 

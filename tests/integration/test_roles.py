@@ -18,13 +18,13 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from ledger_cdc.admin.verify import verify
+from ledger_cdc.client.recovery import memoised_tool, rebuild_context
+from ledger_cdc.client.runs import signal, submit
+from ledger_cdc.client.writer import Ledger, OutboxItem
 from ledger_cdc.errors import ConcurrentAppendError, IdempotencyConflictError
-from ledger_cdc.replay import memoised_tool, rebuild_context
-from ledger_cdc.runs import signal, submit
-from ledger_cdc.verify import verify
-from ledger_cdc.writer import Ledger, OutboxItem
-from tests.cdc import InThread, assert_clean_exit, run_cli, wait_caught_up
-from tests.conftest import Database
+from tests.support.cdc import InThread, assert_clean_exit, run_cli, wait_caught_up
+from tests.support.harness import Database
 
 pytestmark = pytest.mark.server
 

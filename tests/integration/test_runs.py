@@ -15,8 +15,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from ledger_cdc.errors import ConcurrentAppendError
-from ledger_cdc.runs import (
+from ledger_cdc.client.runs import (
     LeaseLostError,
     ReadyRun,
     RunNotReadyError,
@@ -25,9 +24,10 @@ from ledger_cdc.runs import (
     signal,
     submit,
 )
-from ledger_cdc.writer import AsyncLedger
-from tests.cdc import ROOT, ConsumerProcess, wait_caught_up, wait_streaming
-from tests.conftest import Database
+from ledger_cdc.client.writer import AsyncLedger
+from ledger_cdc.errors import ConcurrentAppendError
+from tests.support.cdc import ROOT, ConsumerProcess, wait_caught_up, wait_streaming
+from tests.support.harness import Database
 
 
 @pytest.fixture
@@ -42,9 +42,9 @@ def test_two_workers_race_for_a_run_and_exactly_one_wins(db: Database) -> None:
     with db.connect() as a, db.connect() as b:
         submit(a, sid)
         # both read the run at the same position; the second append is refused
-        from ledger_cdc.replay import rebuild_context
-        from ledger_cdc.runs import RunLeased
-        from ledger_cdc.writer import append
+        from ledger_cdc.client.recovery import rebuild_context
+        from ledger_cdc.client.runs import RunLeased
+        from ledger_cdc.client.writer import append
 
         pos = rebuild_context(a, sid).last_position
         append(a, sid, "w1", "run.leased", RunLeased("w1", 30), expected_position=pos)

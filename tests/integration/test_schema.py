@@ -10,8 +10,7 @@ import psycopg
 import pytest
 
 from ledger_cdc import Ledger
-from ledger_cdc.errors import ConfigError, MigrationError, RetryableError
-from ledger_cdc.schema import (
+from ledger_cdc.admin.schema import (
     Migration,
     applied_migrations,
     create_slot,
@@ -19,7 +18,8 @@ from ledger_cdc.schema import (
     load_migrations,
     migrate,
 )
-from tests.conftest import Database
+from ledger_cdc.errors import ConfigError, MigrationError, RetryableError
+from tests.support.harness import Database
 
 pytestmark = pytest.mark.server
 
@@ -241,8 +241,13 @@ def test_consumer_role_reads_ledger_and_writes_only_its_tables(roles: Database) 
 def test_memo_migration_copies_the_calls_folded_before_it(empty_db: Database) -> None:
     """An upgrade from projections that held the whole memo: 0008 copies it into agent_memo, so
     a context rebuilt from a new snapshot still answers the calls completed before it."""
+    from ledger_cdc.client.recovery import (
+        load_events,
+        memoised_model,
+        memoised_tool,
+        rebuild_context,
+    )
     from ledger_cdc.fold import PROJECTION_FORMAT, encode_context, fold
-    from ledger_cdc.replay import load_events, memoised_model, memoised_tool, rebuild_context
 
     migs = load_migrations()
     sid = uuid.uuid4()

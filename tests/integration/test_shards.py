@@ -11,11 +11,11 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from ledger_cdc.admin.schema import init
+from ledger_cdc.client.recovery import fold_all
 from ledger_cdc.fold import decode_context
-from ledger_cdc.replay import fold_all
-from ledger_cdc.schema import init
-from tests.cdc import ConsumerProcess, Writers, until
-from tests.conftest import Database
+from tests.support.cdc import ConsumerProcess, Writers, until
+from tests.support.harness import Database
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ import time
 import uuid
 from pathlib import Path
 
-from ledger_cdc.writer import Ledger
-from tests.cdc import ROOT, ConsumerProcess, until
-from tests.conftest import Database
-from tests.natsserver import NatsServer, wait_jetstream
+from ledger_cdc.client.writer import Ledger
+from tests.support.cdc import ROOT, ConsumerProcess, until
+from tests.support.harness import Database
+from tests.support.natsserver import NatsServer, wait_jetstream
 
 
 def _tail(db: Database, sid: uuid.UUID, *extra: str) -> subprocess.Popen[str]:

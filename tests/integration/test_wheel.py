@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Database
+from tests.support.harness import Database
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -26,7 +26,7 @@ from ledger_cdc import (
     register_event_type,
 )
 from ledger_cdc.errors import RetryableError
-from tests.conftest import Database
+from tests.support.harness import Database
 
 pytestmark = pytest.mark.server
 

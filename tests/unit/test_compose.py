@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ledger_cdc.cli import cli
+from ledger_cdc.cli.app import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"

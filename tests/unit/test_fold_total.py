@@ -24,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ledger_cdc.client.recovery import row_event
 from ledger_cdc.events import (
     EVENT_TYPES,
     MAX_TIME,
@@ -43,8 +44,7 @@ from ledger_cdc.fold import (
     unregister_reducer,
 )
 from ledger_cdc.pgoutput.messages import Column, Relation, ReplicaIdentity
-from ledger_cdc.replay import row_event
-from ledger_cdc.stream.rows import LedgerRowDecoder
+from ledger_cdc.stream.ledger import LedgerRowDecoder
 
 _TYPES = [*sorted(EVENT_TYPES), "app.unknown", "x.y"]
 _SID = uuid.UUID("6b1f8c0e-2f6e-4d49-8a4b-3c1d2e0f9a77")

@@ -18,7 +18,7 @@ from ledger_cdc.pgoutput import Decoder, Insert, StreamAbort
 from ledger_cdc.pgoutput.spec import build_message
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-FUZZ_EXAMPLES = int(os.environ.get("LEDGER_CDC_FUZZ_EXAMPLES", "15000"))  # per fuzz test
+FUZZ_EXAMPLES = int(os.environ.get("LEDGER_CDC_FUZZ_EXAMPLES", "4000"))  # per fuzz test
 
 
 def _corpus() -> list[tuple[bool, int, bytes]]:

@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ledger_cdc.admin.timeline import diff_runs, timeline
 from ledger_cdc.events import LedgerEvent, decode_payload, encode_payload
-from ledger_cdc.timeline import diff_runs, timeline
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 

@@ -1,0 +1,2 @@
+"""What an operator runs: schema and roles (``schema``), slot health (``health``), retention
+(``partitions``), proofs (``verify``), history (``timeline``, ``importer``)."""

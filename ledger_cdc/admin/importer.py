@@ -1,0 +1,142 @@
+"""Importing existing agent logs with their own times: the one path that places events in the
+past.
+
+``created_at`` is the server's clock for every writer (the insert trigger refuses any other
+value); the ledger's owner may lift that for its own session with ``ledger.import_times = on``,
+and this module is what does so. Each line of the input is one event, validated like an append
+(the strict writer: its type registered, its payload of the right shape and within the limits),
+then inserted in the order given; a session's positions follow on from what it already holds.
+On a partitioned ledger the partitions the times fall into are created first. Lines are written
+in transactions of ``batch`` events: an import that fails part-way has written whole batches,
+and says from which line to go on.
+
+Input, JSON lines::
+
+    {"session_id": "…", "agent_id": "planner", "event_type": "tool.invoked",
+     "payload": {…}, "created_at": "2026-06-01T12:00:00Z", "idempotency_key": "k-1"}
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import psycopg
+
+from ledger_cdc.errors import ConfigError, InvalidEventError, translate
+from ledger_cdc.events import DEFAULT_LIMITS, Limits, encode_payload
+
+__all__ = ["ImportedEvent", "import_events", "read_lines"]
+
+
+class ImportedEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One line of an import."""
+
+    session_id: uuid.UUID
+    agent_id: str
+    event_type: str
+    payload: dict[str, Any]
+    created_at: dt.datetime
+    idempotency_key: str | None = None
+
+
+_INSERT = (
+    "INSERT INTO agent_events (session_id, agent_id, event_type, payload, idempotency_key, "
+    "created_at) VALUES (%s, %s, %s, %s::jsonb, %s, %s)"
+)
+_line = msgspec.json.Decoder(ImportedEvent)
+
+
+def read_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, ImportedEvent]]:
+    """(line number, event) of each non-blank JSON line; InvalidEventError names a bad line."""
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            ev = _line.decode(line)
+        except msgspec.DecodeError as e:
+            raise InvalidEventError(f"line {n}: {e}") from e
+        if ev.created_at.tzinfo is None:
+            raise InvalidEventError(f"line {n}: created_at needs a time zone (e.g. …Z)")
+        yield n, ev
+
+
+@dataclass
+class ImportResult:
+    events: int
+    sessions: int
+    partitions_created: list[str]
+
+
+def import_events(
+    conn: psycopg.Connection[Any],
+    events: Iterable[tuple[int, ImportedEvent]],
+    *,
+    batch: int = 1000,
+    limits: Limits = DEFAULT_LIMITS,
+    progress: Callable[[int], None] | None = None,
+) -> ImportResult:
+    """Insert the events with their times, as the ledger's owner (see the module doc)."""
+    from ledger_cdc.admin.partitions import ensure_for, is_partitioned
+
+    partitioned = is_partitioned(conn)
+    done = 0
+    sessions: set[uuid.UUID] = set()
+    created: list[str] = []
+    pending: list[tuple[int, ImportedEvent, str]] = []
+
+    def flush() -> None:
+        nonlocal done
+        if not pending:
+            return
+        first = pending[0][0]
+        try:
+            if partitioned:
+                created.extend(ensure_for(conn, [ev.created_at for _, ev, _ in pending]))
+            with conn.transaction():
+                conn.execute("SET LOCAL ledger.import_times = on")
+                with conn.cursor() as cur:
+                    cur.executemany(
+                        _INSERT,
+                        [
+                            (
+                                ev.session_id,
+                                ev.agent_id,
+                                ev.event_type,
+                                data,
+                                ev.idempotency_key,
+                                ev.created_at,
+                            )
+                            for _, ev, data in pending
+                        ],
+                    )
+        except psycopg.Error as e:
+            err = translate(e, doing=f"import, batch from line {first}")
+            if "assigned by the server" in str(e):
+                err = ConfigError(
+                    "only the ledger's owner (or a member of its role) may import events with "
+                    f"their times; nothing from line {first} on was written"
+                )
+            raise err from e
+        done += len(pending)
+        sessions.update(ev.session_id for _, ev, _ in pending)
+        pending.clear()
+        if progress is not None:
+            progress(done)
+
+    for n, ev in events:
+        if not ev.agent_id:
+            raise InvalidEventError(f"line {n}: agent_id is empty")
+        try:
+            data = encode_payload(ev.event_type, ev.payload, limits).decode()
+        except InvalidEventError as e:
+            raise InvalidEventError(f"line {n}: {e}") from e
+        pending.append((n, ev, data))
+        if len(pending) >= batch:
+            flush()
+    flush()
+    return ImportResult(done, len(sessions), created)

@@ -1,0 +1,590 @@
+"""Retention: a range-partitioned ledger, partitions created ahead, old ones archived.
+
+``ledger-cdc init --partition-by month|week|day`` creates ``agent_events`` partitioned by range
+on ``created_at`` (a fresh database only: converting a ledger would mean rewriting it). The
+publication uses ``publish_via_partition_root`` so the consumer sees one relation whatever the
+partition. PostgreSQL enforces a unique index on a partitioned table only when it contains the
+partition key; per-session uniqueness must hold for sessions that span partitions, so it is kept
+by two small unpartitioned tables the insert trigger writes in the event's transaction:
+``agent_session_heads`` (each session's head position and hash, advanced by compare-and-set, so
+of two inserts at one position exactly one commits — which also makes the hash chain's link
+across partitions exact) and ``agent_event_keys`` (idempotency keys). Both raise the same errors,
+with the same constraint names, as the unpartitioned ledger's unique indexes, so writers behave
+the same on either.
+
+:func:`ensure` creates the partitions for the current and the next ``ahead`` intervals (UTC),
+each with its own TRUNCATE guard (statement triggers are not inherited by partitions).
+:func:`archive` removes partitions entirely older than a bound: refused unless every session in
+the partition is folded past it; each such session gets a snapshot at or after its last event
+there; the rows are exported (COPY, gzip, sha256 in a manifest), then the partition is detached
+and dropped in one transaction that records the archive. It is the only path that removes
+ledger data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import datetime as dt
+import functools
+import gzip
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ledger_cdc.errors import ArchiveRefusedError, ConfigError
+from ledger_cdc.fold import (
+    FORMAT_VERSION,
+    PROJECTION_FORMAT,
+    decode_context,
+    encode_snapshot,
+    reducer_version,
+)
+from ledger_cdc.sink.postgres import SNAPSHOT_CONFLICT
+
+__all__ = [
+    "UNITS",
+    "ArchiveRefusedError",
+    "ArchivedPartition",
+    "Partition",
+    "archive",
+    "check_archive",
+    "ensure",
+    "ensure_for",
+    "is_partitioned",
+    "list_partitions",
+    "setup",
+]
+
+UNITS = ("day", "week", "month")
+
+
+def _sql(name: str) -> str:
+    packaged = resources.files("ledger_cdc") / "sql" / name
+    if packaged.is_file():
+        return packaged.read_text()
+    return (Path(__file__).resolve().parents[2] / "sql" / name).read_text()
+
+
+def is_partitioned(conn: psycopg.Connection[Any]) -> bool:
+    row = conn.execute(
+        "SELECT EXISTS (SELECT FROM pg_partitioned_table p JOIN pg_class c ON c.oid = p.partrelid "
+        "WHERE c.relname = 'agent_events' AND c.relnamespace = current_schema()::regnamespace)"
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def setup(conn: psycopg.Connection[Any], unit: str) -> bool:
+    """Before the migrations: create the partitioned ledger tables (True), or check an existing
+    ledger is partitioned (False)."""
+    if unit not in UNITS:
+        raise ConfigError(f"--partition-by must be one of {', '.join(UNITS)}, got {unit!r}")
+    row = conn.execute("SELECT to_regclass('agent_events') IS NOT NULL").fetchone()
+    if row and row[0]:
+        if not is_partitioned(conn):
+            raise ConfigError(
+                "agent_events exists and is not partitioned: --partition-by applies to a new "
+                "ledger only (converting one would rewrite it); run init without it"
+            )
+        return False
+    with conn.transaction():
+        conn.execute(_sql("partitioned/pre.sql").encode())
+        conn.execute("INSERT INTO ledger_partitioning (unit) VALUES (%s)", (unit,))
+    return True
+
+
+def finish(conn: psycopg.Connection[Any], ahead: int = 3) -> list[str]:
+    """After the migrations: the partition-aware insert trigger, then the first partitions."""
+    with conn.transaction():
+        conn.execute(_sql("partitioned/post.sql").encode())
+    return ensure(conn, ahead)
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    start: dt.datetime
+    end: dt.datetime
+    rows: int | None = None  # estimate (pg_class.reltuples), None if never analysed
+
+
+_PARTITIONS = """
+SELECT c.relname, pg_get_expr(c.relpartbound, c.oid), c.reltuples::bigint
+FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = 'agent_events'::regclass
+ORDER BY c.relname
+"""
+
+
+def _bounds(expr: str) -> tuple[dt.datetime, dt.datetime]:
+    # FOR VALUES FROM ('2026-11-01 00:00:00+00') TO ('2026-12-01 00:00:00+00')
+    parts = expr.split("'")
+    return dt.datetime.fromisoformat(parts[1]), dt.datetime.fromisoformat(parts[3])
+
+
+def list_partitions(conn: psycopg.Connection[Any]) -> list[Partition]:
+    conn.execute("SET TIME ZONE 'UTC'")
+    out = []
+    for name, expr, tuples in conn.execute(_PARTITIONS):
+        start, end = _bounds(expr)
+        out.append(Partition(name, start, end, None if tuples < 0 else int(tuples)))
+    return sorted(out, key=lambda p: p.start)
+
+
+def _unit(conn: psycopg.Connection[Any]) -> str:
+    row = conn.execute("SELECT unit FROM ledger_partitioning").fetchone()
+    if row is None:
+        raise ConfigError("this ledger is not partitioned (init --partition-by creates one)")
+    return str(row[0])
+
+
+def ensure(
+    conn: psycopg.Connection[Any], ahead: int = 3, *, at: dt.datetime | None = None
+) -> list[str]:
+    """Create the partitions for the interval holding ``at`` (now) and the next ``ahead``
+    intervals, if missing. Returns the names created. Idempotent, safe to run concurrently."""
+    unit = _unit(conn)
+    created = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (0x1ED6E2C1,))
+        existing = {p.name for p in list_partitions(conn)}
+        row = conn.execute(
+            "SELECT date_trunc(%s, coalesce(%s::timestamptz, now()) AT TIME ZONE 'UTC')",
+            (unit, at),
+        ).fetchone()
+        assert row is not None
+        start: dt.datetime = row[0].replace(tzinfo=dt.timezone.utc)
+        for _ in range(ahead + 1):
+            end = _next(start, unit)
+            name = f"agent_events_p{start:%Y%m%d}"
+            if name not in existing:
+                _create(conn, name, start, end)
+                created.append(name)
+            start = end
+    return created
+
+
+def ensure_for(conn: psycopg.Connection[Any], times: Iterable[dt.datetime]) -> list[str]:
+    """Create the partitions these times fall into, if missing (an import of old history).
+    Refused for a range that was archived: its archive is final."""
+    unit = _unit(conn)
+    created = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (0x1ED6E2C1,))
+        existing = {p.name for p in list_partitions(conn)}
+        archived = {
+            r[0] for r in conn.execute("SELECT partition_name FROM ledger_archives").fetchall()
+        }
+        starts = set()
+        for t in times:
+            row = conn.execute(
+                "SELECT date_trunc(%s, %s::timestamptz AT TIME ZONE 'UTC')", (unit, t)
+            ).fetchone()
+            assert row is not None
+            starts.add(row[0].replace(tzinfo=dt.timezone.utc))
+        for start in sorted(starts):
+            name = f"agent_events_p{start:%Y%m%d}"
+            if name in archived:
+                raise ConfigError(
+                    f"{name} ({start:%Y-%m-%d}) was archived: events cannot be imported into it"
+                )
+            if name not in existing:
+                if conn.execute("SELECT to_regclass(%s)", (name,)).fetchone() != (None,):
+                    raise ConfigError(
+                        f"{name} ({start:%Y-%m-%d}) is being archived: events cannot be "
+                        "imported into it"
+                    )
+                _create(conn, name, start, _next(start, unit))
+                created.append(name)
+                existing.add(name)
+    return created
+
+
+def _next(start: dt.datetime, unit: str) -> dt.datetime:
+    if unit == "day":
+        return start + dt.timedelta(days=1)
+    if unit == "week":
+        return start + dt.timedelta(days=7)
+    return (start.replace(day=28) + dt.timedelta(days=4)).replace(day=1)
+
+
+def _create(conn: psycopg.Connection[Any], name: str, start: dt.datetime, end: dt.datetime) -> None:
+    part = sql.Identifier(name)
+    conn.execute(
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} PARTITION OF agent_events FOR VALUES FROM ({}) TO ({})"
+        ).format(part, sql.Literal(start), sql.Literal(end))
+    )
+    # row triggers are cloned from the parent; statement triggers (TRUNCATE) are not
+    conn.execute(
+        sql.SQL(
+            "CREATE TRIGGER agent_events_no_truncate BEFORE TRUNCATE ON {} "
+            "FOR EACH STATEMENT EXECUTE FUNCTION ledger_refuse_change()"
+        ).format(part)
+    )
+    for trigger in (
+        "agent_events_no_truncate",
+        "agent_events_append_only",
+        "agent_events_before_insert",
+    ):
+        conn.execute(
+            sql.SQL("ALTER TABLE {} ENABLE ALWAYS TRIGGER {}").format(part, sql.Identifier(trigger))
+        )
+    conn.execute(sql.SQL("REVOKE ALL ON {} FROM PUBLIC").format(part))
+
+
+# -- archive ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ArchivedPartition:
+    name: str
+    start: dt.datetime
+    end: dt.datetime
+    events: int
+    sessions: int
+    snapshots_taken: int
+    file: Path
+    manifest: Path
+    file_sha256: str
+    skipped: str | None = None  # why nothing was done (empty partition: dropped only)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_PER_SESSION = """
+SELECT p.session_id, min(p.position), max(p.position), count(*), max(p.seq),
+       (array_agg(p.hash ORDER BY p.position DESC))[1], s.last_position
+FROM {part} p LEFT JOIN agent_sessions s ON s.session_id = p.session_id
+GROUP BY p.session_id, s.last_position
+"""
+_SNAPSHOT = """
+SELECT EXISTS (SELECT FROM agent_snapshots WHERE session_id = %s AND upto_position >= %s
+               AND format_version = %s AND reducer_version = %s)
+"""
+_SNAPSHOT = """
+INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version, reducer_version,
+                             content_hash, data, upto_hash)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s)
+"""
+_SNAPSHOT += SNAPSHOT_CONFLICT
+_EXPORT = (
+    "COPY (SELECT seq, session_id, position, agent_id, event_type, payload, idempotency_key, "
+    "created_at, encode(prev_hash, 'hex'), encode(hash, 'hex') FROM {part} "
+    "ORDER BY session_id, position) TO STDOUT WITH (FORMAT csv, HEADER)"
+)
+
+
+def archive(
+    conn: psycopg.Connection[Any],
+    older_than: dt.timedelta,
+    to_dir: Path,
+    *,
+    on_partition: Callable[[str], None] | None = None,
+    on_step: Callable[[str, str], None] | None = None,
+    consumer_wait: float = 30.0,
+) -> list[ArchivedPartition]:
+    """Archive every partition whose whole range ends at or before ``now - older_than``.
+
+    ``conn`` must be in autocommit mode (``DETACH … CONCURRENTLY`` cannot run in a transaction
+    block). ``on_step(partition, step)`` is told each step as it is done: ``checked``,
+    ``snapshots``, ``detached``, ``exported``, ``recorded``."""
+    _unit(conn)
+    if not conn.autocommit:
+        raise ConfigError("archive needs an autocommit connection (DETACH … CONCURRENTLY)")
+    to_dir.mkdir(parents=True, exist_ok=True)
+    now_row = conn.execute("SELECT now()").fetchone()
+    assert now_row is not None
+    bound = now_row[0] - older_than
+    out = []
+    for p in list_partitions(conn):
+        if p.end > bound:
+            continue
+        if on_partition is not None:
+            on_partition(p.name)
+        out.append(
+            _archive_one(conn, p, to_dir, functools.partial(_step, on_step, p.name), consumer_wait)
+        )
+    return out
+
+
+def _step(on_step: Callable[[str, str], None] | None, name: str, step: str) -> None:
+    if on_step is not None:
+        on_step(name, step)
+
+
+# What the consumer has of a partition's sessions: every session's last position in it, against
+# its projection and its latest usable snapshot.
+_FOLDED = """
+SELECT p.session_id, max(p.position), s.last_position,
+       (SELECT max(n.upto_position) FROM agent_snapshots n
+        WHERE n.session_id = p.session_id AND n.format_version = %s AND n.reducer_version = %s)
+FROM {part} p LEFT JOIN agent_sessions s ON s.session_id = p.session_id
+GROUP BY p.session_id, s.last_position
+"""
+_PROJECTION = (
+    "SELECT last_seq, last_position, format_version, context::text, last_hash "
+    "FROM agent_sessions WHERE session_id = %s"
+)
+
+
+def _archive_one(
+    conn: psycopg.Connection[Any],
+    p: Partition,
+    to_dir: Path,
+    step: Callable[[str], None],
+    consumer_wait: float,
+) -> ArchivedPartition:
+    """Archive one partition, race-free by construction: its sessions are covered by snapshots,
+    then it is detached (CONCURRENTLY: writers of the other partitions never wait; the detach
+    waits for every transaction that could still insert into it), then what it holds now — the
+    rows committed up to the detach, all of them — is checked once more, exported, recorded and
+    dropped. A row can only be in the ledger or in the archive. On any failure after the
+    detach, the partition is attached again."""
+    part = sql.Identifier(p.name)
+    data_file = to_dir / f"{p.name}.csv.gz"
+    manifest_file = to_dir / f"{p.name}.manifest.json"
+    if manifest_file.exists():
+        raise ArchiveRefusedError(
+            f"{manifest_file} exists: archive {p.name} into another directory"
+        )
+    if not _detach_pending(conn, p.name):
+        taken = _cover(conn, p, consumer_wait=0.0)
+        step("checked")
+        step("snapshots")
+        _detach(conn, p.name)
+    else:
+        taken = 0
+        _detach(conn, p.name)  # an archive interrupted mid-detach: finish it
+    step("detached")
+    try:
+        # what the detach waited for may have added rows: they must be folded and covered too
+        taken += _cover(conn, p, consumer_wait=consumer_wait)
+        with conn.transaction():
+            conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(part))
+            sessions = conn.execute(sql.SQL(_PER_SESSION).format(part=part)).fetchall()
+            file_hash, content_hash, rows = _export(conn, part, data_file)
+            manifest = _manifest(p, data_file, file_hash, content_hash, rows, sessions)
+            manifest_file.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            step("exported")
+            conn.execute(
+                "INSERT INTO ledger_archives (partition_name, range_start, range_end, events, "
+                "file_name, file_sha256, manifest) VALUES (%s, %s, %s, %s, %s, %s, %s::jsonb)",
+                (p.name, p.start, p.end, rows, data_file.name, file_hash, json.dumps(manifest)),
+            )
+            for sid, _, last, _, _, h, _ in sessions:
+                conn.execute(
+                    "INSERT INTO ledger_archived_heads (session_id, upto_position, last_hash, "
+                    "partition_name) VALUES (%s, %s, %s, %s) ON CONFLICT (session_id) DO "
+                    "UPDATE SET upto_position = EXCLUDED.upto_position, "
+                    "last_hash = EXCLUDED.last_hash, partition_name = EXCLUDED.partition_name "
+                    "WHERE ledger_archived_heads.upto_position < EXCLUDED.upto_position",
+                    (sid, last, h, p.name),
+                )
+            # idempotency keys (and signal ids) stay: agent_event_keys keeps what a retry
+            # compares, and agent_session_heads each session's head
+            conn.execute(sql.SQL("DROP TABLE {}").format(part))
+    except BaseException:
+        for f in (manifest_file, data_file):
+            f.unlink(missing_ok=True)
+        _attach(conn, p)
+        raise
+    step("recorded")
+    return ArchivedPartition(
+        p.name, p.start, p.end, rows, len(sessions), taken, data_file, manifest_file, file_hash
+    )
+
+
+def _cover(conn: psycopg.Connection[Any], p: Partition, *, consumer_wait: float) -> int:
+    """Every session of the partition folded by the consumer past its last event there, and a
+    usable snapshot at or after it (cut from its projection where missing). The consumer is
+    waited for up to ``consumer_wait`` seconds; then the archive is refused. Returns the
+    snapshots taken."""
+    part = sql.Identifier(p.name)
+    version = reducer_version()
+    deadline = time.monotonic() + consumer_wait
+    while True:
+        rows = conn.execute(
+            sql.SQL(_FOLDED).format(part=part), (FORMAT_VERSION, version)
+        ).fetchall()
+        behind = [(sid, last, folded) for sid, last, folded, _ in rows if (folded or 0) < last]
+        if not behind:
+            break
+        if time.monotonic() >= deadline:
+            sid, last, folded = behind[0]
+            raise ArchiveRefusedError(
+                f"partition {p.name}: the consumer has not folded {len(behind)} session(s) past "
+                f"it (e.g. {sid}: position {last} in the partition, projection at "
+                f"{'none' if folded is None else folded}); archive refused — let the consumer "
+                "catch up"
+            )
+        time.sleep(0.2)
+    taken = 0
+    for sid, last, _, snapped in rows:
+        if snapped is not None and snapped >= last:
+            continue
+        # the snapshot is cut from the projection: the consumer's own point, whose memo is in
+        # agent_memo already (a snapshot leaves its memo to that table)
+        row = conn.execute(_PROJECTION, (sid,)).fetchone()
+        if row is None or row[2] != PROJECTION_FORMAT:
+            raise ArchiveRefusedError(
+                f"partition {p.name}: session {sid} has no projection of the current format to "
+                "cut a snapshot from; archive refused"
+            )
+        last_seq, position, _, text, head = row
+        data = encode_snapshot(decode_context(text))
+        conn.execute(
+            _SNAPSHOT,
+            (
+                sid,
+                last_seq,
+                position,
+                FORMAT_VERSION,
+                version,
+                hashlib.sha256(data).digest(),
+                data,
+                head,
+            ),
+        )
+        taken += 1
+    return taken
+
+
+def _detach_pending(conn: psycopg.Connection[Any], name: str) -> bool:
+    row = conn.execute(
+        "SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (name,)
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def _detach(conn: psycopg.Connection[Any], name: str) -> None:
+    """DETACH … CONCURRENTLY (or FINALIZE a detach a crash interrupted): it takes no lock that
+    waits for or blocks the writers of the other partitions; it waits for the transactions that
+    could still insert into this one (and for open snapshots, such as a running ``verify``)."""
+    part = sql.Identifier(name)
+    if _detach_pending(conn, name):
+        conn.execute(sql.SQL("ALTER TABLE agent_events DETACH PARTITION {} FINALIZE").format(part))
+    else:
+        conn.execute(
+            sql.SQL("ALTER TABLE agent_events DETACH PARTITION {} CONCURRENTLY").format(part)
+        )
+
+
+def _attach(conn: psycopg.Connection[Any], p: Partition) -> None:
+    with contextlib.suppress(psycopg.Error):
+        if conn.execute("SELECT to_regclass(%s)", (p.name,)).fetchone() == (None,):
+            return  # dropped: nothing to put back
+        if conn.execute(
+            "SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (p.name,)
+        ).fetchone():
+            return
+        conn.execute(
+            sql.SQL(
+                "ALTER TABLE agent_events ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})"
+            ).format(sql.Identifier(p.name), sql.Literal(p.start), sql.Literal(p.end))
+        )
+
+
+def _manifest(
+    p: Partition,
+    data_file: Path,
+    file_hash: str,
+    content_hash: str,
+    rows: int,
+    sessions: list[tuple[Any, ...]],
+) -> dict[str, Any]:
+    return {
+        "partition": p.name,
+        "range": [p.start.isoformat(), p.end.isoformat()],
+        "events": rows,
+        "file": data_file.name,
+        "file_sha256": file_hash,
+        "content_sha256": content_hash,
+        "format": "csv with header: seq, session_id, position, agent_id, event_type, payload, "
+        "idempotency_key, created_at, prev_hash (hex), hash (hex)",
+        "sessions": {
+            str(sid): {
+                "first_position": int(first),
+                "last_position": int(last),
+                "events": int(n),
+                "last_seq": int(seq),
+                "last_hash": bytes(h).hex(),
+            }
+            for sid, first, last, n, seq, h, _ in sessions
+        },
+    }
+
+
+def _export(
+    conn: psycopg.Connection[Any], part: sql.Identifier, path: Path
+) -> tuple[str, str, int]:
+    """COPY the partition to a gzip file; (sha256 of the file, sha256 of the CSV, rows)."""
+    tmp = path.with_suffix(path.suffix + ".partial")
+    content = hashlib.sha256()
+    with conn.cursor() as cur, open(tmp, "wb") as raw:
+        with (
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz,
+            cur.copy(sql.SQL(_EXPORT).format(part=part)) as copy,
+        ):
+            for chunk in copy:
+                b = bytes(chunk)
+                content.update(b)
+                gz.write(b)
+        rows = cur.rowcount  # the server's "COPY n": no second pass over the file
+    tmp.rename(path)
+    return _file_sha256(path), content.hexdigest(), rows
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _rows(path: Path) -> int:
+    with gzip.open(path, "rt", newline="") as f:
+        return sum(1 for _ in csv.reader(f)) - 1  # the header
+
+
+def check_archive(conn: psycopg.Connection[Any], directory: Path) -> list[str]:
+    """Problems with the archives recorded in the database, checked against ``directory``: a
+    missing file, a file whose sha256 is not the recorded one, a manifest that disagrees."""
+    problems = []
+    for name, file_name, recorded, events in conn.execute(
+        "SELECT partition_name, file_name, file_sha256, events FROM ledger_archives ORDER BY 1"
+    ):
+        path = directory / file_name
+        manifest = directory / f"{name}.manifest.json"
+        if not path.exists() or not manifest.exists():
+            problems.append(f"{name}: {path if not path.exists() else manifest} is missing")
+            continue
+        actual = _file_sha256(path)
+        m = json.loads(manifest.read_text())
+        if actual != recorded:
+            problems.append(f"{name}: {path.name} has sha256 {actual}, recorded {recorded}")
+        elif m.get("file_sha256") != recorded or m.get("events") != events:
+            problems.append(f"{name}: manifest does not match the database's record")
+        elif (rows := _rows(path)) != events:
+            problems.append(f"{name}: {path.name} holds {rows} rows, recorded {events}")
+    return problems
+
+
+def archived_heads(conn: psycopg.Connection[Any]) -> dict[uuid.UUID, tuple[int, bytes, str]]:
+    """Per session: the last archived position, its hash and the partition (empty when the
+    ledger is not partitioned)."""
+    return {
+        sid: (int(pos), bytes(h), str(name))
+        for sid, pos, h, name in conn.execute(
+            "SELECT session_id, upto_position, last_hash, partition_name FROM ledger_archived_heads"
+        )
+    }

@@ -1,0 +1,423 @@
+"""Schema migrations, the publication and the slot: what ``ledger-cdc init`` does.
+
+Migrations are the numbered ``NNNN_name.sql`` files shipped inside the package (``ledger_cdc/sql``
+in a wheel, ``sql/`` in a source tree). Each is applied once, in its own transaction, and recorded
+with a checksum in ``ledger_migrations``; a concurrent ``init`` waits on an advisory lock. Names
+that users give (publication, slot) are validated here and always passed to PostgreSQL as quoted
+identifiers or bound parameters, never pasted into SQL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ledger_cdc.connect import connect
+from ledger_cdc.errors import ConfigError, MigrationError, translate
+from ledger_cdc.names import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, STREAMED_COLUMNS
+
+__all__ = [
+    "DEFAULT_PUBLICATION",
+    "DEFAULT_SLOT",
+    "Migration",
+    "applied_migrations",
+    "connect",
+    "create_publication",
+    "create_slot",
+    "drop_slot",
+    "init",
+    "load_migrations",
+    "migrate",
+    "validate_publication_name",
+    "validate_slot_name",
+]
+
+
+_MIGRATION_LOCK = 0x1ED6E2C0  # advisory lock key serialising concurrent ``init`` runs
+_FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+_SLOT_RE = re.compile(r"^[a-z0-9_]{1,63}$")
+_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    text: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+def _sql_dir() -> Path:
+    packaged = resources.files("ledger_cdc") / "sql"
+    if packaged.is_dir():
+        return Path(str(packaged))
+    source = Path(__file__).resolve().parents[2] / "sql"
+    if source.is_dir():
+        return source
+    raise MigrationError(
+        "the schema migrations are missing from this installation "
+        f"(looked in {packaged} and {source}); reinstall ledger-cdc"
+    )
+
+
+def load_migrations(directory: Path | None = None) -> list[Migration]:
+    """The migrations in version order; a malformed file name or a repeated number is an error."""
+    directory = directory or _sql_dir()
+    found: dict[int, Migration] = {}
+    for path in sorted(directory.iterdir()):
+        if path.suffix != ".sql":
+            continue
+        m = _FILE_RE.match(path.name)
+        if not m:
+            raise MigrationError(f"{path}: migration files are named NNNN_name.sql")
+        version = int(m.group(1))
+        if version in found:
+            raise MigrationError(f"{path}: migration number {version} is used twice")
+        found[version] = Migration(version, m.group(2), path.read_text())
+    return [found[v] for v in sorted(found)]
+
+
+_CREATE_TABLE = """
+CREATE TABLE IF NOT EXISTS ledger_migrations (
+    version    INTEGER     PRIMARY KEY,
+    name       TEXT        NOT NULL,
+    checksum   TEXT        NOT NULL,
+    applied_at TIMESTAMPTZ NOT NULL DEFAULT now()
+)
+"""
+
+
+def applied_migrations(conn: psycopg.Connection[Any]) -> dict[int, str]:
+    """``{version: checksum}`` of what this database has applied (empty if never initialised)."""
+    exists = conn.execute("SELECT to_regclass('ledger_migrations') IS NOT NULL").fetchone()
+    if not exists or not exists[0]:
+        return {}
+    rows = conn.execute("SELECT version, checksum FROM ledger_migrations").fetchall()
+    return {int(v): str(c) for v, c in rows}
+
+
+def migrate(
+    conn: psycopg.Connection[Any], migrations: Sequence[Migration] | None = None
+) -> list[int]:
+    """Apply what is not yet applied; returns the versions applied now (empty on a re-run)."""
+    migrations = list(migrations) if migrations is not None else load_migrations()
+    applied_now: list[int] = []
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        conn.execute(_CREATE_TABLE)
+    for mig in migrations:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+            row = conn.execute(
+                "SELECT checksum FROM ledger_migrations WHERE version = %s", (mig.version,)
+            ).fetchone()
+            if row is not None:
+                if row[0] != mig.checksum:
+                    raise MigrationError(
+                        f"migration {mig.version:04d}_{mig.name} was changed after it was applied "
+                        "to this database; add a new numbered migration instead of editing it"
+                    )
+                continue
+            try:
+                conn.execute(mig.text.encode())
+            except psycopg.Error as e:
+                raise MigrationError(
+                    f"migration {mig.version:04d}_{mig.name} failed: {e.diag.message_primary or e}"
+                ) from e
+            conn.execute(
+                "INSERT INTO ledger_migrations (version, name, checksum) VALUES (%s, %s, %s)",
+                (mig.version, mig.name, mig.checksum),
+            )
+            applied_now.append(mig.version)
+    return applied_now
+
+
+def validate_slot_name(name: str) -> str:
+    if not _SLOT_RE.match(name):
+        raise ConfigError(
+            f"invalid slot name {name!r}: use 1-63 characters of lower-case letters, digits "
+            "and underscores (PostgreSQL's rule for replication slots)"
+        )
+    return name
+
+
+def validate_publication_name(name: str) -> str:
+    if not _IDENT_RE.match(name):
+        raise ConfigError(
+            f"invalid publication name {name!r}: use a letter or underscore, then up to 62 "
+            "letters, digits or underscores"
+        )
+    return name
+
+
+def shard_filter(shards: int, shard: int) -> sql.Composable:
+    """Row filter of shard ``shard`` of ``shards``: the last byte of the session id, modulo.
+    (Row filters admit only immutable built-in functions: hashtext() is refused.)"""
+    return sql.SQL("(get_byte(uuid_send(session_id), 15) % {} = {})").format(
+        sql.Literal(shards), sql.Literal(shard)
+    )
+
+
+def shard_names(
+    shard: int, publication: str = DEFAULT_PUBLICATION, slot: str = DEFAULT_SLOT
+) -> tuple[str, str]:
+    """(publication, slot) of a shard: ``agent_pub_s2``, ``agent_slot_s2``."""
+    return f"{publication}_s{shard}", f"{slot}_s{shard}"
+
+
+def create_shards(
+    conn: psycopg.Connection[Any],
+    shards: int,
+    *,
+    publication: str = DEFAULT_PUBLICATION,
+    slot: str = DEFAULT_SLOT,
+    create_slots: bool = True,
+) -> list[tuple[str, str]]:
+    """One publication with a row filter on the session id, and one slot, per shard (PG 15+)."""
+    if not 2 <= shards <= 256:
+        raise ConfigError(f"--shards must be between 2 and 256, got {shards}")
+    if conn.info.server_version < 150000:
+        raise ConfigError("sharding needs PostgreSQL 15+ (publication row filters)")
+    out = []
+    for k in range(shards):
+        pub, sl = shard_names(k, publication, slot)
+        create_publication(conn, pub, where=shard_filter(shards, k))
+        if create_slots:
+            create_slot(conn, sl)
+        out.append((pub, sl))
+    return out
+
+
+def create_publication(
+    conn: psycopg.Connection[Any],
+    name: str = DEFAULT_PUBLICATION,
+    *,
+    where: sql.Composable | None = None,
+) -> bool:
+    """Create the publication for the ledger if missing; True if it was created now."""
+    validate_publication_name(name)
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        row = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (name,)).fetchone()
+        if row is not None:
+            _update_columns(conn, name)
+            return False
+        partitioned = conn.execute(
+            "SELECT EXISTS (SELECT FROM pg_partitioned_table WHERE partrelid = %s::regclass)",
+            (LEDGER_TABLE,),
+        ).fetchone()
+        # a partitioned ledger is published as its root: one relation, whatever the partition
+        options = (
+            sql.SQL(" WITH (publish_via_partition_root = true)")
+            if partitioned and partitioned[0]
+            else sql.SQL("")
+        )
+        conn.execute(
+            sql.SQL("CREATE PUBLICATION {} FOR TABLE {} ({}){}{}").format(
+                sql.Identifier(name),
+                sql.Identifier(LEDGER_TABLE),
+                sql.SQL(", ").join(map(sql.Identifier, STREAMED_COLUMNS)),
+                sql.SQL(" WHERE {}").format(where) if where is not None else sql.SQL(""),
+                options,
+            )
+        )
+    return True
+
+
+def _update_columns(conn: psycopg.Connection[Any], name: str) -> None:
+    """An existing publication of the ledger that lacks a column of STREAMED_COLUMNS (made by an
+    earlier version) gets the current column list, its row filter kept."""
+    row = conn.execute(
+        "SELECT attnames, rowfilter FROM pg_publication_tables "
+        "WHERE pubname = %s AND tablename = %s",
+        (name, LEDGER_TABLE),
+    ).fetchone()
+    if row is None or not set(STREAMED_COLUMNS) - set(row[0] or ()):
+        return
+    conn.execute(
+        sql.SQL("ALTER PUBLICATION {} SET TABLE {} ({}){}").format(
+            sql.Identifier(name),
+            sql.Identifier(LEDGER_TABLE),
+            sql.SQL(", ").join(map(sql.Identifier, STREAMED_COLUMNS)),
+            sql.SQL(" WHERE ({})").format(sql.SQL(row[1])) if row[1] else sql.SQL(""),
+        )
+    )
+
+
+def create_slot(
+    conn: psycopg.Connection[Any], name: str = DEFAULT_SLOT, *, two_phase: bool = False
+) -> bool:
+    """Create a pgoutput logical slot if missing; True if created now.
+
+    An existing slot with another plugin is an error rather than something to reuse.
+    """
+    validate_slot_name(name)
+    row = conn.execute(
+        "SELECT plugin, slot_type, database FROM pg_replication_slots WHERE slot_name = %s", (name,)
+    ).fetchone()
+    if row is not None:
+        plugin, slot_type, database = row
+        if slot_type != "logical" or plugin != "pgoutput":
+            raise ConfigError(
+                f"slot {name!r} exists but is a {slot_type} slot with plugin {plugin!r}, "
+                "not a pgoutput logical slot; drop it or choose another --slot"
+            )
+        current = conn.execute("SELECT current_database()").fetchone()
+        if current is not None and database != current[0]:
+            raise ConfigError(
+                f"slot {name!r} belongs to database {database!r}, not {current[0]!r}; "
+                "choose another --slot"
+            )
+        return False
+    try:
+        with conn.transaction():
+            conn.execute(
+                "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, %s)",
+                (name, two_phase),
+            )
+    except psycopg.errors.DuplicateObject:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class InitResult:
+    applied: list[int]
+    publication_created: bool
+    slot_created: bool | None
+    partitions_created: list[str] = field(default_factory=list)
+    shards: list[tuple[str, str]] = field(default_factory=list)  # (publication, slot) each
+
+
+def init(
+    dsn: str,
+    *,
+    publication: str = DEFAULT_PUBLICATION,
+    slot: str | None = None,
+    partition_by: str | None = None,
+    partitions_ahead: int = 3,
+    shards: int | None = None,
+) -> InitResult:
+    """Apply the migrations, create the publication and, if ``slot`` is given, the slot.
+
+    ``partition_by`` (day, week, month) creates a new ledger partitioned by ``created_at``, with
+    the current and ``partitions_ahead`` next partitions (see :mod:`ledger_cdc.partitions`)."""
+    from ledger_cdc.admin import partitions
+
+    validate_publication_name(publication)
+    if slot is not None:
+        validate_slot_name(slot)
+    created: list[str] = []
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+            preflight(conn, slot=slot is not None or bool(shards))
+            fresh = partitions.setup(conn, partition_by) if partition_by else False
+            applied = migrate(conn)
+            if fresh:
+                created = partitions.finish(conn, partitions_ahead)
+            elif partitions.is_partitioned(conn):
+                created = partitions.ensure(conn, partitions_ahead)
+            pub = create_publication(conn, publication)
+            made = create_slot(conn, slot) if slot is not None else None
+            sharded = (
+                create_shards(conn, shards, publication=publication, slot=slot or DEFAULT_SLOT)
+                if shards
+                else []
+            )
+    except psycopg.Error as e:
+        raise translate(e, dsn=dsn, doing="init") from e
+    return InitResult(applied, pub, made, created, sharded)
+
+
+_PREFLIGHT = """
+SELECT current_setting('wal_level'),
+       (SELECT rolsuper OR rolreplication FROM pg_roles WHERE rolname = current_user),
+       has_database_privilege(current_database(), 'CREATE'),
+       (SELECT rolsuper OR rolcreaterole FROM pg_roles WHERE rolname = current_user)
+"""
+
+
+def preflight(conn: psycopg.Connection[Any], *, slot: bool) -> None:
+    """What ``init`` needs, checked before it changes anything: logical decoding on, and the
+    privileges to create the schema, the roles and (with a slot) the slot."""
+    row = conn.execute(_PREFLIGHT).fetchone()
+    assert row is not None
+    wal_level, replication, can_create, can_roles = row
+    if wal_level != "logical":
+        raise ConfigError(
+            f"the server's wal_level is {wal_level!r}, not 'logical': the ledger is read by "
+            "logical decoding (ALTER SYSTEM SET wal_level = logical, then restart the server); "
+            "nothing was changed"
+        )
+    if not can_create:
+        raise ConfigError(
+            "the role in --dsn may not create objects in this database (GRANT CREATE ON "
+            "DATABASE …, or run init as the database owner); nothing was changed"
+        )
+    if not can_roles and not _roles_exist(conn):
+        raise ConfigError(
+            "the role in --dsn may not create the ledger's group roles (CREATEROLE, or run "
+            "init once as a superuser); nothing was changed"
+        )
+    if slot and not replication:
+        raise ConfigError(
+            "the role in --dsn lacks REPLICATION, needed to create a slot; nothing was changed"
+        )
+
+
+def _roles_exist(conn: psycopg.Connection[Any]) -> bool:
+    row = conn.execute(
+        "SELECT count(*) = 4 FROM pg_roles WHERE rolname IN "
+        "('ledger_writer', 'ledger_reader', 'ledger_consumer', 'ledger_dispatcher')"
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def drop_slot(dsn: str, name: str, *, force: bool = False) -> bool:
+    """Drop a slot; an active one only with ``force`` (its walsender is terminated first).
+    Returns False if there was no such slot."""
+    validate_slot_name(name)
+    try:
+        return _drop_slot(dsn, name, force)
+    except psycopg.Error as e:
+        raise translate(e, dsn=dsn, doing=f"dropping slot {name}") from e
+
+
+def _drop_slot(dsn: str, name: str, force: bool) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(50):
+            row = conn.execute(
+                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (name,)
+            ).fetchone()
+            if row is None:
+                return False
+            if row[0] is not None:
+                if not force:
+                    raise ConfigError(
+                        f"slot {name!r} is active (walsender pid {row[0]}): stop its consumer "
+                        "first, or pass --force to terminate it"
+                    )
+                conn.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+                time.sleep(0.1)
+                continue
+            try:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (name,))
+            except psycopg.errors.UndefinedObject:
+                return False
+            except psycopg.errors.ObjectInUse:
+                time.sleep(0.1)
+                continue
+            return True
+    raise ConfigError(f"slot {name!r} stayed active; could not drop it")

@@ -1,0 +1,3 @@
+from ledger_cdc.cli import main
+
+main()

@@ -1,0 +1,711 @@
+"""The core commands: ``init``, ``demo``, ``consume``, ``lag`` and ``slot``."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from ledger_cdc.cli.base import (
+    State,
+    _env,
+    cli,
+    dsn_option,
+    handles_errors,
+    log_format_option,
+    option,
+    print_records,
+)
+from ledger_cdc.errors import LedgerError
+
+
+@cli.command()
+@dsn_option
+@option(
+    "--publication",
+    default="agent_pub",
+    show_default=True,
+    envvar="LEDGER_CDC_PUBLICATION",
+    help="Publication the consumer reads.",
+)
+@option(
+    "--slot",
+    default="agent_slot",
+    show_default=True,
+    envvar="LEDGER_CDC_SLOT",
+    help="Logical replication slot to create with --create-slot.",
+)
+@option("--create-slot", is_flag=True, help="Also create the pgoutput slot.")
+@option(
+    "--partition-by",
+    type=click.Choice(["month", "week", "day"]),
+    default=None,
+    help="Create a new ledger range-partitioned on created_at (a fresh database only).",
+)
+@option(
+    "--partitions-ahead",
+    default=3,
+    show_default=True,
+    help="Partitions created beyond the current one (partitioned ledgers).",
+)
+@option(
+    "--shards",
+    type=int,
+    default=None,
+    help="Also create N shard publications (row filter on the session id) and one slot each.",
+)
+@click.pass_obj
+@handles_errors
+def init(
+    state: State,
+    dsn: str,
+    publication: str,
+    slot: str,
+    create_slot: bool,
+    partition_by: str | None,
+    partitions_ahead: int,
+    shards: int | None,
+) -> None:
+    """Apply the schema migrations and create the publication (idempotent).
+
+    Needs a role that may create tables, roles and publications (and slots, with
+    --create-slot). Creates the group roles ledger_writer and ledger_consumer; see the
+    README for logging in as their members. With --partition-by the ledger is partitioned
+    (see `ledger-cdc partitions --help`); on an existing partitioned ledger, init also creates
+    the partitions that are due.
+    """
+    from ledger_cdc.admin.schema import init as do_init
+
+    res = do_init(
+        dsn,
+        publication=publication,
+        slot=slot if create_slot else None,
+        partition_by=partition_by,
+        partitions_ahead=partitions_ahead,
+        shards=shards,
+    )
+    applied = ", ".join(f"{v:04d}" for v in res.applied) or "none (already up to date)"
+    state.console.print(f"migrations applied: {applied}")
+    state.console.print(
+        f"publication {publication}: {'created' if res.publication_created else 'exists'}"
+    )
+    if res.slot_created is not None:
+        state.console.print(f"slot {slot}: {'created' if res.slot_created else 'exists'}")
+    if res.partitions_created:
+        state.console.print(f"partitions created: {', '.join(res.partitions_created)}")
+    for pub, sl in res.shards:
+        state.console.print(f"shard: publication {pub}, slot {sl}")
+
+
+@cli.command()
+@option("--sessions", default=6, show_default=True, help="Number of simulated agent runs.")
+@option("--seed", default=7, show_default=True, help="Seed of the simulation.")
+@option(
+    "--pg-major",
+    type=int,
+    default=None,
+    help="PostgreSQL major version of the throwaway cluster (default: first found).",
+)
+@option("--keep", is_flag=True, help="Keep the cluster running until Enter is pressed.")
+@click.pass_obj
+@handles_errors
+def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: bool) -> None:
+    """Start a throwaway PostgreSQL, init the ledger, let simulated agents write to it while
+    the consumer folds the slot into projections, and show both."""
+    from ledger_cdc.admin.schema import init as do_init
+    from ledger_cdc.admin.timeline import summarise
+    from ledger_cdc.admin.verify import verify
+    from ledger_cdc.demo.agents import ledger_rows, projections, run_agents, verify_against_refold
+    from ledger_cdc.demo.crash import HELD_CALL, run_crash_story
+    from ledger_cdc.demo.embedded import EmbeddedPostgres
+    from ledger_cdc.errors import format_lsn
+
+    con = state.console
+    with con.status("starting a throwaway PostgreSQL…"):
+        pg = EmbeddedPostgres(major=pg_major)
+        pg.__enter__()
+    try:
+        con.print(
+            f"[green]PostgreSQL {pg.major}[/] on 127.0.0.1:{pg.port} ([dim]{pg.install.bindir}[/])"
+        )
+        dsn = pg.dsn()
+        res = do_init(dsn, slot="agent_slot")  # the slot before any write: nothing is missed
+        con.print(
+            f"ledger initialised: migrations {', '.join(f'{v:04d}' for v in res.applied)}, "
+            "publication agent_pub, slot agent_slot"
+        )
+        from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+
+        consumer = Consumer(ConsumerConfig(dsn=dsn, snapshot_every=5, heartbeat_interval=1.0))
+        runner = threading.Thread(target=consumer.run, name="demo-consumer", daemon=True)
+        runner.start()
+        with con.status(f"running {sessions} simulated agents, consumer streaming agent_slot…"):
+            report = run_agents(dsn, sessions=sessions, seed=seed)
+            deadline = time.monotonic() + 60
+            while consumer.metrics.events < report.events and time.monotonic() < deadline:
+                time.sleep(0.05)
+        rows = ledger_rows(dsn, limit=60)
+        table = Table(title="agent_events (append-only ledger, first rows)", show_lines=False)
+        for col in ("seq", "session", "pos", "agent", "event_type", "summary", "hash"):
+            table.add_column(col, overflow="fold" if col == "summary" else "ellipsis")
+        for ev, h in rows:
+            table.add_row(
+                str(ev.seq),
+                str(ev.session_id)[:8],
+                str(ev.position),
+                ev.agent_id,
+                ev.event_type,
+                summarise(ev),
+                h[:12],
+            )
+        con.print(table)
+        con.print(
+            f"[bold]{report.events}[/] events in [bold]{len(report.sessions)}[/] sessions, "
+            f"[bold]{report.outbox}[/] outbox rows; every agent turn committed as one transaction."
+        )
+        proj = Table(title="agent_sessions (projections folded from the slot, in commit order)")
+        for col in (
+            "session",
+            "status",
+            "events",
+            "pending tools",
+            "completed tools",
+            "tokens in/out",
+            "handoffs",
+            "last seq",
+        ):
+            proj.add_column(col)
+        for ctx in projections(dsn):
+            proj.add_row(
+                str(ctx.session_id)[:8],
+                {"completed": "[green]completed[/]", "failed": "[red]failed[/]"}.get(
+                    ctx.status, ctx.status
+                ),
+                str(ctx.event_count),
+                str(len(ctx.pending_tools)),
+                str(len(ctx.completed_tools)),
+                f"{ctx.usage.input_tokens}/{ctx.usage.output_tokens}",
+                str(len(ctx.handoffs_emitted)),
+                str(ctx.last_seq),
+            )
+        con.print(proj)
+        same, snaps = verify_against_refold(dsn)
+        m = consumer.metrics
+        con.print(
+            f"consumer: {m.transactions} transactions in {m.batches} batches, confirmed "
+            f"{format_lsn(m.confirmed_lsn)}; {snaps} snapshots; projections "
+            + ("[green]equal[/]" if same else "[red]differ from[/]")
+            + " a refold of the ledger from zero"
+        )
+        con.rule("[bold]a worker dies mid-tool-call[/]")
+        story = run_crash_story(dsn, say=con.print)
+        sb = story.standby
+        inflight = ", ".join(f"{c} (key {k})" for c, k in sb.in_flight) or "none"
+        con.print(
+            f"worker-2 (standby) called rebuild_context: {sb.rebuild_ms:.1f} ms; in flight: "
+            f"[yellow]{inflight}[/]"
+        )
+        con.print(
+            "worker-2 answered from the ledger, calling nothing: "
+            f"[green]{', '.join(sb.answered_from_ledger)}[/]"
+        )
+        for call_id, key in sb.retried:
+            con.print(f"worker-2 retried {call_id} with its original key {key}")
+        con.print(f"worker-2 called: {', '.join(sb.called)}; session {story.status}")
+        by_call = ", ".join(f"{k.rsplit(':', 1)[-1]} ×{n}" for k, n in sorted(story.calls.items()))
+        con.print(
+            f"the tool service saw: {by_call} — only {HELD_CALL}, in flight at the kill, twice, "
+            "both times with the same idempotency key (a real service deduplicates by it)"
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            checked = verify(dsn)
+            if checked.ok and not checked.notes:
+                break
+            time.sleep(0.1)
+        con.print(
+            ("[green]verify passed[/]" if checked.ok else "[red]verify found differences[/]")
+            + f": {checked.sessions} sessions, {checked.events} events refolded, "
+            f"{checked.projections} projections, {checked.snapshots} snapshots and "
+            f"{checked.memo} memoised calls compared, "
+            "hash chains intact" * checked.ok
+        )
+        consumer.stop()
+        runner.join(30)
+        if not checked.ok:
+            raise LedgerError("the demo's ledger does not verify")
+        if keep:
+            con.print(f"cluster kept at: [cyan]{dsn}[/]  (press Enter to stop)")
+            sys.stdin.readline()
+    finally:
+        pg.__exit__(None, None, None)
+
+
+@cli.command()
+@dsn_option
+@option(
+    "--slot",
+    default="agent_slot",
+    show_default=True,
+    envvar=_env("SLOT"),
+    help="Logical replication slot (pgoutput) to stream.",
+)
+@option(
+    "--publication",
+    default="agent_pub",
+    show_default=True,
+    envvar=_env("PUBLICATION"),
+    help="Publication of the ledger.",
+)
+@option(
+    "--target-dsn",
+    default=None,
+    envvar=_env("TARGET_DSN"),
+    help="Database for the projections (default: the ledger database).",
+)
+@option(
+    "--create-slot",
+    is_flag=True,
+    envvar=_env("CREATE_SLOT"),
+    help="Create the slot if it does not exist.",
+)
+@option(
+    "--batch-size",
+    default=20000,
+    show_default=True,
+    type=click.IntRange(1),
+    envvar=_env("BATCH_SIZE"),
+    help="Flush after this many events.",
+)
+@option(
+    "--max-delay-ms",
+    default=50,
+    show_default=True,
+    type=click.IntRange(0),
+    envvar=_env("MAX_DELAY_MS"),
+    help="Flush at the latest this long after a batch's first transaction.",
+)
+@option(
+    "--snapshot-every",
+    default=100,
+    show_default=True,
+    type=click.IntRange(0),
+    envvar=_env("SNAPSHOT_EVERY"),
+    help="Snapshot a session every N events (and at task end); 0: only at task end.",
+)
+@option(
+    "--heartbeat-interval",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    envvar=_env("HEARTBEAT_INTERVAL"),
+    help="Seconds between heartbeat messages (0: off); keeps an idle slot advancing "
+    "and measures end-to-end lag.",
+)
+@option(
+    "--metrics-port",
+    default=None,
+    type=click.IntRange(0, 65535),
+    envvar=_env("METRICS_PORT"),
+    help="Serve Prometheus metrics on this port.",
+)
+@option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    envvar=_env("METRICS_HOST"),
+    help="Address for --metrics-port.",
+)
+@option(
+    "--memory-limit-mb",
+    default=512,
+    show_default=True,
+    type=click.IntRange(1),
+    envvar=_env("MEMORY_LIMIT_MB"),
+    help="Memory for what grows with the data (buffered transactions, spilled to disk past "
+    "their share; the session cache; the batch in hand): peak RSS stays under the idle size + "
+    "this + 32 MB.",
+)
+@option(
+    "--on-slot-lost",
+    type=click.Choice(["resync", "exit"]),
+    default="resync",
+    show_default=True,
+    envvar=_env("ON_SLOT_LOST"),
+    help="When the server invalidates the slot: rebuild it from the ledger table, or exit "
+    "with code 3 so you are paged.",
+)
+@option(
+    "--health-interval",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    envvar=_env("HEALTH_INTERVAL"),
+    help="Seconds between slot health checks (0: off).",
+)
+@log_format_option()
+@option(
+    "--sink",
+    "sinks",
+    multiple=True,
+    default=("postgres",),
+    show_default=True,
+    envvar=_env("SINKS"),
+    help="Where batches go, repeatable: postgres (the projections, always on: the checkpoint "
+    "lives there) and nats://host:4222[,nats://…] (JetStream fan-out).",
+)
+@option(
+    "--shard",
+    type=int,
+    default=None,
+    help="Stream shard K: slot <slot>_sK and publication <publication>_sK (init --shards).",
+)
+@option(
+    "--standby-poll",
+    default=0.5,
+    show_default=True,
+    help="Seconds between tries for a slot another consumer holds (hot standby).",
+)
+@click.pass_obj
+@handles_errors
+def consume(
+    state: State,
+    dsn: str,
+    slot: str,
+    publication: str,
+    target_dsn: str | None,
+    create_slot: bool,
+    batch_size: int,
+    max_delay_ms: int,
+    snapshot_every: int,
+    heartbeat_interval: float,
+    metrics_port: int | None,
+    metrics_host: str,
+    memory_limit_mb: int,
+    on_slot_lost: str,
+    health_interval: float,
+    log_format: str,
+    sinks: tuple[str, ...],
+    shard: int | None,
+    standby_poll: float,
+) -> None:
+    """Stream the slot into per-session projections, exactly once, in commit order.
+
+    With --create-slot and no slot yet, the slot is created with an exported snapshot and the
+    ledger's existing rows are folded from that snapshot first (a bootstrap, with a progress
+    bar), so nothing written before, during or after it is lost or applied twice. The same
+    handoff rebuilds a slot the server invalidated (--on-slot-lost resync).
+
+    Runs until SIGINT or SIGTERM, then finishes the current batch, commits, confirms and exits 0.
+    Reconnects by itself when the connection drops or the server restarts.
+
+    Run a second `consume` for the same slot as a hot standby: it waits while the slot is in
+    use and takes over within about a second of the active one's death; a consumer that lost
+    the slot is fenced (its checkpoint write is a compare-and-set) and cannot overwrite newer
+    projections. --shard K streams shard K (agent_slot_sK / agent_pub_sK, see init --shards).
+    --sink nats://… also publishes every event and projection change to JetStream.
+    """
+    from ledger_cdc.admin.schema import shard_names, validate_publication_name, validate_slot_name
+    from ledger_cdc.cli.runner import bootstrap_progress, run_consumer
+    from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+
+    if shard is not None:
+        publication, slot = shard_names(shard, publication, slot)
+    validate_slot_name(slot)
+    validate_publication_name(publication)
+    extra = tuple(u for u in sinks if u != "postgres")
+    for u in extra:
+        if not u.startswith(("nats://", "tls://")):
+            raise click.BadParameter(
+                f"{u!r}: use postgres or nats://host:port", param_hint="--sink"
+            )
+    config = ConsumerConfig(
+        dsn=dsn,
+        slot=slot,
+        publication=publication,
+        target_dsn=target_dsn,
+        create_slot=create_slot,
+        batch_size=batch_size,
+        max_delay=max_delay_ms / 1000,
+        snapshot_every=snapshot_every,
+        heartbeat_interval=heartbeat_interval or None,
+        memory_limit=memory_limit_mb * 1024 * 1024,
+        on_slot_lost=on_slot_lost,
+        health_interval=health_interval,
+        progress=bootstrap_progress(state.console, log_format),
+        sinks=extra,
+        standby_poll=standby_poll,
+    )
+    consumer = Consumer(config)
+    consumer.install_signal_handlers()
+    run_consumer(consumer, state.console, log_format, metrics_port, metrics_host)
+
+
+# -- lag ------------------------------------------------------------------------------------------
+
+
+def _human_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _human_seconds(s: float | None) -> str:
+    if s is None:
+        return "—"
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+@cli.command()
+@dsn_option
+@option(
+    "--slot",
+    default=None,
+    envvar=_env("SLOT"),
+    help="Only this slot (default: every logical slot).",
+)
+@option("--json", "as_json", is_flag=True, help="Machine-readable output (a JSON list).")
+@option("--watch", is_flag=True, help="Refresh until interrupted.")
+@option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(0.1),
+    help="Seconds between --watch refreshes.",
+)
+@option(
+    "--sample-seconds",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="How long to sample the WAL generation rate for the forecast.",
+)
+@option(
+    "--warn-share",
+    default=0.5,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    help="Warning at this share of max_slot_wal_keep_size retained.",
+)
+@option(
+    "--crit-share",
+    default=0.8,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    help="Critical at this share of max_slot_wal_keep_size retained.",
+)
+@option(
+    "--warn-bytes",
+    default=256 * 1024 * 1024,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Warning when confirmed_flush_lsn trails the WAL end by this many bytes.",
+)
+@option(
+    "--crit-bytes",
+    default=1024 * 1024 * 1024,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Critical when it trails by this many bytes.",
+)
+@option(
+    "--warn-seconds",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Warning when the consumer is this many seconds behind.",
+)
+@option(
+    "--crit-seconds",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Critical when it is this many seconds behind.",
+)
+@click.pass_obj
+@handles_errors
+def lag(
+    state: State,
+    dsn: str,
+    slot: str | None,
+    as_json: bool,
+    watch: bool,
+    interval: float,
+    sample_seconds: float,
+    warn_share: float,
+    crit_share: float,
+    warn_bytes: int,
+    crit_bytes: int,
+    warn_seconds: float,
+    crit_seconds: float,
+) -> None:
+    """Slot health: WAL retained, lag, keep-size share and the time left before invalidation.
+
+    \b
+    Exit code: 0 healthy, 1 warning, 2 critical, 3 slot missing or lost
+    (with several slots: the worst). Needs no superuser: the consumer role is enough.
+    """
+    import json as jsonlib
+
+    from ledger_cdc.admin.health import Thresholds, check_slots
+    from ledger_cdc.admin.schema import validate_slot_name
+    from ledger_cdc.connect import connect
+
+    if slot is not None:
+        validate_slot_name(slot)
+    th = Thresholds(warn_share, crit_share, warn_bytes, crit_bytes, warn_seconds, crit_seconds)
+    with connect(dsn, autocommit=True, connect_timeout=10) as conn:
+        while True:
+            slots = check_slots(conn, slot, thresholds=th, sample_seconds=sample_seconds)
+            if as_json:
+                click.echo(jsonlib.dumps([h.as_json() for h in slots], indent=2))
+            else:
+                if watch:
+                    state.console.clear()
+                _print_lag(state.console, slots)
+            code = max((h.status for h in slots), default=0)
+            if not watch:
+                sys.exit(code)
+            time.sleep(interval)
+
+
+def _print_lag(console: Console, slots: list[Any]) -> None:
+    colour = {0: "green", 1: "yellow", 2: "red", 3: "bold red"}
+    columns = [
+        "slot",
+        "status",
+        "active",
+        "wal_status",
+        "retained",
+        "keep size",
+        "share",
+        "safe_wal_size",
+        "lag",
+        "checkpoint behind",
+        "time left",
+        "why",
+    ]
+    rows = []
+    for h in slots:
+        rows.append(
+            [
+                h.slot,
+                f"[{colour[h.status]}]{h.status_name}[/]",
+                "—" if not h.exists else (f"pid {h.active_pid}" if h.active else "no"),
+                h.wal_status or "—",
+                _human_bytes(h.retained_bytes),
+                "unbounded"
+                if h.exists and h.max_slot_wal_keep_size is None
+                else _human_bytes(h.max_slot_wal_keep_size),
+                "—" if h.keep_size_share is None else f"{h.keep_size_share:.0%}",
+                _human_bytes(h.safe_wal_size),
+                f"{_human_bytes(h.lag_bytes)} / {_human_seconds(h.lag_seconds)}",
+                _human_bytes(h.checkpoint_behind_slot_bytes),
+                _human_seconds(h.seconds_to_invalidation),
+                "; ".join(h.reasons) or "—",
+            ]
+        )
+    caption = None
+    if not slots:
+        caption = "no logical slots"
+    elif slots[0].wal_rate_bytes_per_s is not None:
+        h = slots[0]
+        inserts = "—" if h.ledger_insert_rate is None else f"{h.ledger_insert_rate:,.0f}/s"
+        caption = (
+            f"WAL generated: {_human_bytes(h.wal_rate_bytes_per_s)}/s · ledger inserts: {inserts}"
+        )
+    print_records(console, "logical replication slots", columns, rows, caption=caption)
+
+
+# -- slot management ---------------------------------------------------------------------------
+
+
+@cli.group()
+def slot() -> None:
+    """Create, drop and list logical replication slots."""
+
+
+@slot.command("create")
+@dsn_option
+@click.argument("name", default="agent_slot")
+@option("--two-phase", is_flag=True, help="Decode prepared transactions at PREPARE (protocol 3).")
+@click.pass_obj
+@handles_errors
+def slot_create(state: State, dsn: str, name: str, two_phase: bool) -> None:
+    """Create a pgoutput slot NAME (default agent_slot); refuses a slot of another kind."""
+    from ledger_cdc.admin.schema import create_slot
+    from ledger_cdc.connect import connect
+
+    with connect(dsn, autocommit=True) as conn:
+        made = create_slot(conn, name, two_phase=two_phase)
+    state.console.print(f"slot {name}: {'created' if made else 'exists (pgoutput)'}")
+
+
+@slot.command("drop")
+@dsn_option
+@click.argument("name")
+@option("--force", is_flag=True, help="Terminate the walsender of an active slot first.")
+@click.pass_obj
+@handles_errors
+def slot_drop(state: State, dsn: str, name: str, force: bool) -> None:
+    """Drop slot NAME. An active slot (a consumer is streaming it) is refused without --force."""
+    from ledger_cdc.admin.schema import drop_slot
+
+    if not drop_slot(dsn, name, force=force):
+        from ledger_cdc.errors import SlotError
+
+        raise SlotError(f"slot {name!r} does not exist")
+    state.console.print(f"slot {name}: dropped")
+
+
+@slot.command("list")
+@dsn_option
+@option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+@handles_errors
+def slot_list(state: State, dsn: str, as_json: bool) -> None:
+    """List replication slots with their plugin, database, state and positions."""
+    import json as jsonlib
+
+    from ledger_cdc.connect import connect
+
+    with connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT slot_name, slot_type, plugin, database, active, active_pid, wal_status, "
+            "restart_lsn::text, confirmed_flush_lsn::text, two_phase FROM pg_replication_slots "
+            "ORDER BY slot_name"
+        ).fetchall()
+    keys = (
+        "slot",
+        "type",
+        "plugin",
+        "database",
+        "active",
+        "active_pid",
+        "wal_status",
+        "restart_lsn",
+        "confirmed_flush_lsn",
+        "two_phase",
+    )
+    if as_json:
+        click.echo(jsonlib.dumps([dict(zip(keys, r, strict=True)) for r in rows], indent=2))
+        return
+    print_records(
+        state.console,
+        "replication slots",
+        list(keys),
+        [["—" if v is None else str(v) for v in r] for r in rows],
+    )

@@ -1,0 +1,157 @@
+"""Running a consumer for the command line: logging, the status line, the metrics endpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from ledger_cdc.consumer.loop import Consumer, Metrics
+from ledger_cdc.consumer.metrics import MetricsCollector, registry, serve
+from ledger_cdc.errors import format_lsn
+
+__all__ = ["run_consumer", "setup_logging", "status_text"]
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(
+            {
+                "ts": round(record.created, 3),
+                "level": record.levelname.lower(),
+                "logger": record.name,
+                "msg": record.getMessage(),
+                **getattr(record, "fields", {}),
+            }
+        )
+
+
+def setup_logging(log_format: str) -> logging.Logger:
+    """Log ledger_cdc's records to stderr, as JSON lines with ``--log-format json``."""
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    root = logging.getLogger("ledger_cdc")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return root
+
+
+def status_text(m: Metrics, rate_txn: float, rate_ev: float) -> str:
+    lag_s = m.lag_seconds
+    return (
+        f"{rate_txn:,.0f} txn/s  {rate_ev:,.0f} events/s  lag {m.lag_bytes:,} B"
+        f"{'' if lag_s is None else f' / {lag_s:.2f} s'}  confirmed {format_lsn(m.confirmed_lsn)}"
+        f"  total {m.events:,} events  dead letters {m.dead_letters}  reconnects {m.reconnects}"
+    )
+
+
+def bootstrap_progress(console: Console, log_format: str) -> Callable[[int, int], None]:
+    """A progress callback for the bootstrap fold: a rich bar on a terminal, log lines otherwise."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    interactive = log_format == "auto" and console.is_terminal
+    state: dict[str, Any] = {}
+
+    def report(done: int, total: int) -> None:
+        if interactive:
+            if "bar" not in state:
+                bar = Progress(
+                    "folding the ledger's history",
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TimeRemainingColumn(),
+                    console=console,
+                    transient=True,
+                )
+                bar.start()
+                state["bar"], state["task"] = bar, bar.add_task("fold", total=total)
+            state["bar"].update(state["task"], completed=done, total=max(total, done))
+            if done >= total:
+                state.pop("bar").stop()
+        else:
+            logging.getLogger("ledger_cdc").info("bootstrap: %d / %d events folded", done, total)
+
+    return report
+
+
+def run_consumer(
+    consumer: Consumer,
+    console: Console,
+    log_format: str,
+    metrics_port: int | None,
+    metrics_host: str,
+) -> None:
+    interactive = log_format == "auto" and console.is_terminal
+    root = setup_logging(log_format)
+    server = None
+    if metrics_port is not None:
+        collector = MetricsCollector(consumer.metrics, consumer.config.slot)
+        server = serve(registry(collector), metrics_port, metrics_host)
+        root.info("metrics on http://%s:%d/metrics", metrics_host, server.port)
+    done = threading.Event()
+
+    def report() -> None:
+        m = consumer.metrics
+        last = (time.monotonic(), m.transactions, m.events)
+        period = 1.0 if interactive else 10.0
+        live = (
+            Live(Text(""), console=console, refresh_per_second=4, transient=True)
+            if interactive
+            else None
+        )
+        if live is not None:
+            live.start()
+        try:
+            while not done.wait(period):
+                now = time.monotonic()
+                dt = max(1e-6, now - last[0])
+                rt, re = (m.transactions - last[1]) / dt, (m.events - last[2]) / dt
+                last = (now, m.transactions, m.events)
+                line = status_text(m, rt, re)
+                if live is not None:
+                    live.update(Text(line))
+                elif log_format == "json":
+                    root.info(
+                        "status",
+                        extra={
+                            "fields": {
+                                "txn_per_s": round(rt, 1),
+                                "events_per_s": round(re, 1),
+                                "lag_bytes": m.lag_bytes,
+                                "lag_seconds": m.lag_seconds,
+                                "confirmed_lsn": format_lsn(m.confirmed_lsn),
+                                "events": m.events,
+                            }
+                        },
+                    )
+                else:
+                    root.info(line)
+        finally:
+            if live is not None:
+                live.stop()
+
+    reporter = threading.Thread(target=report, name="ledger-cdc-status", daemon=True)
+    reporter.start()
+    try:
+        consumer.run()
+    finally:
+        done.set()
+        reporter.join(2)
+        if server is not None:
+            server.stop()
+        root.info(
+            "stopped at %s after %d events",
+            format_lsn(consumer.metrics.confirmed_lsn),
+            consumer.metrics.events,
+        )

@@ -1,0 +1,987 @@
+"""``ledger-cdc`` commands for the morning after: replay, verify, inspect, diff, fork, and the
+outbox dispatcher (``dispatch``, ``outbox``). Registered on the group defined in :mod:`.cli`."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json as jsonlib
+import signal
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+import psycopg
+from rich.table import Table
+from rich.text import Text
+
+from ledger_cdc.cli.base import (
+    EXIT_PROBLEM,
+    State,
+    _env,
+    cli,
+    dsn_option,
+    handles_errors,
+    log_format_option,
+    option,
+    print_records,
+)
+from ledger_cdc.errors import NoSuchSessionError
+
+
+class SessionId(click.ParamType):  # type: ignore[type-arg]
+    name = "SESSION"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, uuid.UUID):
+            return value
+        try:
+            return uuid.UUID(str(value))
+        except ValueError:
+            self.fail(f"{value!r} is not a session id (a UUID)", param, ctx)
+
+
+SESSION = SessionId()
+
+
+def _connect(dsn: str) -> psycopg.Connection[Any]:
+    from ledger_cdc.connect import connect
+
+    return connect(dsn, autocommit=True)
+
+
+def _events(
+    conn: psycopg.Connection[Any], sid: uuid.UUID, upto_seq: int | None = None
+) -> list[Any]:
+    """The session's rows (quarantined ones as Rejected, shown where they lie)."""
+    from ledger_cdc.client.read import load_events
+
+    evs = list(load_events(conn, sid, upto_seq=upto_seq))
+    if not evs:
+        raise NoSuchSessionError(
+            f"session {sid} has no events"
+            + ("" if upto_seq is None else f" at or below seq {upto_seq}")
+        )
+    return evs
+
+
+def _json(value: Any) -> None:
+    click.echo(msgspec.json.format(msgspec.json.encode(value), indent=2).decode())
+
+
+# -- replay -------------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@click.argument("session", type=SESSION)
+@option("--upto-seq", type=int, default=None, help="Rebuild as of this global seq (time travel).")
+@option("--json", "as_json", is_flag=True, help="The whole context as JSON.")
+@click.pass_obj
+@handles_errors
+def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_json: bool) -> None:
+    """Rebuild a session's context as a restarted worker would: the latest usable snapshot plus
+    the tail of the log, folded by the consumer's reducers.
+
+    Shows the tool calls in flight (to retry with their idempotency keys) and the memoised
+    calls a restarted worker answers from the ledger instead of calling again (all of them:
+    those before the snapshot are read from agent_memo).
+    """
+    from ledger_cdc.client.recovery import rebuild_context
+
+    with _connect(dsn) as conn:
+        ctx = rebuild_context(conn, session, upto_seq, memo=True)
+    if ctx.last_position == 0:
+        raise NoSuchSessionError(
+            f"session {session} has no events"
+            + ("" if upto_seq is None else f" at or below seq {upto_seq}")
+        )
+    if as_json:
+        _json(ctx)
+        return
+    con = state.console
+    colour = {"completed": "green", "failed": "red"}.get(ctx.status, "yellow")
+    con.print(
+        f"session [bold]{ctx.session_id}[/]  status [{colour}]{ctx.status}[/]  "
+        f"{ctx.event_count} events up to seq {ctx.last_seq} (position {ctx.last_position})"
+    )
+    if ctx.task:
+        con.print(f"task: {ctx.task}")
+    if ctx.forked_from:
+        f = ctx.forked_from
+        con.print(f"forked from {f.session_id} at seq {f.upto_seq} (position {f.upto_position})")
+    con.print(
+        f"agents: {', '.join(ctx.agents)}  ·  messages: {len(ctx.messages)}  ·  tokens "
+        f"{ctx.usage.input_tokens}/{ctx.usage.output_tokens} in {ctx.usage.model_calls} model calls"
+    )
+    if ctx.pending_tools or ctx.pending_models:
+        t = Table(
+            title="in flight when the log ends (retry with the same key)", title_style="bold yellow"
+        )
+        for col in ("kind", "id", "tool / model", "idempotency key", "since seq", "attempts"):
+            t.add_column(col)
+        for p in ctx.pending_tools.values():
+            t.add_row(
+                "tool",
+                p.call_id,
+                p.tool,
+                p.idempotency_key or "—",
+                str(p.invoked_seq),
+                str(p.attempts),
+            )
+        for m in ctx.pending_models.values():
+            t.add_row(
+                "model", m.request_id, m.model, m.idempotency_key or "—", str(m.requested_seq), "1"
+            )
+        con.print(t)
+    else:
+        con.print("[green]nothing in flight[/]")
+    if ctx.completed_tools or ctx.completed_models:
+        t = Table(title="memoised (answered from the ledger, never called again)")
+        for col in ("kind", "id", "tool / model", "idempotency key", "seq", "result"):
+            t.add_column(col, overflow="ellipsis", max_width=60 if col == "result" else None)
+        for c in ctx.completed_tools.values():
+            res = c.error if c.error is not None else msgspec.json.encode(c.result).decode()
+            t.add_row("tool", c.call_id, c.tool, c.idempotency_key or "—", str(c.observed_seq), res)
+        for m2 in ctx.completed_models.values():
+            t.add_row(
+                "model",
+                m2.request_id,
+                m2.model,
+                m2.idempotency_key or "—",
+                str(m2.responded_seq),
+                m2.content,
+            )
+        con.print(t)
+    if ctx.status == "failed":
+        con.print(f"[red]failed:[/] {ctx.error}" + (" (retryable)" if ctx.retryable else ""))
+
+
+# -- verify -------------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@click.argument("sessions", type=SESSION, nargs=-1)
+@option("--all", "all_sessions", is_flag=True, help="Every session in the ledger.")
+@option("--no-chain", is_flag=True, help="Skip the hash-chain walk.")
+@option(
+    "--archive-dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="Also check the archived partitions' files against their recorded sha256.",
+)
+@option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@click.pass_obj
+@handles_errors
+def verify(
+    state: State,
+    dsn: str,
+    sessions: tuple[uuid.UUID, ...],
+    all_sessions: bool,
+    no_chain: bool,
+    archive_dir: Path | None,
+    as_json: bool,
+) -> None:
+    """Refold sessions from zero and compare with their projection and every stored snapshot,
+    field by field; walk each session's hash chain and report the first event that no longer
+    matches. Exit 1 if anything differs.
+
+    With --archive-dir, archived partitions' files are checked against their recorded sha256;
+    history before an archived bound is verified by its chain link and manifest, not refolded.
+
+    A projection behind the log (consumer lagging) is compared at its own position and noted,
+    not counted as a difference.
+    """
+    from ledger_cdc.admin.verify import verify as do_verify
+
+    if bool(sessions) == all_sessions:
+        raise click.UsageError("give SESSION ids or --all (not both)")
+    con = state.console
+    if as_json or not con.is_terminal:
+        report = do_verify(
+            dsn,
+            None if all_sessions else list(sessions),
+            chain=not no_chain,
+            archive_dir=archive_dir,
+        )
+    else:
+        with con.status("refolding…") as status:
+            count = [0]
+
+            def progress(sid: uuid.UUID) -> None:
+                count[0] += 1
+                if count[0] % 100 == 0:
+                    status.update(f"refolding… {count[0]} sessions")
+
+            report = do_verify(
+                dsn,
+                None if all_sessions else list(sessions),
+                chain=not no_chain,
+                archive_dir=archive_dir,
+                on_session=progress,
+            )
+    if as_json:
+        click.echo(
+            jsonlib.dumps(
+                {
+                    "ok": report.ok,
+                    "sessions": report.sessions,
+                    "events": report.events,
+                    "projections": report.projections,
+                    "snapshots": report.snapshots,
+                    "memo": report.memo,
+                    "chained_events": report.chained_events,
+                    "differences": [d.as_dict() for d in report.differences],
+                    "unknown_sessions": [str(u) for u in report.unknown],
+                    "quarantined": report.quarantined,
+                    "notes": report.notes,
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    else:
+        for note in report.notes:
+            con.print(f"[dim]note: {note}[/]", soft_wrap=True)
+        if report.differences:
+            print_records(
+                con,
+                f"{len(report.differences)} difference(s)",
+                ["session", "kind", "seq", "pos", "field", "refold / expected", "stored", "detail"],
+                [
+                    [
+                        str(d.session_id),
+                        d.kind,
+                        "—" if d.seq is None else str(d.seq),
+                        "—" if d.position is None else str(d.position),
+                        d.field or "—",
+                        "—" if d.expected is None else str(d.expected),
+                        "—" if d.actual is None else str(d.actual),
+                        d.detail,
+                    ]
+                    for d in report.differences
+                ],
+                title_style="bold red",
+            )
+        chain = "" if no_chain else f", {report.chained_events} events' hash chain walked"
+        verdict = "[green]verified[/]" if report.ok else "[bold red]differences found[/]"
+        con.print(
+            f"{verdict}: {report.sessions} sessions, {report.events} events refolded, "
+            f"{report.projections} projections, {report.snapshots} snapshots and "
+            f"{report.memo} memoised calls compared{chain}"
+        )
+    if report.unknown:
+        names = ", ".join(str(u) for u in report.unknown)
+        raise NoSuchSessionError(
+            f"no such session: {names} (no events, projection or snapshot: check the id)"
+        )
+    if not report.ok:
+        sys.exit(EXIT_PROBLEM)
+
+
+# -- inspect ------------------------------------------------------------------------------------
+
+_MARKS = {"in flight": "bold yellow", "retry": "magenta", "failed": "red"}
+
+
+@cli.command()
+@dsn_option
+@click.argument("session", type=SESSION)
+@option("--last", type=int, default=None, help="Only the last N events.")
+@option("--json", "as_json", is_flag=True, help="The timeline as JSON lines.")
+@click.pass_obj
+@handles_errors
+def inspect(state: State, dsn: str, session: uuid.UUID, last: int | None, as_json: bool) -> None:
+    """A readable timeline of a session: seq, time, agent, type and a one-line summary of each
+    event; tool calls paired with their results; calls still in flight highlighted."""
+    from ledger_cdc.admin.timeline import timeline
+
+    with _connect(dsn) as conn:
+        rows = timeline(_events(conn, session))
+    if last is not None:
+        rows = rows[-last:]
+    if as_json:
+        for r in rows:
+            click.echo(
+                jsonlib.dumps(
+                    {
+                        "seq": r.seq,
+                        "position": r.position,
+                        "created_at": None if r.created_at is None else r.created_at.isoformat(),
+                        "agent_id": r.agent_id,
+                        "event_type": r.event_type,
+                        "summary": r.summary,
+                        "mark": r.mark or None,
+                        "pair_seq": r.pair,
+                    }
+                )
+            )
+        return
+    t = Table(title=f"session {session}")
+    for col in ("seq", "pos", "time", "agent", "type", "summary", "pair"):
+        t.add_column(col, overflow="fold" if col == "summary" else "ellipsis")
+    for r in rows:
+        style = _MARKS.get(r.mark)
+        pair = (
+            ""
+            if r.pair is None
+            else ("→ " if r.event_type.endswith(("invoked", "requested")) else "← ") + str(r.pair)
+        )
+        summary = Text(r.summary)
+        if r.mark:
+            summary = Text.assemble((f"[{r.mark}] ", style or ""), r.summary)
+        t.add_row(
+            str(r.seq),
+            str(r.position),
+            "—" if r.created_at is None else r.created_at.strftime("%H:%M:%S.%f")[:-3],
+            r.agent_id,
+            r.event_type,
+            summary,
+            pair,
+            style=style if r.mark == "in flight" else None,
+        )
+    state.console.print(t)
+    flying = sum(1 for r in rows if r.mark == "in flight")
+    if flying:
+        state.console.print(
+            f"[bold yellow]{flying} call(s) in flight[/]: "
+            f"`ledger-cdc replay {session}` shows their keys"
+        )
+
+
+# -- diff ---------------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@click.argument("session_a", type=SESSION)
+@click.argument("session_b", type=SESSION)
+@option("--json", "as_json", is_flag=True, help="Machine-readable result.")
+@click.pass_obj
+@handles_errors
+def diff(state: State, dsn: str, session_a: uuid.UUID, session_b: uuid.UUID, as_json: bool) -> None:
+    """Align two runs of the same task and show the first step where they diverge (different
+    prompt hash, tool arguments, model output, …) and what differs. Ids, keys and times are
+    not compared; a fork's marker and retries of a call are not steps. Exit 1 if they diverge."""
+    from ledger_cdc.admin.timeline import diff_runs, summarise
+
+    with _connect(dsn) as conn:
+        res = diff_runs(_events(conn, session_a), _events(conn, session_b))
+    d = res.divergence
+    if as_json:
+        click.echo(
+            jsonlib.dumps(
+                {
+                    "steps_a": res.steps_a,
+                    "steps_b": res.steps_b,
+                    "common_steps": res.common,
+                    "diverged": d is not None,
+                    "step": None if d is None else d.step,
+                    "reason": None if d is None else d.reason,
+                    "seq_a": None if d is None or d.a is None else d.a.seq,
+                    "seq_b": None if d is None or d.b is None else d.b.seq,
+                    "fields": []
+                    if d is None
+                    else [{"field": f, "a": a, "b": b} for f, a, b in d.fields],
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    else:
+        con = state.console
+        if d is None:
+            con.print(f"[green]same[/]: both runs take the same {res.steps_a} steps")
+            return
+        con.print(
+            f"the runs agree for [bold]{res.common}[/] step(s); they diverge at step "
+            f"[bold]{d.step}[/]: [bold red]{d.reason}[/]"
+        )
+        t = Table(show_header=True)
+        t.add_column("")
+        t.add_column(f"A {session_a}", overflow="fold")
+        t.add_column(f"B {session_b}", overflow="fold")
+        t.add_row(
+            "seq / pos",
+            "—" if d.a is None else f"{d.a.seq} / {d.a.position}",
+            "—" if d.b is None else f"{d.b.seq} / {d.b.position}",
+        )
+        t.add_row(
+            "event",
+            "(ended)" if d.a is None else f"{d.a.agent_id} {d.a.event_type}",
+            "(ended)" if d.b is None else f"{d.b.agent_id} {d.b.event_type}",
+        )
+        t.add_row(
+            "summary", "" if d.a is None else summarise(d.a), "" if d.b is None else summarise(d.b)
+        )
+        for f, a, b in d.fields:
+            t.add_row(Text(f, style="bold"), str(a), str(b))
+        con.print(t)
+    if d is not None:
+        sys.exit(EXIT_PROBLEM)
+
+
+# -- fork ---------------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@click.argument("session", type=SESSION)
+@option("--upto-seq", type=int, required=True, help="Copy the events at or below this global seq.")
+@option("--new-session", type=SESSION, default=None, help="Id of the fork (default: a new UUID).")
+@option("--reason", default=None, help="Why the fork was made (recorded in its first event).")
+@click.pass_obj
+@handles_errors
+def fork(
+    state: State,
+    dsn: str,
+    session: uuid.UUID,
+    upto_seq: int,
+    new_session: uuid.UUID | None,
+    reason: str | None,
+) -> None:
+    """Start a new session from any step of an existing one (time travel): it holds the same
+    events up to --upto-seq after a first session.forked event recording its origin. Resume it
+    with changed inputs; `ledger-cdc diff` against the origin then starts at the fork point.
+    Outbox rows are not copied."""
+    from ledger_cdc.client.recovery import fork as do_fork
+
+    with _connect(dsn) as conn:
+        res = do_fork(conn, session, upto_seq, new_session_id=new_session, reason=reason)
+    state.console.print(
+        f"forked [bold]{res.session_id}[/] from {res.origin_session_id}: {res.events} events up "
+        f"to seq {res.upto_seq} (position {res.upto_position})"
+    )
+    if not state.console.is_terminal:
+        click.echo(str(res.session_id))  # for scripts: NEW=$(ledger-cdc fork … | tail -1)
+
+
+# -- dispatch -----------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@option(
+    "--target",
+    "targets",
+    multiple=True,
+    metavar="NAME=URL",
+    envvar=_env("TARGETS"),
+    help="An HTTP webhook for outbox rows whose target is NAME (repeatable; in the environment, "
+    "space-separated).",
+)
+@option(
+    "--entry-points/--no-entry-points",
+    default=True,
+    show_default=True,
+    help="Also use Python targets installed under the 'ledger_cdc.targets' entry-point group.",
+)
+@option("--batch-size", default=32, show_default=True, help="Rows claimed per transaction.")
+@option("--concurrency", default=8, show_default=True, help="Calls in flight at once.")
+@option("--max-attempts", default=8, show_default=True, help="Failures before a row is parked.")
+@option(
+    "--backoff",
+    default=1.0,
+    show_default=True,
+    help="Seconds before the 2nd attempt; doubles, capped by --backoff-cap.",
+)
+@option(
+    "--backoff-cap", default=300.0, show_default=True, help="Longest wait between attempts (s)."
+)
+@option(
+    "--poll-interval",
+    default=0.5,
+    show_default=True,
+    help="Seconds between polls when nothing is due.",
+)
+@option("--timeout", default=10.0, show_default=True, help="HTTP request timeout (s).")
+@option(
+    "--claim-seconds",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0.1),
+    help="Lease of a claimed row, renewed while its call is in flight: a dead dispatcher's "
+    "rows are retried by another after this long.",
+)
+@option("--once", is_flag=True, help="One pass over what is due now, then exit.")
+@option(
+    "--until-idle", is_flag=True, help="Exit when no row is left to dispatch (retries included)."
+)
+@option(
+    "--metrics-port",
+    default=None,
+    type=click.IntRange(0, 65535),
+    help="Serve Prometheus metrics (ledger_cdc_outbox_*) on this port.",
+)
+@option(
+    "--metrics-host", default="127.0.0.1", show_default=True, help="Address for --metrics-port."
+)
+@log_format_option("Log lines as text (auto) or JSON")
+@click.pass_obj
+@handles_errors
+def dispatch(
+    state: State,
+    dsn: str,
+    targets: tuple[str, ...],
+    entry_points: bool,
+    batch_size: int,
+    concurrency: int,
+    max_attempts: int,
+    backoff: float,
+    backoff_cap: float,
+    poll_interval: float,
+    timeout: float,
+    claim_seconds: float,
+    once: bool,
+    until_idle: bool,
+    metrics_port: int | None,
+    metrics_host: str,
+    log_format: str,
+) -> None:
+    """Perform the outbox's external calls: claim due rows with a lease (several dispatchers
+    can run at once and never call one row at the same time), call the target with the row's
+    idempotency key with no database transaction open, then record the outcome. A failed call
+    is retried with backoff and parked after --max-attempts attempts, every call counted (see
+    `ledger-cdc outbox --parked`). A dispatcher killed mid-call leaves a claim that expires
+    after --claim-seconds; the row is then retried with the same key.
+
+    Exit 0 when stopped (SIGINT/SIGTERM finish the batch), 1 if rows were parked.
+    """
+    from ledger_cdc.cli.runner import setup_logging
+    from ledger_cdc.client.dispatch import (
+        DispatchConfig,
+        Dispatcher,
+        Target,
+        load_entry_point_targets,
+        parse_target,
+    )
+
+    table: dict[str, Target] = load_entry_point_targets() if entry_points else {}
+    for spec in (s for t in targets for s in t.split()):
+        name, target = parse_target(spec, timeout=timeout)
+        table[name] = target
+    log = setup_logging("json" if log_format == "json" else "text")
+    d = Dispatcher(
+        DispatchConfig(
+            dsn=dsn,
+            targets=table,
+            batch_size=batch_size,
+            concurrency=concurrency,
+            max_attempts=max_attempts,
+            backoff_base=backoff,
+            backoff_cap=backoff_cap,
+            poll_interval=poll_interval,
+            claim_seconds=claim_seconds,
+        )
+    )
+
+    def stop(signum: int, frame: Any) -> None:
+        log.info("signal %s: finishing the current batch", signum)
+        d.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info(
+        "dispatching outbox rows for %s",
+        ", ".join(f"{n} ({t!r})" for n, t in sorted(table.items())),
+    )
+    d.open()
+    if metrics_port is not None:
+        from ledger_cdc.consumer.metrics import DispatchCollector, registry, serve
+
+        server = serve(registry(DispatchCollector(d.metrics, d.name)), metrics_port, metrics_host)
+        log.info("metrics on http://%s:%d/metrics", metrics_host, server.port)
+    for name, count in d.unserved():
+        log.warning(
+            "%d due row(s) for target %r, which this dispatcher does not serve", count, name
+        )
+    m = d.run(once=once, idle_exit=until_idle)
+    log.info("dispatched %d, failed attempts %d, parked %d", m.dispatched, m.failures, m.parked)
+    if m.parked:
+        sys.exit(EXIT_PROBLEM)
+
+
+@cli.group(invoke_without_command=True)
+@dsn_option
+@option("--parked", "show", flag_value="parked", help="Only parked rows.")
+@option("--pending", "show", flag_value="pending", help="Only rows still to dispatch.")
+@option("--limit", default=50, show_default=True)
+@option("--json", "as_json", is_flag=True)
+@click.pass_context
+@handles_errors
+def outbox(ctx: click.Context, dsn: str, show: str | None, limit: int, as_json: bool) -> None:
+    """List outbox rows (newest first); `outbox requeue ID…` retries parked rows."""
+    ctx.meta["dsn"] = dsn
+    if ctx.invoked_subcommand is not None:
+        return
+    from ledger_cdc.client.dispatch import outbox_rows
+
+    with _connect(dsn) as conn:
+        rows = outbox_rows(conn, parked=None if show is None else show == "parked", limit=limit)
+    if as_json:
+        click.echo(jsonlib.dumps(rows, indent=2, default=str))
+        return
+    t = Table(title="agent_outbox")
+    for col in ("id", "target", "idempotency key", "state", "attempts", "last error"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        st = (
+            "dispatched"
+            if r["dispatched"]
+            else ("[red]parked[/]" if r["parked"] else "[yellow]pending[/]")
+        )
+        t.add_row(
+            str(r["id"]),
+            r["target"],
+            r["idempotency_key"],
+            st,
+            str(r["attempts"]),
+            r["last_error"] or "",
+        )
+    ctx.find_object(State).console.print(t)  # type: ignore[union-attr]
+
+
+@outbox.command("requeue")
+@click.argument("ids", type=int, nargs=-1, required=True)
+@click.pass_context
+@handles_errors
+def outbox_requeue(ctx: click.Context, ids: tuple[int, ...]) -> None:
+    """Unpark rows (after fixing their target): they are tried again at once."""
+    from ledger_cdc.client.dispatch import requeue
+
+    with _connect(ctx.meta["dsn"]) as conn:
+        n = requeue(conn, ids)
+    click.echo(f"requeued {n} row(s)")
+
+
+# -- runs -----------------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@option(
+    "--status",
+    type=click.Choice(["pending", "running", "suspended", "stale", "completed", "failed"]),
+    default=None,
+    help="Only runs in this state (stale: running on an expired lease).",
+)
+@option("--limit", default=200, show_default=True)
+@option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+@handles_errors
+def runs(state: State, dsn: str, status: str | None, limit: int, as_json: bool) -> None:
+    """List runs from the projections: pending (ready to lease), running (with lease holder and
+    expiry), suspended (and the signals they wait for), stale (lease expired: may be taken
+    over), completed, failed."""
+    from ledger_cdc.client.runs import list_runs
+
+    with _connect(dsn) as conn:
+        rows = list_runs(conn, status, limit=limit)
+    if as_json:
+        click.echo(jsonlib.dumps(rows, indent=2, default=str))
+        return
+    colours = {"pending": "cyan", "running": "green", "suspended": "yellow", "stale": "red"}
+    t = Table(title=f"runs{'' if status is None else f' ({status})'}")
+    for col in ("session", "status", "lease holder", "lease until", "waits for", "last seq"):
+        t.add_column(col)
+    for r in rows:
+        c = colours.get(r["status"])
+        t.add_row(
+            str(r["session_id"]),
+            f"[{c}]{r['status']}[/]" if c else r["status"],
+            r["lease_worker"] or "—",
+            "—" if r["lease_until"] is None else r["lease_until"].isoformat(timespec="seconds"),
+            ", ".join(r["wait_for"]) or "—",
+            str(r["last_seq"]),
+        )
+    state.console.print(t)
+
+
+@cli.command("signal")
+@dsn_option
+@click.argument("session", type=SESSION)
+@click.argument("name")
+@option("--payload", default=None, help="JSON value delivered with the signal.")
+@option("--id", "signal_id", default=None, help="Signal id: sending the same id twice is a no-op.")
+@option("--sender", default="cli", show_default=True, help="Recorded as the event's agent.")
+@option(
+    "--create",
+    is_flag=True,
+    help="Allow a session with no events yet (else an unknown SESSION is an error, exit 1).",
+)
+@click.pass_obj
+@handles_errors
+def signal_cmd(
+    state: State,
+    dsn: str,
+    session: uuid.UUID,
+    name: str,
+    payload: str | None,
+    signal_id: str | None,
+    sender: str,
+    create: bool,
+) -> None:
+    """Send a signal to a run (an approval, a webhook's answer): appends signal.received. A run
+    suspended on NAME becomes pending and is woken by the consumer's notification."""
+    from ledger_cdc.client.runs import signal as do_signal
+
+    try:
+        value = None if payload is None else jsonlib.loads(payload)
+    except ValueError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint="--payload") from None
+    with _connect(dsn) as conn:
+        res = do_signal(
+            conn, session, name, value, sender=sender, signal_id=signal_id, create=create
+        )
+    what = "already sent" if res.duplicate else "sent"
+    state.console.print(f"signal {name} {what}: seq {res.seq}, position {res.position}")
+
+
+# -- partitions -----------------------------------------------------------------------------------
+
+
+def _duration(text: str) -> dt.timedelta:
+    units = {"d": "days", "h": "hours", "w": "weeks", "m": "minutes", "s": "seconds"}
+    try:
+        return dt.timedelta(**{units[text[-1]]: float(text[:-1])})
+    except (KeyError, ValueError):
+        raise click.BadParameter(f"{text!r} is not a duration like 90d, 12h or 2w") from None
+
+
+@cli.group()
+def partitions() -> None:
+    """Partitions of a partitioned ledger (init --partition-by): list, ensure, archive."""
+
+
+@cli.command("import")
+@dsn_option
+@click.argument("source", type=click.File("rb"))
+@option(
+    "--batch", default=1000, show_default=True, type=click.IntRange(1), help="Events per commit."
+)
+@click.pass_obj
+@handles_errors
+def import_cmd(state: State, dsn: str, source: Any, batch: int) -> None:
+    """Import existing agent logs with their own times, from SOURCE (JSON lines, - for stdin):
+    {"session_id", "agent_id", "event_type", "payload", "created_at", "idempotency_key"?}.
+
+    The one way to place events in the past: created_at is otherwise the server's clock. Needs
+    the ledger's owner (or a member of its role). Each line is validated like an append; a
+    session's positions follow on from what it holds; on a partitioned ledger the partitions
+    the times fall into are created (never one already archived). Commits every --batch
+    events: a failure names the line to go on from."""
+    from ledger_cdc.admin.importer import import_events, read_lines
+
+    with _connect(dsn) as conn, state.console.status("importing…") as status:
+        res = import_events(
+            conn,
+            read_lines(source),
+            batch=batch,
+            progress=lambda n: status.update(f"importing… {n:,} events"),
+        )
+    made = f"; partitions created: {', '.join(res.partitions_created)}" * bool(
+        res.partitions_created
+    )
+    state.console.print(f"imported {res.events:,} events of {res.sessions:,} sessions{made}")
+
+
+@partitions.command("list")
+@dsn_option
+@option("--json", "as_json", is_flag=True)
+@click.pass_obj
+@handles_errors
+def partitions_list(state: State, dsn: str, as_json: bool) -> None:
+    """The ledger's partitions and the archives already taken."""
+    from ledger_cdc.admin.partitions import list_partitions
+
+    with _connect(dsn) as conn:
+        parts = list_partitions(conn)
+        archived = conn.execute(
+            "SELECT partition_name, range_start, range_end, events, file_name, file_sha256, "
+            "archived_at FROM ledger_archives ORDER BY range_start"
+        ).fetchall()
+    if as_json:
+        click.echo(
+            jsonlib.dumps(
+                {
+                    "partitions": [
+                        {"name": p.name, "start": p.start.isoformat(), "end": p.end.isoformat()}
+                        for p in parts
+                    ],
+                    "archived": [
+                        dict(
+                            zip(
+                                ("name", "start", "end", "events", "file", "sha256", "archived_at"),
+                                a,
+                                strict=True,
+                            )
+                        )
+                        for a in archived
+                    ],
+                },
+                indent=2,
+                default=str,
+            )
+        )
+        return
+    t = Table(title="agent_events partitions")
+    for col in ("partition", "from", "to", "state"):
+        t.add_column(col)
+    for a in archived:
+        t.add_row(
+            a[0], a[1].isoformat(), a[2].isoformat(), f"[dim]archived: {a[3]} events in {a[4]}[/]"
+        )
+    for p in parts:
+        t.add_row(p.name, p.start.isoformat(), p.end.isoformat(), "live")
+    state.console.print(t)
+
+
+@partitions.command("ensure")
+@dsn_option
+@option("--ahead", default=3, show_default=True, help="Partitions beyond the current one.")
+@click.pass_obj
+@handles_errors
+def partitions_ensure(state: State, dsn: str, ahead: int) -> None:
+    """Create the current and the next --ahead partitions if missing (run it from cron; the
+    consumer also does it hourly). Idempotent."""
+    from ledger_cdc.admin.partitions import ensure
+
+    with _connect(dsn) as conn:
+        made = ensure(conn, ahead)
+    state.console.print(f"created: {', '.join(made)}" if made else "all partitions exist")
+
+
+@partitions.command("archive")
+@dsn_option
+@option(
+    "--older-than",
+    "older",
+    required=True,
+    help="Age bound, e.g. 90d: partitions entirely older are archived.",
+)
+@option(
+    "--to",
+    "to_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("ledger-archive"),
+    show_default=True,
+    help="Directory for the exported partitions and their manifests.",
+)
+@click.pass_obj
+@handles_errors
+def partitions_archive(state: State, dsn: str, older: str, to_dir: Path) -> None:
+    """Archive partitions entirely older than --older-than: refused unless the consumer has
+    folded every session in them; each session gets a snapshot at or after its last event
+    there; the partition is detached (CONCURRENTLY: writers are never blocked; it waits for
+    transactions that could still insert into it, and for open snapshots), what it holds is
+    checked again, exported (COPY, gzip) with a sha256 manifest, recorded and dropped. A row is
+    always in the ledger or in the archive. The only way ledger data is removed."""
+    from ledger_cdc.admin.partitions import archive
+
+    bound = _duration(older)
+    with _connect(dsn) as conn, state.console.status("archiving…") as status:
+        done = archive(conn, bound, to_dir, on_partition=lambda n: status.update(f"archiving {n}…"))
+    if not done:
+        state.console.print(f"nothing to archive: no partition ends more than {older} ago")
+    for a in done:
+        state.console.print(
+            f"archived {a.name} ({a.start:%Y-%m-%d} – {a.end:%Y-%m-%d}): {a.events} events of "
+            f"{a.sessions} sessions → {a.file} (sha256 {a.file_sha256[:16]}…), "
+            f"{a.snapshots_taken} snapshot(s) taken; partition dropped"
+        )
+
+
+# -- tail -----------------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@click.argument("session", type=SESSION)
+@option(
+    "--nats",
+    "nats_url",
+    default=None,
+    envvar=_env("NATS"),
+    help="Follow from JetStream (nats://host:4222[,…]) instead of PostgreSQL.",
+)
+@option(
+    "--after",
+    default=0,
+    show_default=True,
+    help="Start after this position (0: from the first event).",
+)
+@option("--count", type=int, default=None, help="Exit after N events.")
+@option("--json", "as_json", is_flag=True, help="One JSON object per event.")
+@click.pass_obj
+@handles_errors
+def tail(
+    state: State,
+    dsn: str,
+    session: uuid.UUID,
+    nats_url: str | None,
+    after: int,
+    count: int | None,
+    as_json: bool,
+) -> None:
+    """Follow one session live, event by event, as the consumer commits it: from JetStream
+    with --nats, else from PostgreSQL (woken by the consumer's notifications, no polling
+    loop). Replaces LISTEN/NOTIFY tails and `seq > last` pollers. Ctrl-C stops."""
+    import asyncio
+
+    from ledger_cdc.admin.timeline import summarise
+    from ledger_cdc.client.tail import follow_jetstream, follow_postgres
+    from ledger_cdc.events import Rejected
+
+    async def run() -> None:
+        if nats_url:
+            from ledger_cdc.sink.jetstream import JetStreamSettings
+
+            events: Any = follow_jetstream(
+                JetStreamSettings.from_url(nats_url), session, after=after
+            )
+        else:
+            events = follow_postgres(dsn, session, after=after)
+        n = 0
+        async for ev in events:
+            if as_json:
+                click.echo(jsonlib.dumps(_tail_json(ev)), nl=True)
+            else:
+                when = "—" if isinstance(ev, Rejected) else f"{ev.created_at:%H:%M:%S.%f}"[:-3]
+                state.console.print(
+                    f"{ev.position:>6} {when}  {ev.agent_id}  "
+                    f"[bold]{ev.event_type}[/]  {summarise(ev)}",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+            sys.stdout.flush()
+            n += 1
+            if count is not None and n >= count:
+                return
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+
+
+def _tail_json(ev: Any) -> dict[str, Any]:
+    from ledger_cdc.events import Rejected
+
+    if type(ev) is Rejected:
+        return {
+            "seq": ev.seq,
+            "position": ev.position,
+            "agent_id": ev.agent_id,
+            "event_type": ev.event_type,
+            "quarantined": ev.reason,
+        }
+    return {
+        "seq": ev.seq,
+        "position": ev.position,
+        "agent_id": ev.agent_id,
+        "event_type": ev.event_type,
+        "payload": msgspec.to_builtins(ev.payload),
+        "created_at": ev.created_at.isoformat(),
+    }

@@ -1,0 +1,112 @@
+"""Following one session live: from JetStream when it is configured, else from PostgreSQL.
+
+Both read what the consumer has committed, in position order, and never poll the ledger in a
+loop: the JetStream follower is an ordered consumer on ``ledger.events.<session>``; the
+PostgreSQL follower LISTENs on ``ledger_sessions`` (the consumer NOTIFYs ``<session>:<position>``
+in each batch's transaction) and reads the new events by (session, position), with a re-check
+every few seconds so a missed notification only delays a line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+import psycopg
+
+from ledger_cdc.client.read import COLUMNS, row_event
+from ledger_cdc.errors import ConfigError, DatabaseUnavailable, InvalidEventError
+from ledger_cdc.events import LedgerEvent, Rejected
+from ledger_cdc.names import SESSIONS_CHANNEL
+from ledger_cdc.sink.jetstream import JetStreamSettings
+
+__all__ = ["follow_jetstream", "follow_postgres"]
+
+_AFTER = (
+    f"SELECT {COLUMNS} FROM agent_events WHERE session_id = %s AND position > %s "  # noqa: S608
+    "AND position <= coalesce((SELECT last_position FROM agent_sessions WHERE session_id = %s), 0) "
+    "ORDER BY position"
+)
+
+
+async def follow_postgres(
+    dsn: str, session_id: uuid.UUID, *, after: int = 0, recheck: float = 3.0
+) -> AsyncIterator[LedgerEvent | Rejected]:
+    """Events of the session after position ``after``, as the consumer folds them (a row the
+    consumer quarantined comes as :class:`~ledger_cdc.events.Rejected`)."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute(f"LISTEN {SESSIONS_CHANNEL}")
+        last = after
+        prefix = f"{session_id}:"
+        while True:
+            cur = await conn.execute(_AFTER.encode(), (session_id, last, session_id))
+            for row in await cur.fetchall():
+                ev = row_event(row)
+                last = ev.position
+                yield ev
+            async for n in conn.notifies(timeout=recheck):
+                if n.payload.startswith(prefix):
+                    break
+
+
+async def follow_jetstream(
+    settings: JetStreamSettings, session_id: uuid.UUID, *, after: int = 0
+) -> AsyncIterator[LedgerEvent | Rejected]:
+    """Events of the session from the JetStream stream (all of them, then live), by the URL's
+    stream and subject prefix. A payload that does not fit its type comes as Rejected, by the
+    rule every reader shares."""
+    import nats
+    from nats.js.errors import NotFoundError
+
+    from ledger_cdc.events import admit_time, load_payload
+    from ledger_cdc.sink.jetstream import WireEvent
+
+    try:
+        nc = await nats.connect(
+            servers=settings.servers, connect_timeout=5, max_reconnect_attempts=3
+        )
+    except Exception as e:
+        raise DatabaseUnavailable(
+            f"cannot reach NATS at {', '.join(settings.servers)}: {type(e).__name__}: {e}"
+        ) from e
+    try:
+        js = nc.jetstream()
+        subject = f"{settings.prefix}.events.{session_id}"
+        try:
+            sub = await js.subscribe(subject, stream=settings.stream, ordered_consumer=True)
+        except NotFoundError as e:
+            raise ConfigError(
+                f"JetStream stream {settings.stream!r} does not exist at "
+                f"{', '.join(settings.servers)} (a consumer creates it: ledger-cdc consume "
+                "--sink nats://…; or give ?stream= of the one it uses)"
+            ) from e
+        dec = msgspec.json.Decoder(WireEvent)
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=3600)
+            except asyncio.TimeoutError:
+                continue
+            w = dec.decode(msg.data)
+            if w.position <= after:
+                continue
+            after = w.position
+            try:
+                created = admit_time(w.created_at)
+                payload = load_payload(w.event_type, msgspec.json.encode(w.payload))
+            except InvalidEventError as e:
+                yield Rejected(w.seq, w.session_id, w.position, w.agent_id, w.event_type, str(e))
+                continue
+            yield LedgerEvent(
+                w.seq,
+                w.session_id,
+                w.position,
+                w.agent_id,
+                w.event_type,
+                payload,
+                created,
+                w.idempotency_key,
+            )
+    finally:
+        await nc.close()

@@ -1,0 +1,612 @@
+"""Transactional appends to the ledger, sync and async, over psycopg 3.
+
+The append logic is written once, as a generator of SQL steps (the shape psycopg 3 uses for its
+protocol code): it yields each statement, receives the rows, and may be thrown the driver's
+``UniqueViolation``. :mod:`ledger_cdc.client.steps` executes them, sync or async. Every append
+runs inside ``conn.transaction()``: on an idle autocommit connection that is a transaction of its
+own, inside a caller's transaction it is a savepoint, so the event commits together with the
+caller's own side effects (outbox rows, application tables) or not at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+from ledger_cdc.client.read import pending_runs
+from ledger_cdc.client.steps import Step, Steps, run, run_async
+from ledger_cdc.errors import (
+    AppendError,
+    ConcurrentAppendError,
+    ConfigError,
+    IdempotencyConflictError,
+    InvalidEventError,
+    translate,
+)
+from ledger_cdc.events import DEFAULT_LIMITS, Limits, encode_payload, refuse_nul, too_deep
+
+__all__ = [
+    "AppendResult",
+    "AsyncLedger",
+    "AsyncWriteTransaction",
+    "Ledger",
+    "OutboxItem",
+    "WriteTransaction",
+    "append",
+    "append_async",
+]
+
+_MAX_AUTO_RETRIES = 100
+_POSITION_INDEX = "agent_events_session_position"
+_KEY_INDEX = "agent_events_session_idempotency"
+
+
+@dataclass(frozen=True)
+class OutboxItem:
+    """An external call to make once the event is committed (see ``ledger-cdc dispatch``)."""
+
+    target: str
+    payload: Any
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    seq: int
+    position: int
+    session_id: uuid.UUID
+    duplicate: bool = False
+    outbox_ids: tuple[int, ...] = ()
+    created_at: dt.datetime | None = None  # the row's created_at (None for a duplicate)
+
+
+# Through SECURITY DEFINER functions (migration 0009): a writer learns a session's head and
+# whether a key names the same event, without being able to read any event's contents.
+_SELECT_KEY = "SELECT seq, position, same FROM ledger_event_by_key(%s, %s, %s, %s::jsonb)"
+_SELECT_HEAD = "SELECT ledger_session_head(%s)"
+_INSERT = (
+    "INSERT INTO agent_events (session_id, position, agent_id, event_type, payload, "
+    "idempotency_key) VALUES (%s, %s, %s, %s, %s::jsonb, %s) RETURNING seq, position, created_at"
+)
+_INSERT_OUTBOX = (
+    "INSERT INTO agent_outbox (event_seq, session_id, target, payload, idempotency_key) "
+    "VALUES (%s, %s, %s, %s::jsonb, %s) RETURNING id"
+)
+
+
+@dataclass(frozen=True)
+class _Request:
+    session_id: uuid.UUID
+    agent_id: str
+    event_type: str
+    payload: str
+    expected_position: int | None
+    idempotency_key: str | None
+    outbox: tuple[tuple[str, str, str | None], ...] = field(default=())
+
+
+def _session_uuid(session_id: object) -> uuid.UUID:
+    if isinstance(session_id, uuid.UUID):
+        return session_id
+    if isinstance(session_id, str):
+        try:
+            return uuid.UUID(session_id)
+        except ValueError:
+            pass
+    raise InvalidEventError(f"session_id must be a UUID, got {session_id!r}")
+
+
+def _prepare(
+    session_id: object,
+    agent_id: object,
+    event_type: str,
+    payload: Any,
+    expected_position: int | None,
+    idempotency_key: str | None,
+    outbox: Iterable[OutboxItem],
+    limits: Limits = DEFAULT_LIMITS,
+) -> _Request:
+    sid = _session_uuid(session_id)
+    if not isinstance(agent_id, str) or not agent_id:
+        raise InvalidEventError(f"agent_id must be a non-empty string, got {agent_id!r}")
+    if expected_position is not None and (
+        isinstance(expected_position, bool)
+        or not isinstance(expected_position, int)
+        or expected_position < 0
+    ):
+        raise InvalidEventError(
+            f"expected_position must be an integer >= 0 (0 for a new session), "
+            f"got {expected_position!r}"
+        )
+    if idempotency_key is not None and (
+        not isinstance(idempotency_key, str) or not idempotency_key
+    ):
+        raise InvalidEventError(
+            f"idempotency_key must be a non-empty string, got {idempotency_key!r}"
+        )
+    data = encode_payload(event_type, payload, limits).decode()
+    items: list[tuple[str, str, str | None]] = []
+    for item in outbox:
+        if not isinstance(item, OutboxItem) or not item.target:
+            raise InvalidEventError(
+                f"outbox entries must be OutboxItem with a target, got {item!r}"
+            )
+        try:
+            body = msgspec.json.encode(item.payload).decode()
+        except (TypeError, msgspec.EncodeError) as e:
+            raise InvalidEventError(
+                f"outbox payload for {item.target} is not JSON-serialisable: {e}"
+            ) from e
+        raw = refuse_nul(body.encode(), f"outbox payload for {item.target}")
+        if len(raw) > limits.max_bytes or too_deep(raw, limits.max_depth):
+            raise InvalidEventError(
+                f"outbox payload for {item.target} is over the writer's limits "
+                f"({limits.max_bytes:,} bytes, {limits.max_depth} levels of nesting)"
+            )
+        items.append((item.target, body, item.idempotency_key))
+    return _Request(
+        sid, agent_id, event_type, data, expected_position, idempotency_key, tuple(items)
+    )
+
+
+def _append_steps(req: _Request) -> Steps[AppendResult]:
+    """The append protocol: idempotency check, position check, insert, outbox rows."""
+    sid = req.session_id
+    if req.idempotency_key is not None:
+        rows = yield Step(_SELECT_KEY, _key_params(req))
+        if rows:
+            return _duplicate(req, rows[0])
+    if req.expected_position is not None:
+        (head,) = (yield Step(_SELECT_HEAD, (sid,)))[0]
+        if head != req.expected_position:
+            raise ConcurrentAppendError(sid, req.expected_position, int(head))
+    position = None if req.expected_position is None else req.expected_position + 1
+    params = (sid, position, req.agent_id, req.event_type, req.payload, req.idempotency_key)
+    for _ in range(_MAX_AUTO_RETRIES):
+        try:
+            seq, pos, created = (yield Step(_INSERT, params, savepoint=True))[0]
+            break
+        except pg_errors.UniqueViolation as e:
+            constraint = e.diag.constraint_name
+            if constraint == _KEY_INDEX and req.idempotency_key is not None:
+                rows = yield Step(_SELECT_KEY, _key_params(req))
+                if rows:
+                    return _duplicate(req, rows[0])
+                continue
+            if constraint != _POSITION_INDEX:
+                raise
+            if req.expected_position is not None:
+                (head,) = (yield Step(_SELECT_HEAD, (sid,)))[0]
+                raise ConcurrentAppendError(sid, req.expected_position, int(head)) from None
+    else:
+        raise AppendError(
+            f"session {sid}: gave up after {_MAX_AUTO_RETRIES} position conflicts with other "
+            "writers; pass expected_position to detect conflicts explicitly"
+        )
+    ids: list[int] = []
+    for i, (target, body, key) in enumerate(req.outbox):
+        okey = key or f"{sid}:{pos}:{i}"
+        (oid,) = (yield Step(_INSERT_OUTBOX, (seq, sid, target, body, okey)))[0]
+        ids.append(int(oid))
+    return AppendResult(int(seq), int(pos), sid, False, tuple(ids), created)
+
+
+def _key_params(req: _Request) -> tuple[Any, ...]:
+    return (req.session_id, req.idempotency_key, req.event_type, req.payload)
+
+
+def _duplicate(req: _Request, row: tuple[Any, ...]) -> AppendResult:
+    seq, pos, same = row
+    if not same:
+        assert req.idempotency_key is not None
+        raise IdempotencyConflictError(req.session_id, req.idempotency_key, int(seq))
+    return AppendResult(int(seq), int(pos), req.session_id, True)
+
+
+def _standalone(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], req: _Request
+) -> bool:
+    """A lone event on an idle autocommit connection needs no transaction block: each statement
+    commits by itself, and the unique indexes, not the block, decide every race. That saves the
+    BEGIN / SAVEPOINT / RELEASE / COMMIT round trips of the general path."""
+    return (
+        conn.autocommit
+        and not req.outbox
+        and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    )
+
+
+def _drive(conn: psycopg.Connection[Any], req: _Request) -> AppendResult:
+    try:
+        if _standalone(conn, req):
+            return run(conn, _append_steps(req), savepoints=False)
+        with conn.transaction():
+            return run(conn, _append_steps(req), savepoints=True)
+    except psycopg.Error as e:  # the boundary: what leaves the writer is a LedgerError
+        raise translate(e, doing=f"append to session {req.session_id}") from e
+
+
+async def _drive_async(conn: psycopg.AsyncConnection[Any], req: _Request) -> AppendResult:
+    try:
+        if _standalone(conn, req):
+            return await run_async(conn, _append_steps(req), savepoints=False)
+        async with conn.transaction():
+            return await run_async(conn, _append_steps(req), savepoints=True)
+    except psycopg.Error as e:
+        raise translate(e, doing=f"append to session {req.session_id}") from e
+
+
+def append(
+    conn: psycopg.Connection[Any],
+    session_id: uuid.UUID | str,
+    agent_id: str,
+    event_type: str,
+    payload: Any,
+    *,
+    expected_position: int | None = None,
+    idempotency_key: str | None = None,
+    outbox: Sequence[OutboxItem] = (),
+    limits: Limits = DEFAULT_LIMITS,
+) -> AppendResult:
+    """Append one event (and its outbox rows) on ``conn``, joining its transaction if one is open.
+
+    ``expected_position`` is the session position the writer last saw (0 for a new session); if
+    another writer appended since, :class:`ConcurrentAppendError` is raised and nothing is written.
+    Retrying with the same ``idempotency_key`` returns the original event's seq and writes nothing.
+    A payload deeper or larger than ``limits`` (and any field its type does not declare) is
+    refused with :class:`InvalidEventError` before anything is written.
+    """
+    req = _prepare(
+        session_id,
+        agent_id,
+        event_type,
+        payload,
+        expected_position,
+        idempotency_key,
+        outbox,
+        limits,
+    )
+    return _drive(conn, req)
+
+
+async def append_async(
+    conn: psycopg.AsyncConnection[Any],
+    session_id: uuid.UUID | str,
+    agent_id: str,
+    event_type: str,
+    payload: Any,
+    *,
+    expected_position: int | None = None,
+    idempotency_key: str | None = None,
+    outbox: Sequence[OutboxItem] = (),
+    limits: Limits = DEFAULT_LIMITS,
+) -> AppendResult:
+    """The async twin of :func:`append`."""
+    req = _prepare(
+        session_id,
+        agent_id,
+        event_type,
+        payload,
+        expected_position,
+        idempotency_key,
+        outbox,
+        limits,
+    )
+    return await _drive_async(conn, req)
+
+
+def session_head(conn: psycopg.Connection[Any], session_id: uuid.UUID | str) -> int:
+    """The session's current position (0 if it has no events)."""
+    row = conn.execute(_SELECT_HEAD, (_session_uuid(session_id),)).fetchone()
+    return int(row[0]) if row else 0
+
+
+async def session_head_async(
+    conn: psycopg.AsyncConnection[Any], session_id: uuid.UUID | str
+) -> int:
+    """The async twin of :func:`session_head`."""
+    cur = await conn.execute(_SELECT_HEAD, (_session_uuid(session_id),))
+    row = await cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+class WriteTransaction:
+    """Appends that commit together (what :meth:`Ledger.transaction` yields): on one
+    connection, inside one database transaction."""
+
+    def __init__(self, conn: psycopg.Connection[Any], limits: Limits = DEFAULT_LIMITS) -> None:
+        self.conn = conn
+        self.limits = limits
+        self.results: list[AppendResult] = []
+
+    def append(
+        self,
+        session_id: uuid.UUID | str,
+        agent_id: str,
+        event_type: str,
+        payload: Any,
+        *,
+        expected_position: int | None = None,
+        idempotency_key: str | None = None,
+        outbox: Sequence[OutboxItem] = (),
+    ) -> AppendResult:
+        res = append(
+            self.conn,
+            session_id,
+            agent_id,
+            event_type,
+            payload,
+            expected_position=expected_position,
+            idempotency_key=idempotency_key,
+            outbox=outbox,
+            limits=self.limits,
+        )
+        self.results.append(res)
+        return res
+
+
+class AsyncWriteTransaction:
+    """The async twin of :class:`WriteTransaction`."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any], limits: Limits = DEFAULT_LIMITS) -> None:
+        self.conn = conn
+        self.limits = limits
+        self.results: list[AppendResult] = []
+
+    async def append(
+        self,
+        session_id: uuid.UUID | str,
+        agent_id: str,
+        event_type: str,
+        payload: Any,
+        *,
+        expected_position: int | None = None,
+        idempotency_key: str | None = None,
+        outbox: Sequence[OutboxItem] = (),
+    ) -> AppendResult:
+        res = await append_async(
+            self.conn,
+            session_id,
+            agent_id,
+            event_type,
+            payload,
+            expected_position=expected_position,
+            idempotency_key=idempotency_key,
+            outbox=outbox,
+            limits=self.limits,
+        )
+        self.results.append(res)
+        return res
+
+
+def _one_of(**given: object) -> str:
+    named = [k for k, v in given.items() if v is not None]
+    if len(named) != 1:
+        raise ValueError(
+            f"give exactly one of {', '.join(given)} (got {', '.join(named) or 'none'})"
+        )
+    return named[0]
+
+
+def _probe(dsn: str) -> None:
+    """Connect once, so a wrong DSN fails now, in one line, rather than as a pool timeout."""
+    from ledger_cdc.connect import connect
+
+    connect(dsn).close()
+
+
+class Ledger:
+    """The writer; safe to share between threads.
+
+    From a DSN it keeps a pool (``psycopg_pool.ConnectionPool``, at most ``pool_size``
+    connections): each :meth:`append`, and each :meth:`transaction` for as long as it lasts,
+    holds a connection of its own, so threads append in parallel. From your pool (``pool=``)
+    it does the same with it. From one connection (``conn=``) it serialises: an append or a
+    transaction holds the connection under a lock until it ends, so threads never interleave
+    statements of one transaction. Each append outside :meth:`transaction` commits by itself.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        conn: psycopg.Connection[Any] | None = None,
+        pool: ConnectionPool[Any] | None = None,
+        pool_size: int = 4,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        kind = _one_of(dsn=dsn, conn=conn, pool=pool)
+        self.limits = limits
+        self._conn = conn
+        self._lock = threading.RLock()
+        self._own = kind == "dsn"
+        self._pool = pool
+        if dsn is not None:
+            _probe(dsn)
+            self._pool = ConnectionPool(
+                dsn,
+                min_size=1,
+                max_size=pool_size,
+                kwargs={"autocommit": True},
+                open=True,
+                name="ledger-cdc",
+            )
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A connection of this writer's for the length of the block (taken from the pool, or
+        the one connection, held under the lock)."""
+        if self._pool is not None:
+            with self._pool.connection() as conn:
+                yield conn
+        else:
+            assert self._conn is not None
+            with self._lock:
+                yield self._conn
+
+    def append(
+        self,
+        session_id: uuid.UUID | str,
+        agent_id: str,
+        event_type: str,
+        payload: Any,
+        *,
+        expected_position: int | None = None,
+        idempotency_key: str | None = None,
+        outbox: Sequence[OutboxItem] = (),
+    ) -> AppendResult:
+        """Append one event (see :func:`append`), committed by itself."""
+        with self.connection() as conn:
+            return append(
+                conn,
+                session_id,
+                agent_id,
+                event_type,
+                payload,
+                expected_position=expected_position,
+                idempotency_key=idempotency_key,
+                outbox=outbox,
+                limits=self.limits,
+            )
+
+    @contextmanager
+    def transaction(self) -> Iterator[WriteTransaction]:
+        """Appends made on the yielded object commit together, or not at all."""
+        with self.connection() as conn, conn.transaction():
+            yield WriteTransaction(conn, self.limits)
+
+    def head(self, session_id: uuid.UUID | str) -> int:
+        """The session's current position (0 if it has no events)."""
+        with self.connection() as conn:
+            return session_head(conn, session_id)
+
+    def close(self) -> None:
+        if self._own and self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncLedger:
+    """The async twin of :class:`Ledger`, safe to share between tasks; create it with
+    ``await AsyncLedger.connect(dsn)`` (a pool of ``pool_size`` connections), or from your
+    ``AsyncConnectionPool`` (``pool=``) or one connection (``conn=``, serialised by a lock)."""
+
+    def __init__(
+        self,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+        *,
+        pool: AsyncConnectionPool[Any] | None = None,
+        own: bool = False,
+        dsn: str | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        _one_of(conn=conn, pool=pool)
+        self.limits = limits
+        self._conn = conn
+        self._pool = pool
+        self._own = own
+        self._dsn = dsn
+        self._lock: asyncio.Lock | None = None
+
+    @classmethod
+    async def connect(
+        cls, dsn: str, *, pool_size: int = 4, limits: Limits = DEFAULT_LIMITS
+    ) -> AsyncLedger:
+        await asyncio.to_thread(_probe, dsn)
+        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=pool_size,
+            kwargs={"autocommit": True},
+            open=False,
+            name="ledger-cdc",
+        )
+        await pool.open()
+        return cls(pool=pool, own=True, dsn=dsn, limits=limits)
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A connection of this writer's for the length of the block."""
+        if self._pool is not None:
+            async with self._pool.connection() as conn:
+                yield conn
+        else:
+            assert self._conn is not None
+            if self._lock is None:
+                self._lock = asyncio.Lock()
+            async with self._lock:
+                yield self._conn
+
+    async def append(
+        self,
+        session_id: uuid.UUID | str,
+        agent_id: str,
+        event_type: str,
+        payload: Any,
+        *,
+        expected_position: int | None = None,
+        idempotency_key: str | None = None,
+        outbox: Sequence[OutboxItem] = (),
+    ) -> AppendResult:
+        """Append one event (see :func:`append`), committed by itself."""
+        async with self.connection() as conn:
+            return await append_async(
+                conn,
+                session_id,
+                agent_id,
+                event_type,
+                payload,
+                expected_position=expected_position,
+                idempotency_key=idempotency_key,
+                outbox=outbox,
+                limits=self.limits,
+            )
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncWriteTransaction]:
+        """Appends made on the yielded object commit together, or not at all."""
+        async with self.connection() as conn, conn.transaction():
+            yield AsyncWriteTransaction(conn, self.limits)
+
+    async def head(self, session_id: uuid.UUID | str) -> int:
+        async with self.connection() as conn:
+            return await session_head_async(conn, session_id)
+
+    def pending_runs(self, **options: Any) -> AsyncIterator[Any]:
+        """Runs ready to lease, as they become ready (see
+        :func:`ledger_cdc.client.read.pending_runs`; listens on a connection of its own, to the
+        projections' database: pass ``dsn=`` when the projections live elsewhere or this ledger
+        was built from a connection)."""
+        dsn = options.pop("dsn", None) or self._dsn
+        if dsn is None:
+            raise ConfigError("pending_runs needs a DSN: use AsyncLedger.connect(dsn) or dsn=")
+        return pending_runs(dsn, **options)
+
+    async def close(self) -> None:
+        if self._own:
+            if self._pool is not None:
+                await self._pool.close()
+            elif self._conn is not None:
+                await self._conn.close()
+
+    async def __aenter__(self) -> AsyncLedger:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,48 @@
+"""The consumer's settings (what ``ledger-cdc consume`` takes as options)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ledger_cdc.admin.health import Thresholds
+from ledger_cdc.fold import Reducers
+from ledger_cdc.names import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, RUNS_CHANNEL
+
+__all__ = ["ConsumerConfig"]
+
+
+@dataclass
+class ConsumerConfig:
+    dsn: str
+    slot: str = DEFAULT_SLOT
+    publication: str = DEFAULT_PUBLICATION
+    target_dsn: str | None = None
+    create_slot: bool = False
+    batch_size: int = 20000
+    max_delay: float = 0.05
+    snapshot_every: int = 100
+    heartbeat_interval: float | None = None
+    status_interval: float = 2.0
+    proto_version: int = 2
+    streaming: bool = True
+    # bytes for what grows with the data: buffered transactions (35 %), the session cache
+    # (15 %), the batch in hand (15 %) and what sealing a batch adds for a moment
+    memory_limit: int = 512 * 1024 * 1024
+    spill_dir: str | None = None
+    reconnect_base: float = 0.1
+    reconnect_cap: float = 5.0
+    table: str = LEDGER_TABLE
+    on_slot_lost: str = "resync"  # or "exit"
+    health_interval: float = 10.0
+    notify_channel: str = RUNS_CHANNEL  # NOTIFY channel for runs ready to lease
+    lease_watch_interval: float = 1.0  # seconds between looks for expired leases (0: off)
+    partition_ensure_interval: float = 3600.0  # partitioned ledgers: create partitions ahead
+    partitions_ahead: int = 3
+    standby_poll: float = 0.5  # seconds between tries for a slot another consumer holds
+    sink_idle_timeout: float = 10.0  # server ends a sink transaction left idle this long
+    sinks: tuple[str, ...] = ()  # extra sinks: nats://host:port[,…] (PostgreSQL is always on)
+    notify_sessions: bool = True  # NOTIFY ledger_sessions '<session>:<position>' per change
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    progress: Callable[[int, int], None] | None = None  # bootstrap progress (done, total)
+    reducers: Reducers | None = None  # None: the process's default reducers

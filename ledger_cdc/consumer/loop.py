@@ -1,0 +1,565 @@
+"""The consumer loop: it connects, reads, hands each message to the stages, flushes, settles,
+confirms and reconnects. What it decides by rule lives in the stages' own objects:
+
+- :class:`~ledger_cdc.stream.route.LedgerStream`: bytes → committed ledger transactions
+  (routing, dead-letter shaping, heartbeats);
+- :class:`~ledger_cdc.sink.batch.BatchBuilder`: transactions → the batch one sink transaction
+  writes (fold, snapshot policy, run-ready notices, memory budget);
+- :class:`~ledger_cdc.consumer.policy.FlushPolicy`: when the batch in hand goes to the sink;
+- :class:`~ledger_cdc.sink.worker.SinkWorker`: the sink on a thread of its own (group commit);
+- :mod:`~ledger_cdc.consumer.resync`: a bootstrap from the table as of an exported snapshot;
+- :mod:`~ledger_cdc.consumer.tasks`: heartbeat, lease watch, partition keeper, slot guard.
+
+The LSN confirmed to the server is the end LSN of the last transaction whose projections are
+committed, never more; with nothing in flight, the WAL end of keepalives and heartbeats is
+confirmed too, so an idle slot keeps advancing. A lost connection, terminated walsender or
+restarted server is retried with :class:`~ledger_cdc.retry.Backoff`, from the stored checkpoint,
+dropping whatever was in flight (the server sends it again; transactions at or below the
+checkpoint are skipped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from psycopg import sql
+
+from ledger_cdc.admin.schema import drop_slot
+from ledger_cdc.consumer.config import ConsumerConfig
+from ledger_cdc.consumer.metrics import Metrics
+from ledger_cdc.consumer.policy import FlushPolicy
+from ledger_cdc.consumer.resync import History, connected, count_unfolded, preflight
+from ledger_cdc.consumer.tasks import (
+    Periodic,
+    SlotGuard,
+    heartbeat,
+    lease_watch,
+    partition_keeper,
+)
+from ledger_cdc.errors import ConfigError, FencedError, LedgerError, RetryableError
+from ledger_cdc.fold import default_reducers
+from ledger_cdc.lsn import format_lsn
+from ledger_cdc.retry import Backoff
+from ledger_cdc.sink.base import BOOTSTRAPPING, Sink
+from ledger_cdc.sink.batch import (
+    LOAD_AT_ONCE,
+    Batch,
+    BatchBuilder,
+    SessionCache,
+    SnapshotPolicy,
+)
+from ledger_cdc.sink.postgres import PgSink
+from ledger_cdc.sink.worker import SinkWorker
+from ledger_cdc.stream.assemble import SpilledItems, Transaction
+from ledger_cdc.stream.route import Anomaly, Item, LedgerStream
+from ledger_cdc.stream.transport import (
+    ReplicationStream,
+    SlotBusyError,
+    SlotError,
+    SlotLostError,
+    Transport,
+)
+
+__all__ = ["Consumer", "ConsumerConfig", "Metrics", "count_unfolded"]
+
+log = logging.getLogger("ledger_cdc.consumer")
+
+_PG_EPOCH = 946684800.0  # 2000-01-01 in Unix seconds
+_HEALTHY_AFTER = 30.0  # seconds of streaming after which a failure starts the backoff over
+
+
+class Consumer:
+    """Runs until :meth:`stop` (or SIGINT/SIGTERM, after :meth:`install_signal_handlers`).
+
+    ``sink`` and ``transport`` default to the PostgreSQL projections of ``config.target_dsn``
+    (or ``config.dsn``) and the slot's replication stream; given (an in-memory sink, a stream
+    of prepared bytes), the loop runs without a server, and without the preflight checks and
+    periodic tasks, which talk to one."""
+
+    def __init__(
+        self,
+        config: ConsumerConfig,
+        *,
+        on_batch: Callable[[Batch, Metrics], None] | None = None,
+        sink: Sink | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.on_batch = on_batch
+        self._stop = threading.Event()
+        self._standalone = sink is not None or transport is not None
+        if sink is None:
+            pg = PgSink(
+                config.target_dsn or config.dsn,
+                config.slot,
+                idle_timeout=config.sink_idle_timeout,
+                publication=config.publication,
+            )
+            for url in config.sinks:
+                from ledger_cdc.sink.jetstream import JetStreamPublisher, JetStreamSettings
+
+                pg.publishers.append(
+                    JetStreamPublisher(JetStreamSettings.from_url(url), config.slot)
+                )
+            sink = pg
+        self.sink: Sink = sink
+        self.stream: Transport = transport or ReplicationStream(
+            config.dsn,
+            config.slot,
+            config.publication,
+            proto_version=config.proto_version,
+            streaming=config.streaming,
+            status_interval=config.status_interval,
+        )
+        self.reducers = config.reducers or default_reducers()
+        # of the memory limit: 35 % buffered transactions, 15 % the cache, 15 % the batch in
+        # hand; the rest is headroom for what a batch transiently adds (its encoded rows)
+        limit = config.memory_limit
+        self._budget = max(1, limit * 15 // 100)
+        self._cache = SessionCache(limit * 15 // 100)
+        self.builder = BatchBuilder(
+            load=self.sink.load_contexts_sized,
+            cache=self._cache,
+            budget=self._budget,
+            reducers=self.reducers,
+            snapshots=SnapshotPolicy(config.snapshot_every),
+            channel=config.notify_channel,
+            notify_sessions=config.notify_sessions,
+            publish=bool(self.sink.publishers),
+            spill_dir=config.spill_dir,
+            on_anomaly=self._on_anomaly,
+        )
+        self.flush_policy = FlushPolicy(config.batch_size, self._budget, config.max_delay)
+        self._worker = SinkWorker(self.sink)
+        self._guard = SlotGuard(config.slot, config.thresholds, self.metrics)
+        self._backoff = Backoff(
+            base=config.reconnect_base, cap=config.reconnect_cap, healthy_after=_HEALTHY_AFTER
+        )
+        self._standing_by = False
+        self._nonce = os.urandom(12).hex()  # marks this process's heartbeats
+        self._reset_stream_state(0)
+
+    # -- control --------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: Any) -> None:
+            log.info("signal %s: finishing the current batch", signum)
+            self.stop()
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+    def _reset_stream_state(self, checkpoint: int) -> None:
+        self.ledger = LedgerStream(
+            skip_upto=checkpoint,
+            memory_limit=self.config.memory_limit * 35 // 100,
+            spill_dir=self.config.spill_dir,
+            table=self.config.table,
+            nonce=self._nonce,
+            on_heartbeat=self._on_heartbeat,
+            on_count=self.metrics.count,
+        )
+        self.assembler = self.ledger.assembler
+        self._pending: list[Transaction[Item]] = []
+        self.flush_policy.reset()
+        self._idle_lsn: int | None = None  # heartbeat LSN to confirm when nothing is in flight
+        self._idle_hb_at: float | None = None
+        self._submitted_lsn = checkpoint
+
+    # -- main loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Stream until stopped; reconnects by itself on connection failures."""
+        # The session cache is a large, long-lived object graph: the default collector thresholds
+        # rescan it again and again while every message allocates. Collect far less often.
+        gc.set_threshold(50_000, 50, 1000)
+        cfg = self.config
+        try:
+            if not self._standalone:
+                while not self._stop.is_set():  # permanent problems stop here, within seconds
+                    try:
+                        preflight(cfg.dsn, cfg.publication, cfg.target_dsn)
+                        break
+                    except RetryableError as e:
+                        self._back_off(str(e))
+                self._start_tasks()
+            while not self._stop.is_set():
+                try:
+                    self._attempt()
+                except RetryableError as e:  # connection lost, server restarting, NATS …
+                    self._back_off(str(e))
+        finally:
+            self._worker.wait()
+            with contextlib.suppress(Exception):
+                self._worker.take()
+            self._worker.close()
+            self.stream.close()
+            self.sink.shutdown()
+
+    def _attempt(self) -> None:
+        """Connect and stream until something stops it. Everything but a retryable error is
+        handled here; that one is the caller's."""
+        try:
+            self._connect()
+            self._backoff.succeeded()
+            if self._standing_by:
+                self._standing_by = False
+                self.metrics.extra["standby"] = 0.0
+                log.warning("slot %s acquired: this consumer is active now", self.config.slot)
+            self._stream_loop()
+        except SlotLostError as e:
+            self._recover()
+            self._slot_lost(e)
+        except SlotBusyError as e:
+            self._stand_by(e)
+        except FencedError as e:
+            # another consumer moved the checkpoint: we wrote nothing; wait for the slot
+            log.warning("%s", e)
+            self._recover()
+            self._standing_by = True
+            self._stop.wait(self.config.standby_poll)
+
+    def _stand_by(self, e: SlotBusyError) -> None:
+        """Hot standby: another consumer streams the slot. Try again every ``standby_poll``
+        seconds (no backoff): the server frees the slot as soon as the active consumer's
+        connection closes, so a dead consumer is replaced within about a second."""
+        if not self._standing_by:
+            self._standing_by = True
+            log.warning("%s; standing by (retrying every %.1fs)", e, self.config.standby_poll)
+        self.metrics.extra["standby"] = 1.0
+        self._recover()
+        self._stop.wait(self.config.standby_poll)
+
+    def _back_off(self, why: str) -> None:
+        """After a failure: recover, then wait (capped exponential backoff with jitter)."""
+        self.metrics.reconnects += 1
+        delay = self._backoff.failed()
+        log.warning("%s; reconnecting in %.2fs", why, delay)
+        self._recover()
+        self._stop.wait(delay)
+
+    def _recover(self) -> None:
+        """After a failure: let the sink finish what it has, forget what it had not."""
+        self._worker.wait()
+        with contextlib.suppress(Exception):
+            self._worker.take()
+        self.stream.close()
+        self.sink.close()
+        self._cache.clear()
+
+    def _connect(self) -> None:
+        checkpoint = self.sink.load_checkpoint() or 0
+        self._cache.clear()  # the projections may have moved on without us (fencing)
+        if self.sink.epoch == BOOTSTRAPPING:
+            log.warning(
+                "a bootstrap of slot %s was interrupted; starting it again", self.config.slot
+            )
+            self._bootstrap(drop=True)
+            return
+        self._reset_stream_state(checkpoint)
+        try:
+            self.stream.start(checkpoint)
+        except SlotError:
+            if not self.config.create_slot:
+                raise
+            log.info(
+                "slot %s does not exist: creating it and folding the ledger's history",
+                self.config.slot,
+            )
+            self._bootstrap(drop=False)
+            return
+        except SlotLostError as e:
+            self._slot_lost(e)
+            return
+        self.metrics.confirmed_lsn = self.stream.confirmed
+        log.info("streaming slot %s from %s", self.config.slot, format_lsn(checkpoint))
+
+    def _slot_lost(self, e: SlotLostError) -> None:
+        self.metrics.count("slot_resyncs_total")
+        if self.config.on_slot_lost == "exit":
+            log.error("%s; exiting (--on-slot-lost exit)", e)
+            raise e
+        log.error("%s; resynchronising from the ledger table", e)
+        self._bootstrap(drop=True)
+
+    def _bootstrap(self, *, drop: bool) -> None:
+        """Create the slot with an exported snapshot, fold what the projections lack from the
+        table as of that snapshot, then stream from the slot's consistent point: no gap (the
+        stream has everything committed after the snapshot) and no double (what the snapshot
+        holds is not in the stream; what a projection already folded is skipped by position)."""
+        cfg = self.config
+        self.sink.mark_bootstrap()  # a crash from here on makes the next start redo all of it
+        if drop:
+            drop_slot(cfg.dsn, cfg.slot, force=True)
+        try:
+            consistent, snapshot = self.stream.create_slot_exported()
+        except ConfigError:
+            if not drop:  # nothing was lost: the next start need not take this for a bootstrap
+                self.sink.unmark_bootstrap()
+            raise
+        positions = self.sink.positions()
+        self._reset_stream_state(consistent)
+        self._cache.clear()
+        with connected(cfg.dsn, "ledger database (bootstrap)", autocommit=False) as src:
+            src.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            src.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+            history = History(
+                src,
+                positions,
+                lsn=consistent,
+                version=self.reducers.version,
+                other_database=bool(cfg.target_dsn),
+                progress=cfg.progress,
+            )
+            txn: Transaction[Item] = Transaction(0, consistent, consistent, 0, [])
+            events, dead = self._apply_big(txn, history, epoch=0, grouped=True)
+            src.rollback()
+        # the snapshot is no longer needed: everything after it comes from the stream
+        history.done()
+        self._submitted_lsn = consistent
+        self.stream.start(consistent, reuse=True)
+        self._confirmed(consistent, 0, events, dead, None, None)
+        log.info(
+            "slot %s created at %s; %d events folded from the table",
+            cfg.slot,
+            format_lsn(consistent),
+            history.folded,
+        )
+
+    def _stream_loop(self) -> None:
+        stream = self.stream
+        worker = self._worker
+        feed = self.ledger.feed
+        take = self._take
+        policy = self.flush_policy
+        stopping = self._stop.is_set
+        metrics = self.metrics
+        lost = self._guard.lost
+        read_many = stream.read_many
+        while True:
+            if worker.done:
+                self._settle()
+            if lost.is_set():
+                lost.clear()
+                raise SlotLostError(f"slot {self.config.slot} was invalidated (wal_status lost)")
+            msgs = read_many(256)
+            if msgs:
+                metrics.server_wal_end = msgs[-1].wal_end
+                msgs.reverse()  # popped as handled: a large message is not held to the end
+                while msgs:
+                    msg = msgs.pop()
+                    txns = feed(msg.payload, msg.data_start)
+                    if txns:
+                        take(txns)
+                del msg
+                if policy.full:
+                    self._flush(wait=True)  # the batch is full: wait for the sink if it is busy
+                elif policy.overdue(worker.busy):
+                    self._flush()
+                if stopping():
+                    self._drain()  # finish the batch in hand, commit, confirm
+                    return
+                continue
+            # nothing ready: hand what we have to the sink (if it is free), confirm an idle
+            # position, then wait for the socket or for the sink to finish
+            if (self._pending or self._idle_lsn is not None) and not worker.busy:
+                self._flush()
+            metrics.server_wal_end = max(metrics.server_wal_end, stream.wal_end)
+            # (only when every batch handed to the sink has been settled as committed: the
+            # WAL end must never pass a batch whose commit failed or is still unknown)
+            if (
+                not worker.busy
+                and self._submitted_lsn <= stream.confirmed
+                and not self.assembler.in_flight
+                and not self._pending
+                and stream.wal_end > stream.confirmed
+            ):
+                stream.confirm(stream.wal_end)
+                metrics.confirmed_lsn = stream.confirmed
+            if stopping():
+                self._drain()
+                return
+            stream.wait(policy.wait_timeout(), worker.wakeup_fd)
+
+    def _drain(self) -> None:
+        self._worker.wait()
+        self._settle()
+        if self._pending or self._idle_lsn is not None:
+            self._flush(wait=True)
+            self._worker.wait()
+            self._settle()
+
+    # -- what the stream stage hands over -------------------------------------------------------
+
+    def _take(self, txns: list[Transaction[Item]]) -> None:
+        for t in txns:
+            if t.spilled or t.size > self._budget:
+                self._big(t)
+                continue
+            self._pending.append(t)
+            self.flush_policy.add(len(t.items), t.size)
+
+    def _on_heartbeat(self, lsn: int, sent: float) -> None:
+        """Our own heartbeat, back through the slot: the end-to-end lag, and an idle position to
+        confirm."""
+        self.metrics.heartbeat_lag = max(0.0, time.time() - sent)
+        if not self.assembler.in_flight:
+            self._idle_lsn = lsn
+            self._idle_hb_at = sent
+
+    def _on_anomaly(self, anomaly: Anomaly) -> None:
+        self.metrics.anomalies += 1
+
+    def _big(self, txn: Transaction[Item]) -> None:
+        """A transaction over the batch budget: folded in parts as it is read back, committed
+        with its checkpoint, confirmed."""
+        items = txn.items
+        if isinstance(items, SpilledItems):
+            sized: Iterable[tuple[Item, int]] = items.sized()
+        else:  # in memory: its share of the budget is known
+            share = txn.size // max(1, len(items))
+            sized = ((it, share) for it in items)
+        # a few changes need no sorting by session: they are one window of loads anyway
+        events, dead = self._apply_big(txn, sized, epoch=None, grouped=len(items) <= LOAD_AT_ONCE)
+        self._submitted_lsn = max(self._submitted_lsn, txn.end_lsn)
+        self._confirmed(txn.end_lsn, 1, events, dead, txn.commit_ts, time.time())
+
+    def _apply_big(
+        self,
+        txn: Transaction[Item],
+        sized: Iterable[tuple[Item, int]],
+        *,
+        epoch: int | None,
+        grouped: bool,
+    ) -> tuple[int, int]:
+        """Everything before it committed first, then one big transaction folded in parts and
+        written in chunks inside one sink transaction that ends with its checkpoint. Returns
+        (events folded, dead letters), once committed."""
+        self._drain_pending()
+        run, chunks, finish = self.builder.big(
+            txn, sized, epoch=epoch, grouped=grouped, write_part=self.sink.write_part
+        )
+        with self.stream.keepalive_during():
+            self.sink.commit_chunked(chunks, finish)
+        return run.events, run.dead
+
+    # -- flushing -------------------------------------------------------------------------------
+
+    def _flush(self, *, wait: bool = False) -> None:
+        """Fold the pending transactions (as many as fit a batch) and hand the batch to the
+        sink worker."""
+        worker = self._worker
+        if worker.busy:
+            if not wait:
+                return
+            with self.stream.keepalive_during():
+                worker.wait()
+        self._settle()
+        txns, self._pending = self._pending, []
+        batch, rest = self.builder.fold(txns) if txns else (Batch(end_lsn=0), [])
+        self._pending = rest
+        self.flush_policy.reset(sum(len(t.items) for t in rest), sum(t.size for t in rest))
+        hb_at = None
+        if not rest and self._idle_lsn is not None and not self.assembler.in_flight:
+            if self._idle_lsn > batch.end_lsn:
+                batch.end_lsn = self._idle_lsn
+            hb_at = self._idle_hb_at
+            self._idle_lsn = self._idle_hb_at = None
+        if batch.end_lsn <= self._submitted_lsn:
+            return
+        batch.heartbeat_at = hb_at
+        self._submitted_lsn = batch.end_lsn
+        worker.submit(batch)
+
+    def _drain_pending(self) -> None:
+        """Commit everything folded or pending before what comes next, in order."""
+        while self._pending or self._worker.busy:
+            self._flush(wait=True)
+            with self.stream.keepalive_during():
+                self._worker.wait()
+            self._settle()
+
+    def _settle(self) -> None:
+        """If the sink finished a batch: confirm its LSN (raise what it raised)."""
+        batch = self._worker.take()
+        if batch is None:
+            return
+        self._confirmed(
+            batch.end_lsn,
+            batch.transactions,
+            batch.events,
+            len(batch.dead_letters),
+            batch.last_commit_ts,
+            batch.committed_at,
+        )
+        if self.on_batch is not None:
+            self.on_batch(batch, self.metrics)
+
+    def _confirmed(
+        self,
+        end_lsn: int,
+        transactions: int,
+        events: int,
+        dead: int,
+        last_commit_ts: int | None,
+        committed_at: float | None,
+    ) -> None:
+        """What the sink committed is durable: confirm it to the server, count it."""
+        self.stream.confirm(end_lsn)
+        m = self.metrics
+        m.confirmed_lsn = end_lsn
+        m.skipped_transactions = self.assembler.skipped
+        m.spills = self.assembler.spills
+        m.batches += 1
+        m.transactions += transactions
+        m.events += events
+        m.dead_letters += dead
+        if last_commit_ts:
+            m.last_commit_ts = _PG_EPOCH + last_commit_ts / 1e6
+            m.last_applied_at = committed_at
+
+    # -- periodic tasks -------------------------------------------------------------------------
+
+    def _start_tasks(self) -> None:
+        cfg, stop = self.config, self._stop
+        if cfg.heartbeat_interval:
+            Periodic(
+                "heartbeat", cfg.heartbeat_interval, cfg.dsn, heartbeat(cfg.slot, self._nonce), stop
+            ).start()
+        if cfg.health_interval:
+            Periodic(
+                "slot check", cfg.health_interval, cfg.dsn, self._guard, stop, errors=(ValueError,)
+            ).start()
+        if cfg.lease_watch_interval:
+            Periodic(
+                "lease watch",
+                cfg.lease_watch_interval,
+                cfg.target_dsn or cfg.dsn,
+                lease_watch(cfg.notify_channel),
+                stop,
+            ).start()
+        if cfg.partition_ensure_interval:
+            Periodic(
+                "partitions",
+                cfg.partition_ensure_interval,
+                cfg.dsn,
+                partition_keeper(cfg.partitions_ahead),
+                stop,
+                first=0.0,
+                retry=min(cfg.partition_ensure_interval, 60.0),
+                errors=(LedgerError,),
+                level=logging.WARNING,
+                failure="could not create the upcoming partitions",
+            ).start()

@@ -1,0 +1,180 @@
+"""Resync: the ledger table read as of a slot's exported snapshot, for a bootstrap (a new slot
+over existing history) or after a slot was lost. Also the preflight checks that no retry cures.
+
+:func:`history` yields what the projections lack, in session order, by a server-side cursor
+(never held whole): for sessions whose history was archived, their archive snapshot first
+(:func:`archived_bases`), then every row past their projection's position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+
+from ledger_cdc.admin.schema import load_migrations
+from ledger_cdc.client.read import load_events_sized
+from ledger_cdc.errors import ConfigError, SchemaError, translate
+from ledger_cdc.events import LedgerEvent
+from ledger_cdc.stream.assemble import estimate
+from ledger_cdc.stream.route import Base, Held, Item
+
+__all__ = ["History", "archived_bases", "check_schema", "connected", "count_unfolded", "preflight"]
+
+_PREFLIGHT = """
+SELECT current_setting('wal_level'),
+       (SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = session_user),
+       CASE WHEN to_regclass('ledger_migrations') IS NULL THEN NULL
+            ELSE (SELECT array_agg(version) FROM ledger_migrations) END,
+       EXISTS (SELECT FROM pg_publication WHERE pubname = %s)
+"""
+
+
+@contextlib.contextmanager
+def connected(dsn: str, what: str, *, autocommit: bool = True) -> Iterator[psycopg.Connection[Any]]:
+    """A short-lived connection whose failures leave translated (errors.translate)."""
+    try:
+        with psycopg.connect(dsn, autocommit=autocommit, connect_timeout=10) as conn:
+            yield conn
+    except psycopg.Error as e:
+        raise translate(e, dsn=dsn, doing=what) from e
+
+
+def check_schema(applied: list[int] | None, where: str) -> None:
+    want = {m.version for m in load_migrations()}
+    missing = sorted(want - set(applied or ()))
+    if applied is None:
+        raise SchemaError(f"{where} has no ledger schema: run `ledger-cdc init --dsn …` first")
+    if missing:
+        raise SchemaError(
+            f"{where} lacks migration(s) {', '.join(f'{v:04d}' for v in missing)} of this "
+            "version: run `ledger-cdc init --dsn …` (stop the consumer first)"
+        )
+
+
+def preflight(dsn: str, publication: str, target_dsn: str | None) -> None:
+    """What no retry cures is said at once, as one ConfigError with its fix: the server's
+    wal_level, the role's REPLICATION, the schema's migrations and the publication (and the
+    projection database's schema)."""
+    with connected(dsn, "ledger database") as conn:
+        row = conn.execute(_PREFLIGHT, (publication,)).fetchone()
+        assert row is not None
+        wal_level, replication, applied, has_pub = row
+        if wal_level != "logical":
+            raise ConfigError(
+                f"the server's wal_level is {wal_level!r}, not 'logical': logical decoding "
+                "is off (ALTER SYSTEM SET wal_level = logical, then restart the server)"
+            )
+        if not replication:
+            raise ConfigError(
+                "the role in --dsn lacks the REPLICATION attribute needed to stream a slot "
+                "(ALTER ROLE … REPLICATION; attributes are not inherited from "
+                "ledger_consumer)"
+            )
+        check_schema(applied, "the ledger database")
+        if not has_pub:
+            raise ConfigError(
+                f"publication {publication!r} does not exist in the ledger database: "
+                "run `ledger-cdc init` (with --shards N for shard publications)"
+            )
+    if target_dsn:
+        with connected(target_dsn, "projection database") as conn:
+            row = conn.execute(_PREFLIGHT, (publication,)).fetchone()
+            assert row is not None
+            check_schema(row[2], "the projection database (--target-dsn)")
+
+
+def count_unfolded(conn: psycopg.Connection[Any], positions: dict[uuid.UUID, int]) -> int:
+    """How many ledger rows lie past their session's projection (for the progress bar)."""
+    rows = conn.execute(
+        "SELECT session_id, count(*), max(position) FROM agent_events GROUP BY 1"
+    ).fetchall()
+    total = 0
+    for sid, n, top in rows:
+        done = positions.get(sid, 0)
+        total += int(n) if done == 0 else max(0, int(top) - done)
+    return total
+
+
+def archived_bases(
+    src: psycopg.Connection[Any],
+    positions: dict[uuid.UUID, int],
+    *,
+    version: str,
+    other_database: bool,
+) -> list[tuple[Item, int]]:
+    """For each session whose history up to some position was archived and whose projection
+    is behind that point: its archive snapshot (with its memo), to fold the rest on (and
+    ``positions`` moved to it). Only in the ledger's own database, where the archive keeps its
+    snapshots and memo rows; into another (``other_database``) the bootstrap is refused rather
+    than folded wrong."""
+    from ledger_cdc.admin.partitions import archived_heads
+    from ledger_cdc.admin.verify import _archive_base
+
+    out: list[tuple[Item, int]] = []
+    for sid, (upto, _, name) in archived_heads(src).items():
+        if positions.get(sid, 0) >= upto:
+            continue
+        if other_database:
+            raise ConfigError(
+                f"session {sid}: its history up to position {upto} was archived ({name}) and "
+                "the projection database lacks it: a bootstrap into another database cannot "
+                "rebuild it (bootstrap into the ledger's own database, which keeps the "
+                "archive snapshots, or restore the archive)"
+            )
+        base = _archive_base(src, sid, upto, version)
+        if base is None:
+            raise ConfigError(
+                f"session {sid}: its history up to position {upto} was archived ({name}) "
+                "and no usable snapshot covers it: the bootstrap cannot fold it (restore "
+                "the archive)"
+            )
+        positions[sid] = base.last_position
+        out.append((Base(base), 0))
+    return out
+
+
+class History:
+    """The rows a bootstrap folds, read inside the snapshot's transaction on ``src``.
+
+    Iterating yields (change, estimated bytes) grouped by session; ``folded`` counts the rows
+    read, ``total`` is what the progress bar expects (``progress(done, total)`` every 5,000)."""
+
+    def __init__(
+        self,
+        src: psycopg.Connection[Any],
+        positions: dict[uuid.UUID, int],
+        *,
+        lsn: int,
+        version: str,
+        other_database: bool,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.src = src
+        self.positions = positions
+        self.lsn = lsn
+        self.progress = progress
+        self.total = count_unfolded(src, positions)
+        self.folded = 0
+        if progress:
+            progress(0, self.total)
+        self.bases = archived_bases(src, positions, version=version, other_database=other_database)
+
+    def __iter__(self) -> Iterator[tuple[Item, int]]:
+        yield from self.bases
+        positions, progress, lsn = self.positions, self.progress, self.lsn
+        for ev, size in load_events_sized(self.src):
+            if ev.position <= positions.get(ev.session_id, 0):
+                continue
+            self.folded += 1
+            if progress and self.folded % 5000 == 0:
+                progress(self.folded, self.total)
+            item: Item = ev if type(ev) is LedgerEvent else Held(lsn, ev)  # type: ignore[arg-type]
+            yield item, estimate(size)
+
+    def done(self) -> None:
+        if self.progress:
+            self.progress(self.folded, self.folded)

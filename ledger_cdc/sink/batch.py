@@ -1,0 +1,555 @@
+"""Building a sink's batches from committed transactions (pure: no I/O, no clock).
+
+:class:`BatchBuilder` folds transactions into the sessions' contexts with the reducers it is
+given, in commit order, and shapes what one sink transaction writes (:class:`Batch`): the changed
+projections, the memo rows of the calls completed, the snapshots that came due
+(:class:`SnapshotPolicy`, always between two transactions, never inside one), the dead letters,
+the runs that became ready to lease and the change notices. Contexts come from a bounded
+:class:`SessionCache`; those it lacks are asked of the sink through the ``load`` callable.
+
+Memory is bounded by the consumer's limit M: the session cache takes 15 % of M (least recently
+used contexts evicted, by their estimated size), a batch 15 % (a batch ends at the transaction
+where it would pass it). A single transaction over it is folded in parts (:meth:`BatchBuilder.
+big`): the sink writes each part inside one database transaction that ends with the checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pickle
+import tempfile
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ledger_cdc.events import LedgerEvent, Rejected
+from ledger_cdc.fold import (
+    RUN_PENDING,
+    CompletedModel,
+    CompletedTool,
+    Reducers,
+    SessionContext,
+    SessionStatus,
+    completion,
+    decode_context,
+    encode_context,
+    encode_snapshot,
+)
+from ledger_cdc.lsn import format_lsn
+from ledger_cdc.names import RUNS_CHANNEL
+from ledger_cdc.stream.assemble import Transaction
+from ledger_cdc.stream.route import Anomaly, Base, Held, Item, rejected_row, session_of
+
+__all__ = [
+    "Batch",
+    "BatchBuilder",
+    "BigRun",
+    "DeadLetter",
+    "SessionCache",
+    "SnapshotPolicy",
+    "SnapshotRow",
+    "Tail",
+]
+
+log = logging.getLogger("ledger_cdc.consumer")
+
+LOAD_AT_ONCE = 512  # sessions whose contexts are loaded by one query
+CONTEXT_FACTOR = 3  # a decoded context holds about 3× its JSON in memory (measured)
+_ENDED = (SessionStatus.COMPLETED, SessionStatus.FAILED)
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    seq: int | None
+    session_id: uuid.UUID | None
+    lsn: int
+    kind: str  # quarantined | update | delete | truncate
+    reason: str
+    row: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotRow:
+    session_id: uuid.UUID
+    upto_seq: int
+    upto_position: int
+    reducer_version: str
+    content_hash: bytes
+    context: bytes  # canonical JSON of the snapshot (fold.encode_snapshot)
+    upto_hash: bytes | None = None  # chain hash of the event at upto_position, as streamed
+
+
+@dataclass
+class Batch:
+    """What one sink transaction writes."""
+
+    end_lsn: int
+    # session → (context, its canonical JSON, commit LSN, hash of its last event as streamed)
+    sessions: dict[uuid.UUID, tuple[SessionContext, bytes, int, bytes | None]] = field(
+        default_factory=dict
+    )
+    snapshots: list[SnapshotRow] = field(default_factory=list)
+    # (session, position of the completing event, the call it completed): agent_memo rows
+    memo: list[tuple[uuid.UUID, int, CompletedTool | CompletedModel]] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    heartbeat_at: float | None = None
+    transactions: int = 0
+    events: int = 0
+    last_commit_ts: int | None = None  # of the last transaction, µs since 2000-01-01
+    commit_times: list[int] = field(default_factory=list)  # each transaction's commit_ts
+    committed_at: float | None = None  # Unix time the sink transaction committed
+    epoch: int | None = None  # set the checkpoint's epoch (None: leave it)
+    notify: list[uuid.UUID] = field(default_factory=list)  # runs that became ready to lease
+    channel: str = RUNS_CHANNEL
+    session_notices: list[str] = field(default_factory=list)  # '<session>:<position>' changed
+    max_seq: int | None = None  # the highest seq this batch folded or quarantined
+    # a chunk of a big transaction: (session, event count, status, run status, leases) of each
+    # session it touched first, as they were before (commit_chunked)
+    touched: list[tuple[uuid.UUID, int, str, str | None, int | None]] = field(default_factory=list)
+    published: list[tuple[Any, int]] = field(default_factory=list)  # (event, commit LSN) to fan out
+
+
+class Tail(Protocol):
+    """What the last part of a big transaction reads, inside the sink's transaction."""
+
+    def due_snapshots(
+        self, every: int, size: int = 200
+    ) -> Iterator[list[tuple[uuid.UUID, str, bytes | None]]]: ...
+
+    def notify(self, channel: str, sessions: bool) -> None: ...
+
+
+@dataclass(frozen=True)
+class SnapshotPolicy:
+    """When a session's snapshot is due: its event count crossed a multiple of ``every`` in the
+    transaction, or the transaction ended the session (completed or failed). Decided at the end
+    of a transaction, from what the session was at its start."""
+
+    every: int = 100
+
+    def due(self, count_before: int, status_before: str, ctx: SessionContext) -> bool:
+        return self.crossed(count_before, status_before, ctx.event_count, ctx.status)
+
+    def crossed(self, count_before: int, status_before: str, count: int, status: str) -> bool:
+        """The rule on the bare figures (a sink that holds only a projection's columns)."""
+        every = self.every
+        if every > 0 and count // every != count_before // every:
+            return True
+        return status != status_before and status in _ENDED
+
+
+class SessionCache:
+    """Contexts by session, least recently used first, bounded by their estimated bytes
+    (CONTEXT_FACTOR × their JSON: what the Python objects take, measured)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.bytes = 0
+        self._ctx: OrderedDict[uuid.UUID, SessionContext] = OrderedDict()
+        self._size: dict[uuid.UUID, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._ctx)
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self._ctx
+
+    def get(self, sid: uuid.UUID) -> SessionContext | None:
+        return self._ctx.get(sid)  # recency is marked once per batch (touch), not per event
+
+    def touch(self, sid: uuid.UUID, size: int) -> None:
+        """A session the batch changed: most recently used now, at its new size."""
+        if sid in self._ctx:
+            self._ctx.move_to_end(sid)
+        self.resize(sid, size)
+
+    def put(self, sid: uuid.UUID, ctx: SessionContext, size: int) -> None:
+        self._ctx[sid] = ctx
+        self._ctx.move_to_end(sid)
+        self.resize(sid, size)
+
+    def resize(self, sid: uuid.UUID, size: int) -> None:
+        self.bytes += size - self._size.get(sid, 0)
+        self._size[sid] = size
+
+    def evict(self) -> None:
+        while self.bytes > self.budget and len(self._ctx) > 1:
+            sid, _ = self._ctx.popitem(last=False)
+            self.bytes -= self._size.pop(sid, 0)
+
+    def clear(self) -> None:
+        self._ctx.clear()
+        self._size.clear()
+        self.bytes = 0
+
+
+@dataclass
+class _Part:
+    """What a batch (or a part of a big transaction) has folded so far."""
+
+    batch: Batch
+    # session → (context, commit LSN, hash of its last event as streamed)
+    changed: dict[uuid.UUID, tuple[SessionContext, int, bytes | None]] = field(default_factory=dict)
+    runs_before: dict[uuid.UUID, tuple[str, int] | None] = field(default_factory=dict)
+    max_seq: int = 0
+    used: int = 0  # estimated bytes held: the changes folded
+
+
+class BigRun:
+    """One big transaction folded in parts: what its parts counted, once committed."""
+
+    def __init__(self, txn: Transaction[Item], epoch: int | None) -> None:
+        self.txn = txn
+        self.epoch = epoch
+        self.events = 0
+        self.dead = 0
+        self.max_seq = 0
+        self.last = self.part()
+
+    def part(self) -> _Part:
+        return _Part(Batch(end_lsn=self.txn.end_lsn))
+
+    def count(self, chunk: Batch) -> None:
+        self.events += chunk.events
+        self.dead += len(chunk.dead_letters)
+        self.max_seq = max(self.max_seq, chunk.max_seq or 0)
+
+
+_BUCKETS = 64
+
+
+def by_session(
+    sized: Iterable[tuple[Item, int]], directory: str | None
+) -> Iterator[tuple[Item, int]]:
+    """The same changes, grouped by session (a session's in their order) through _BUCKETS
+    temporary files: a few dozen changes in memory at a time."""
+    files: list[Any] = [None] * _BUCKETS
+    held: list[list[tuple[Item, int]]] = [[] for _ in range(_BUCKETS)]
+
+    def spill(k: int) -> None:
+        if files[k] is None:
+            files[k] = tempfile.TemporaryFile(prefix="ledger-cdc-group-", dir=directory)  # noqa: SIM115
+        pickle.dump(held[k], files[k], protocol=pickle.HIGHEST_PROTOCOL)
+        held[k] = []
+
+    try:
+        for pair in sized:
+            sid = session_of(pair[0])
+            k = 0 if sid is None else sid.int % _BUCKETS
+            held[k].append(pair)
+            if len(held[k]) >= 32:
+                spill(k)
+        for k in range(_BUCKETS):
+            f = files[k]
+            if f is not None:
+                f.seek(0)
+                while True:
+                    try:
+                        chunk: list[tuple[Item, int]] = pickle.load(f)
+                    except EOFError:
+                        break
+                    yield from chunk
+            yield from held[k]
+            held[k] = []
+    finally:
+        for f in files:
+            if f is not None:
+                f.close()
+
+
+Loader = Callable[[list[uuid.UUID]], dict[uuid.UUID, tuple[SessionContext, int]]]
+
+
+class BatchBuilder:
+    """Folds committed transactions into batches (see the module docstring).
+
+    ``load(session_ids)`` gives the projected context (and its estimated size) of each session
+    that has one; ``on_anomaly`` is told of each UPDATE / DELETE / TRUNCATE met."""
+
+    def __init__(
+        self,
+        *,
+        load: Loader,
+        cache: SessionCache,
+        budget: int,
+        reducers: Reducers,
+        snapshots: SnapshotPolicy,
+        channel: str = RUNS_CHANNEL,
+        notify_sessions: bool = True,
+        publish: bool = False,
+        spill_dir: str | None = None,
+        on_anomaly: Callable[[Anomaly], None] | None = None,
+    ) -> None:
+        self.load_contexts = load
+        self.cache = cache
+        self.budget = max(1, budget)
+        self.reducers = reducers
+        self.version = reducers.version
+        self.snapshots = snapshots
+        self.channel = channel
+        self.notify_sessions = notify_sessions
+        self.publish = publish
+        self.spill_dir = spill_dir
+        self.on_anomaly = on_anomaly
+        self._loaded_bytes = 0  # contexts loaded since the part in hand began (_Part.used)
+
+    # -- a batch of whole transactions -----------------------------------------------------------
+
+    def fold(self, txns: list[Transaction[Item]]) -> tuple[Batch, list[Transaction[Item]]]:
+        """Fold committed transactions into one batch, as many as fit its byte budget (at least
+        one): the batch, and the transactions left for the next."""
+        f = _Part(Batch(end_lsn=0))
+        rest: list[Transaction[Item]] = []
+        loaded_upto = 0
+        for i, txn in enumerate(txns):
+            before: dict[uuid.UUID, tuple[int, str]] = {}
+            items = txn.items
+            assert isinstance(items, list)
+            if i >= loaded_upto:
+                loaded_upto = self._load_for(txns, i)
+            f.used += self._loaded_bytes
+            self._loaded_bytes = 0
+            for it in items:
+                self._fold_item(f, it, txn, before)
+            self._cut_snapshots(f, before)
+            f.batch.transactions += 1
+            f.batch.end_lsn = txn.end_lsn
+            f.batch.commit_times.append(txn.commit_ts)
+            f.batch.last_commit_ts = txn.commit_ts
+            f.used += txn.size
+            if f.used > self.budget and i + 1 < len(txns):
+                rest = txns[i + 1 :]
+                break
+        self.seal(f)
+        return f.batch, rest
+
+    def _load_for(self, txns: list[Transaction[Item]], i: int) -> int:
+        """Load the contexts that the transactions from ``i`` on need and the cache lacks, up to
+        a few hundred sessions in one query; returns the index of the first transaction not
+        covered."""
+        cache = self.cache
+        missing: dict[uuid.UUID, None] = {}
+        j = i
+        while j < len(txns) and len(missing) < LOAD_AT_ONCE:
+            items = txns[j].items
+            assert isinstance(items, list)
+            for it in items:
+                sid = session_of(it)
+                if sid is not None and sid not in cache:
+                    missing[sid] = None
+            j += 1
+        self._load(list(missing))
+        return j
+
+    def _load(self, missing: list[uuid.UUID]) -> None:
+        """Bring these sessions into the cache: their projected context, or a new one for a
+        session without a projection (so that a session missing from the cache later was
+        evicted, and is read back)."""
+        if missing:
+            found = self.load_contexts(missing)
+            for sid in missing:
+                ctx, size = found.get(sid) or (SessionContext(sid), 0)
+                self.cache.put(sid, ctx, size)
+                self._loaded_bytes += size
+
+    def _fold_item(
+        self,
+        f: _Part,
+        it: Item,
+        txn: Transaction[Item],
+        before: dict[uuid.UUID, tuple[int, str]] | None,
+    ) -> None:
+        """One change into the batch: an event folded (or quarantined) into its session, or an
+        anomaly reported. ``before`` collects what each session was at the transaction's start
+        (the snapshot rule); None in a chunked transaction, whose chunks record it instead."""
+        kind = type(it)
+        if kind is Base:
+            assert isinstance(it, Base)
+            base: SessionContext = it.ctx
+            self.cache.put(base.session_id, base, 0)
+            f.changed[base.session_id] = (base, txn.commit_lsn, None)
+            return
+        if kind is Anomaly:
+            assert isinstance(it, Anomaly)
+            if self.on_anomaly is not None:
+                self.on_anomaly(it)
+            log.error(
+                "ledger %s seen at %s (seq %s): the append-only guard was bypassed; not folded",
+                it.kind.upper(),
+                format_lsn(it.lsn),
+                it.seq,
+            )
+            f.batch.dead_letters.append(
+                DeadLetter(
+                    it.seq,
+                    it.session_id,
+                    it.lsn,
+                    it.kind,
+                    f"{it.kind.upper()} on the append-only ledger",
+                    it.row,
+                )
+            )
+            return
+        ev: LedgerEvent | Rejected = it if kind is LedgerEvent else it.rejected  # type: ignore[assignment,union-attr]
+        sid = ev.session_id
+        ctx = self.cache.get(sid)
+        if ctx is None:  # evicted since it was loaded: its projection has what it had
+            self._load([sid])
+            ctx = self.cache.get(sid)
+            assert ctx is not None
+        if ev.position <= ctx.last_position:
+            return  # already folded (a projection ahead of a lost checkpoint)
+        changed = f.changed
+        if sid not in changed:
+            r = ctx.run
+            f.runs_before[sid] = None if r is None else (r.status, r.leases)
+            if before is None:  # a chunk records what the session was before the transaction
+                f.batch.touched.append(
+                    (
+                        sid,
+                        ctx.event_count,
+                        ctx.status,
+                        None if r is None else r.status,
+                        None if r is None else r.leases,
+                    )
+                )
+        if before is not None and sid not in before:
+            before[sid] = (ctx.event_count, ctx.status)
+        reason = self.reducers.fold_one(ctx, ev)
+        changed[sid] = (ctx, txn.commit_lsn, ev.hash)
+        if ev.seq > f.max_seq:
+            f.max_seq = ev.seq
+        if reason is not None:
+            lsn = it.lsn if kind is Held else txn.commit_lsn  # type: ignore[union-attr]
+            row = rejected_row(ev) if kind is Held else {"seq": ev.seq}  # type: ignore[arg-type]
+            f.batch.dead_letters.append(DeadLetter(ev.seq, sid, lsn, "quarantined", reason, row))
+            return
+        done = completion(ctx, ev)  # type: ignore[arg-type]
+        if done is not None:
+            f.batch.memo.append((sid, ev.position, done))
+        f.batch.events += 1
+        if self.publish:
+            f.batch.published.append((ev, txn.commit_lsn))
+
+    def _cut_snapshots(self, f: _Part, before: dict[uuid.UUID, tuple[int, str]]) -> None:
+        """Snapshots are cut here, between transactions, never inside one."""
+        due = self.snapshots.due
+        for sid, (count_before, status_before) in before.items():
+            ctx = f.changed[sid][0]
+            if due(count_before, status_before, ctx):
+                f.batch.snapshots.append(self.snapshot(ctx, f.changed[sid][2]))
+
+    def snapshot(self, ctx: SessionContext, head: bytes | None) -> SnapshotRow:
+        data = encode_snapshot(ctx)
+        return SnapshotRow(
+            ctx.session_id,
+            ctx.last_seq,
+            ctx.last_position,
+            self.version,
+            hashlib.sha256(data).digest(),
+            data,
+            head,
+        )
+
+    def seal(self, f: _Part, *, notices: bool = True) -> Batch:
+        """The batch's projections (each changed context, encoded), runs that became ready,
+        change notices; the cache brought back within its budget."""
+        batch = f.batch
+        for sid, (ctx, commit_lsn, head) in f.changed.items():
+            data = encode_context(ctx)
+            batch.sessions[sid] = (ctx, data, commit_lsn, head)
+            self.cache.touch(sid, CONTEXT_FACTOR * len(data))
+            if not notices:
+                continue
+            run = ctx.run
+            if run is not None and run.status == RUN_PENDING:
+                was = f.runs_before.get(sid)
+                if was is None or was != (RUN_PENDING, run.leases):
+                    batch.notify.append(sid)  # became ready to lease in this batch
+        batch.channel = self.channel
+        if notices and self.notify_sessions:
+            batch.session_notices = [
+                f"{sid}:{c.last_position}" for sid, (c, _, _) in f.changed.items()
+            ]
+        batch.max_seq = f.max_seq or None
+        self.cache.evict()
+        return batch
+
+    # -- one transaction too big for a batch ------------------------------------------------------
+
+    def big(
+        self,
+        txn: Transaction[Item],
+        sized: Iterable[tuple[Item, int]],
+        *,
+        epoch: int | None,
+        grouped: bool,
+        write_part: Callable[[Batch], None],
+    ) -> tuple[BigRun, Iterator[Batch], Callable[[Tail], Batch]]:
+        """A transaction too big for one batch (spilled, over the batch budget, or a bootstrap),
+        folded as its changes are read — from the spill file, or the table. Gives the run (what
+        it counted), the parts to write, and ``finish``, which writes the last part (with
+        ``write_part``, in the sink's transaction), the snapshots that came due and the
+        notifications, and returns the batch that commits it with its checkpoint.
+
+        Sessions are independent of one another and a session's changes keep their order, so
+        unless they come ``grouped`` by session already (a bootstrap reads them so), the changes
+        are first sorted into files by session: each session's context is then loaded once,
+        not once per part, however many sessions the transaction touches."""
+        run = BigRun(txn, epoch)
+
+        def chunks() -> Iterator[Batch]:
+            f = run.part()
+            ahead: list[tuple[Item, int]] = []
+            for pair in sized if grouped else by_session(sized, self.spill_dir):
+                ahead.append(pair)
+                if len(ahead) >= LOAD_AT_ONCE:
+                    f = yield from self._fold_ahead(run, f, ahead)
+                    ahead = []
+            run.last = yield from self._fold_ahead(run, f, ahead)
+
+        def finish(tail: Tail) -> Batch:
+            rest = self.seal(run.last, notices=False)
+            run.count(rest)
+            write_part(rest)  # in the projections before the tail reads them
+            for rows in tail.due_snapshots(self.snapshots.every):
+                snaps = [
+                    self.snapshot(self.cache.get(sid) or decode_context(text), head)
+                    for sid, text, head in rows
+                ]
+                write_part(Batch(end_lsn=txn.end_lsn, snapshots=snaps))
+            tail.notify(self.channel, self.notify_sessions)
+            final = Batch(end_lsn=txn.end_lsn, epoch=epoch, max_seq=run.max_seq or None)
+            if txn.commit_ts:
+                final.last_commit_ts = txn.commit_ts
+                final.commit_times = [txn.commit_ts]
+            return final
+
+        return run, chunks(), finish
+
+    def _fold_ahead(
+        self, run: BigRun, f: _Part, ahead: list[tuple[Item, int]]
+    ) -> Generator[Batch, None, _Part]:
+        """Fold a run of a big transaction's changes (the contexts they lack loaded in one
+        query); each time the part in hand passes the batch budget, hand it over as a chunk and
+        go on with a new part. Returns the part in hand."""
+        self._load_missing(ahead)
+        for i, (it, size) in enumerate(ahead):
+            self._fold_item(f, it, run.txn, None)
+            f.used += size + self._loaded_bytes  # the changes, and the contexts they pin
+            self._loaded_bytes = 0
+            if f.used > self.budget:
+                chunk = self.seal(f, notices=False)
+                run.count(chunk)
+                yield chunk
+                f = run.part()  # what was written is in the projections (same transaction)
+                self._load_missing(ahead[i + 1 :])  # what the seal evicted, read back at once
+        return f
+
+    def _load_missing(self, ahead: list[tuple[Item, int]]) -> None:
+        cache = self.cache
+        wanted = dict.fromkeys(map(session_of, (it for it, _ in ahead)))
+        self._load([s for s in wanted if s is not None and s not in cache])

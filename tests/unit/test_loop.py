@@ -1,0 +1,267 @@
+"""The whole consumer loop without a server: a stream of pgoutput bytes built with the grammar
+(tests/support/fakestream.py) into the in-memory sink. Batching, big transactions, snapshots
+between transactions, dropped connections, a crash mid-batch and a new consumer on the same
+state, and hostile rows and messages: each run ends where a fold from zero ends."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ledger_cdc.consumer import Consumer, ConsumerConfig
+from ledger_cdc.events import LedgerEvent
+from ledger_cdc.fold import SessionContext, encode_context, fold_one
+from ledger_cdc.sink.batch import Batch
+from ledger_cdc.sink.memory import MemorySink, MemoryStore
+from ledger_cdc.stream.route import Anomaly, LedgerStream
+from tests.support.fakestream import FakeSlot, Row, Wal, _Crash, logical, running
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def reference(wal: Wal) -> tuple[dict[uuid.UUID, SessionContext], int]:
+    """Every session folded from zero over the whole WAL at once, and the dead letters due."""
+    stream = LedgerStream(skip_upto=0, memory_limit=1 << 30)
+    ctxs: dict[uuid.UUID, SessionContext] = {}
+    dead = 0
+    stream.feed(wal.relation(), 0)
+    for m in wal.messages:
+        for txn in stream.feed(m.payload, m.data_start):
+            for it in txn.items:
+                if isinstance(it, Anomaly):
+                    dead += 1
+                    continue
+                ev = it if type(it) is LedgerEvent else it.rejected  # type: ignore[union-attr]
+                ctx = ctxs.setdefault(ev.session_id, SessionContext(ev.session_id))
+                dead += fold_one(ctx, ev) is not None  # type: ignore[arg-type]
+    return ctxs, dead
+
+
+def assert_matches(store: MemoryStore, wal: Wal) -> None:
+    want, dead = reference(wal)
+    assert set(store.sessions) == set(want)
+    for sid, ctx in want.items():
+        assert store.sessions[sid].data == encode_context(ctx), sid
+    assert len(store.dead_letters) == dead
+    assert store.checkpoint == wal.commits[-1]
+
+
+def config(**kw: object) -> ConsumerConfig:
+    kw.setdefault("reconnect_base", 0.001)
+    kw.setdefault("reconnect_cap", 0.01)
+    kw.setdefault("max_delay", 0.001)
+    return ConsumerConfig(dsn="fake", **kw)  # type: ignore[arg-type]
+
+
+def agent_work(wal: Wal, rng: random.Random, sessions: int, turns: int) -> None:
+    """Turns of agents: a tool call and its result, sometimes in one transaction, sometimes
+    several sessions in one, sometimes a session's end."""
+    sids = [uuid.uuid4() for _ in range(sessions)]
+    for t in range(turns):
+        rows: list[Row] = []
+        for sid in rng.sample(sids, rng.randint(1, min(3, sessions))):
+            call = f"c{t}"
+            rows.append(wal.row(sid, "tool.invoked", {"call_id": call, "tool": "search"}))
+            if rng.random() < 0.7:
+                rows.append(wal.row(sid, "tool.observed", {"call_id": call, "result": t}))
+        wal.transaction(rows)
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "memory_kb"),
+    [(1, 64 * 1024), (7, 64 * 1024), (20_000, 64 * 1024), (20_000, 48)],
+    ids=["batch-1", "batch-7", "batch-large", "big-transactions-in-chunks"],
+)
+def test_the_loop_folds_every_transaction_exactly_once(batch_size: int, memory_kb: int) -> None:
+    wal = Wal()
+    agent_work(wal, random.Random(batch_size), sessions=12, turns=150)
+    # one transaction far over the batch budget (48 kB of memory: a 7 kB batch)
+    big = [
+        wal.row(uuid.uuid4(), "tool.invoked", {"call_id": f"b{i}", "tool": "t"}) for i in range(300)
+    ]
+    wal.transaction(big)
+    store = MemoryStore()
+    slot = FakeSlot(wal)
+    c = Consumer(
+        config(batch_size=batch_size, memory_limit=memory_kb * 1024, snapshot_every=3),
+        sink=MemorySink(store),
+        transport=slot.transport(),
+    )
+    with running(c):
+        until(lambda: store.checkpoint == wal.commits[-1])
+    assert_matches(store, wal)
+    assert slot.confirmed >= wal.commits[-1]  # confirmed only what the sink committed
+    assert c.metrics.events == sum(p.event_count for p in store.sessions.values())
+
+
+def test_snapshots_are_cut_between_transactions_and_at_a_session_end() -> None:
+    wal = Wal()
+    sid = uuid.uuid4()
+    ends: set[int] = set()  # positions at which one of the session's transactions ends
+    for t in range(40):
+        rows = [wal.row(sid, "tool.invoked", {"call_id": f"c{t}", "tool": "x"})]
+        rows.append(wal.row(sid, "tool.observed", {"call_id": f"c{t}", "result": 1}))
+        wal.transaction(rows)
+        ends.add(rows[-1].position)
+    last = wal.row(sid, "task.completed", {"result": "ok"})
+    wal.transaction([last])
+    ends.add(last.position)
+    store = MemoryStore()
+    c = Consumer(
+        config(snapshot_every=3), sink=MemorySink(store), transport=FakeSlot(wal).transport()
+    )
+    with running(c):
+        until(lambda: store.checkpoint == wal.commits[-1])
+    cut = {pos for (s, pos) in store.snapshots if s == sid}
+    assert cut and cut <= ends  # never inside a transaction
+    assert last.position in cut  # the session ended: its final state is a snapshot
+    assert_matches(store, wal)
+
+
+def test_dropped_connections_resume_from_the_checkpoint_without_a_double() -> None:
+    wal = Wal()
+    agent_work(wal, random.Random(3), sessions=5, turns=200)
+    slot = FakeSlot(wal)
+    rng = random.Random(4)
+    slot.drops = [rng.randint(0, 60) for _ in range(25)]  # 25 connections end mid-stream
+    store = MemoryStore()
+    c = Consumer(config(batch_size=5), sink=MemorySink(store), transport=slot.transport())
+    with running(c):
+        until(lambda: store.checkpoint == wal.commits[-1])
+    assert slot.connections > 20 and c.metrics.reconnects > 20
+    assert_matches(store, wal)
+
+
+@pytest.mark.parametrize("crash_at", [1, 2, 4])
+@pytest.mark.parametrize("memory_kb", [64 * 1024, 48], ids=["batches", "chunks"])
+def test_a_consumer_that_dies_mid_batch_is_replaced_without_loss_or_double(
+    crash_at: int, memory_kb: int
+) -> None:
+    wal = Wal()
+    agent_work(wal, random.Random(crash_at), sessions=8, turns=120)
+    wal.transaction(
+        [
+            wal.row(uuid.uuid4(), "tool.invoked", {"call_id": f"b{i}", "tool": "t"})
+            for i in range(300)
+        ]
+    )
+    agent_work(wal, random.Random(crash_at + 1), sessions=8, turns=60)
+    store = MemoryStore()
+    slot = FakeSlot(wal)
+    first = MemorySink(store)
+    writes = [0]
+
+    def crash(batch: Batch) -> None:
+        writes[0] += 1
+        if writes[0] == crash_at:
+            raise _Crash  # mid-write: nothing of this batch (or chunked transaction) lands
+
+    first.before_commit = crash
+    cfg = config(batch_size=4, memory_limit=memory_kb * 1024, snapshot_every=2)
+    a = Consumer(cfg, sink=first, transport=slot.transport())
+    with running(a) as thread:
+        until(lambda: not thread.is_alive())
+    assert store.checkpoint != wal.commits[-1]
+    b = Consumer(cfg, sink=MemorySink(store), transport=slot.transport())
+    with running(b):
+        until(lambda: store.checkpoint == wal.commits[-1])
+    assert_matches(store, wal)
+
+
+# -- hostile input: nothing in a row or a message stops the loop ----------------------------------
+
+_DEEP = "[" * 2000 + "]" * 2000
+hostile_rows = st.sampled_from(
+    [
+        ("tool.invoked", '{"call_id": 5, "tool": "x"}', None),  # wrong type
+        ("tool.invoked", '{"tool": "x"}', None),  # a required field missing
+        ("tool.invoked", "[]", None),
+        ("tool.invoked", '{"call_id": "d", "tool": "x", "arguments": ' + _DEEP + "}", None),
+        ("run.leased", '{"worker": "w", "ttl": 1e308}', None),
+        ("run.leased", '{"worker": "w", "ttl": 1e999}', None),
+        ("signal.received", '{"name": "' + "x" * 70_000 + '"}', None),
+        ("no.such.type", '{"a": 1}', None),
+        ("task.completed", '{"result": {"n": 123456789012345678901234567890}}', None),
+        ("tool.invoked", '{"call_id": "t", "tool": "x"}', "infinity"),
+        ("tool.invoked", '{"call_id": "t", "tool": "x"}', "20000-01-01 00:00:00+00"),
+        ("tool.invoked", '{"call_id": "t", "tool": "x"}', "-infinity"),
+        ("tool.invoked", "not json at all", None),
+    ]
+)
+outside = st.sampled_from(
+    [
+        logical("ledger-cdc.heartbeat", b'{"slot": "agent_slot", "ts": "x"}'),
+        logical("ledger-cdc.heartbeat", b"[]"),
+        logical("ledger-cdc.heartbeat", b'{"nonce": "forged", "ts": 1e300}'),
+        logical("ledger-cdc.heartbeat", b"\xff\xfe"),
+        logical("anything", b"\x00" * 10),
+        b"z\x00\x00\x00\x01",  # a message kind this decoder does not know
+    ]
+)
+step = st.one_of(
+    st.tuples(st.just("good"), st.integers(1, 3)),
+    st.tuples(st.just("bad"), hostile_rows),
+    st.tuples(st.just("outside"), outside),
+    st.tuples(st.just("update"), st.none()),
+    st.tuples(st.just("truncate"), st.none()),
+)
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(steps=st.lists(step, min_size=1, max_size=25), seed=st.integers(0, 2**16))
+def test_hostile_rows_and_messages_never_stop_the_loop(
+    steps: list[tuple[str, object]], seed: int
+) -> None:
+    rng = random.Random(seed)
+    wal = Wal()
+    sids = [uuid.uuid4() for _ in range(3)]
+    last: Row | None = None
+    n = 0
+    for kind, arg in steps:
+        sid = rng.choice(sids)
+        if kind == "good":
+            rows = []
+            for _ in range(int(arg)):  # type: ignore[call-overload]
+                n += 1
+                rows.append(wal.row(sid, "tool.invoked", {"call_id": f"c{n}", "tool": "t"}))
+            wal.transaction(rows)
+            last = rows[-1]
+        elif kind == "bad":
+            etype, payload, created = arg  # type: ignore[misc]
+            kw = {"created_at": created} if created else {}
+            wal.transaction([wal.row(sid, etype, payload, **kw)])
+        elif kind == "outside":
+            wal.outside(arg)  # type: ignore[arg-type]
+        elif kind == "update" and last is not None:
+            wal.transaction([], extra=[wal.update(last)])
+        elif kind == "truncate":
+            wal.transaction([], extra=[wal.truncate()])
+    n += 1
+    wal.transaction([wal.row(sids[0], "tool.invoked", {"call_id": f"c{n}", "tool": "t"})])
+    store = MemoryStore()
+    slot = FakeSlot(wal)
+    slot.drops = [rng.randint(0, 10)]  # and once, a restart in the middle of it
+    cfg = config(batch_size=rng.choice([1, 3, 100]), snapshot_every=2)
+    c = Consumer(cfg, sink=MemorySink(store), transport=slot.transport())
+    with running(c) as thread:
+        until(lambda: store.checkpoint == wal.commits[-1] or not thread.is_alive())
+        assert thread.is_alive()
+    assert_matches(store, wal)

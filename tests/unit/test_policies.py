@@ -1,0 +1,124 @@
+"""The consumer's rules as tables: when a batch goes to the sink, when a snapshot is due, how long
+a retry waits. Each policy takes its clock (and random source) as an argument."""
+
+from __future__ import annotations
+
+import uuid
+
+import msgspec
+import pytest
+
+from ledger_cdc.consumer.policy import IDLE_WAIT, FlushPolicy
+from ledger_cdc.fold import SessionContext, SessionStatus
+from ledger_cdc.retry import Backoff, delay
+from ledger_cdc.sink.batch import SnapshotPolicy
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# (events added, bytes added, seconds passed, sink busy) → (full, overdue)
+FLUSH_TABLE = [
+    ((0, 0, 0.0, False), (False, False)),  # nothing in hand
+    ((0, 0, 9.0, False), (False, False)),  # nothing in hand, however long
+    ((3, 100, 0.0, False), (False, False)),  # young, small
+    ((3, 100, 0.06, False), (False, True)),  # older than max_delay, sink free: goes
+    ((3, 100, 0.06, True), (False, False)),  # older, but the sink is busy: keeps growing
+    ((10, 100, 0.0, True), (True, False)),  # batch_size events: full, busy or not
+    ((1, 1001, 0.0, False), (True, False)),  # past the byte budget: full
+    ((1, 1000, 0.0, False), (False, False)),  # at the budget exactly: not yet
+]
+
+
+@pytest.mark.parametrize(("given", "want"), FLUSH_TABLE)
+def test_flush_policy(given: tuple[int, int, float, bool], want: tuple[bool, bool]) -> None:
+    events, size, passed, busy = given
+    clock = Clock()
+    p = FlushPolicy(batch_size=10, budget=1000, max_delay=0.05, clock=clock)
+    if events or size:
+        p.add(events, size)
+    clock.now += passed
+    assert (p.full, p.overdue(busy)) == want
+
+
+def test_flush_policy_reset_and_wait() -> None:
+    clock = Clock()
+    p = FlushPolicy(batch_size=10, budget=1000, max_delay=0.05, clock=clock)
+    assert p.wait_timeout() == IDLE_WAIT
+    p.add(4, 10)
+    clock.now += 1
+    p.add(4, 10)  # the oldest transaction sets the age
+    assert p.overdue(False) and p.wait_timeout() == 0.05
+    p.reset(2, 5)  # what did not fit the batch stays in hand, its age from now
+    assert (p.events, p.size) == (2, 5) and not p.overdue(False)
+    p.reset()
+    assert p.since is None and p.wait_timeout() == IDLE_WAIT
+
+
+def _ctx(count: int, status: str = SessionStatus.RUNNING) -> SessionContext:
+    return msgspec.structs.replace(
+        SessionContext(uuid.uuid4()), event_count=count, status=SessionStatus(status)
+    )
+
+
+# (every, count before the transaction, status before, count after, status after) → due
+SNAPSHOT_TABLE = [
+    (100, 0, "running", 99, "running", False),
+    (100, 0, "running", 100, "running", True),  # crossed 100
+    (100, 99, "running", 101, "running", True),  # crossed inside the transaction: due at its end
+    (100, 100, "running", 150, "running", False),
+    (100, 150, "running", 350, "running", True),  # crossed two multiples: one snapshot
+    (100, 5, "running", 6, "completed", True),  # the session ended
+    (100, 5, "running", 6, "failed", True),
+    (100, 6, "completed", 7, "completed", False),  # already ended before
+    (0, 0, "running", 1000, "running", False),  # every 0: only at the end
+    (0, 3, "running", 4, "completed", True),
+    (1, 3, "running", 4, "running", True),
+]
+
+
+@pytest.mark.parametrize(
+    ("every", "before", "status_before", "after", "status", "due"), SNAPSHOT_TABLE
+)
+def test_snapshot_policy(
+    every: int, before: int, status_before: str, after: int, status: str, due: bool
+) -> None:
+    assert SnapshotPolicy(every).due(before, status_before, _ctx(after, status)) is due
+
+
+def _mid(lo: float, hi: float) -> float:
+    return (lo + hi) / 2
+
+
+@pytest.mark.parametrize(
+    ("attempt", "want"), [(0, 0.5), (1, 1.0), (2, 2.0), (5, 16.0), (6, 30.0), (60, 30.0), (-3, 0.5)]
+)
+def test_backoff_doubles_to_its_cap(attempt: int, want: float) -> None:
+    assert delay(attempt, base=0.5, cap=30.0, rand=_mid) == want
+
+
+def test_backoff_jitter_bounds() -> None:
+    assert delay(2, base=1.0, cap=60.0, jitter=0.25, rand=lambda lo, hi: lo) == 3.0
+    assert delay(2, base=1.0, cap=60.0, jitter=0.25, rand=lambda lo, hi: hi) == 5.0
+
+
+def test_backoff_starts_over_only_after_a_healthy_while() -> None:
+    clock = Clock()
+    b = Backoff(base=1.0, cap=60.0, healthy_after=30.0, clock=clock, rand=_mid)
+    assert [b.failed() for _ in range(3)] == [1.0, 2.0, 4.0]
+    b.succeeded()
+    clock.now += 5  # a half-recovery: it fails again soon
+    assert b.failed() == 8.0
+    b.succeeded()
+    clock.now += 31  # streamed for a while: the next failure is a first one
+    assert b.failed() == 1.0
+    plain = Backoff(base=1.0, cap=60.0, rand=_mid)  # no healthy_after: any success resets
+    plain.failed()
+    plain.failed()
+    plain.succeeded()
+    assert plain.failed() == 1.0
