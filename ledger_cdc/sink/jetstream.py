@@ -10,11 +10,16 @@ consumer published but did not checkpoint is re-published after the restart and 
 server as a duplicate.
 
 Guarantee: a subscriber (a durable consumer with explicit acks) receives every event exactly
-once and, per session, in position order — provided the consumer is restarted within the
-stream's duplicate window (``duplicate_window``, 2 minutes by default). After a longer outage the
-one batch that was published but not checkpointed can appear twice; its messages carry session
-and position, so a subscriber can drop them. No order is promised across sessions beyond commit
-order within a batch.
+once and, per session, in position order, however long the consumer was down. Two mechanisms:
+within the stream's duplicate window (``duplicate_window``, 2 minutes by default) the server drops
+a message whose ``Nats-Msg-Id`` it has seen; beyond it, the publisher itself skips what the
+stream already holds: the first time a connection publishes to a session's subject, it reads the
+subject's last message (one request, answered by the stream) and publishes only the positions
+after it. The one exception: a consumer frozen mid-publish for longer than the window (SIGSTOP, a
+paused VM) that resumes after another consumer took the slot over can publish its batch again
+before its PostgreSQL commit is refused (fencing); its messages carry session and position, so a
+subscriber can drop them. No order is promised across sessions beyond commit order within a
+batch.
 
 nats-py is asynchronous; the publisher runs its own event loop on a thread, and the sink thread
 waits on it.
@@ -128,6 +133,10 @@ class JetStreamPublisher:
         self._stream_ready = False
         self._broken = False
         self.published = 0
+        self.skipped = 0  # messages not published: the stream already held their position
+        # subject → the last position the stream holds on it, as read or acknowledged on this
+        # connection (forgotten with the connection: another publisher may have written since)
+        self._heads: dict[str, int] = {}
 
     def _run(self, coro: Any, timeout: float) -> Any:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -148,6 +157,7 @@ class JetStreamPublisher:
         until no publish can start. The old connection is closed without waiting on it."""
         nc, self._nc, self._js = self._nc, None, None
         self._stream_ready = False
+        self._heads = {}
         self._broken = False
         if nc is not None:
             with contextlib.suppress(Exception):
@@ -252,15 +262,43 @@ class JetStreamPublisher:
                 f"cannot reach JetStream at {', '.join(self.settings.servers)}: {e}"
             ) from e
 
-    async def _publish(self, msgs: list[tuple[str, bytes, str]]) -> None:
+    async def _head(self, subject: str) -> int:
+        """The last position the stream holds on ``subject`` (0: none), from its last
+        message's ``Nats-Msg-Id`` (``<slot>:<kind>:<session>:<position>``)."""
+        from nats.js.errors import NotFoundError
+
+        try:
+            msg = await self._js.get_last_msg(self.settings.stream, subject)
+        except NotFoundError:
+            return 0
+        msg_id = (msg.headers or {}).get("Nats-Msg-Id", "")
+        tail = msg_id.rpartition(":")[2]
+        return int(tail) if tail.isdigit() else 0
+
+    async def _learn_heads(self, subjects: list[str]) -> None:
+        unknown = [s for s in dict.fromkeys(subjects) if s not in self._heads]
+        for i in range(0, len(unknown), _WINDOW):
+            part = unknown[i : i + _WINDOW]
+            heads = await asyncio.wait_for(
+                asyncio.gather(*(self._head(s) for s in part)), self.settings.ack_timeout
+            )
+            self._heads.update(zip(part, heads, strict=True))
+
+    async def _publish(self, msgs: list[tuple[str, bytes, str, int]]) -> int:
         await self._connect()
         js = self._js
         window: list[Any] = []
+        sent = 0
         try:
-            for subject, data, msg_id in msgs:  # in order: one connection keeps the order
+            await self._learn_heads([m[0] for m in msgs])
+            heads = self._heads
+            for subject, data, msg_id, position in msgs:  # in order: one connection keeps it
+                if position <= heads[subject]:
+                    continue  # already in the stream (published before a crash)
                 window.append(
                     await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id})
                 )
+                sent += 1
                 if len(window) >= _WINDOW:  # never near the context's own limit (4,000)
                     await asyncio.wait_for(asyncio.gather(*window), self.settings.ack_timeout)
                     window = []
@@ -271,6 +309,10 @@ class JetStreamPublisher:
                 f.cancel()
             await self._reset()
             raise
+        for subject, _, _, position in msgs:  # all acknowledged: the stream holds them now
+            if position > heads[subject]:
+                heads[subject] = position
+        return sent
 
     def publish(
         self,
@@ -298,22 +340,24 @@ class JetStreamPublisher:
                     )
                 ),
                 f"{self.slot}:ev:{ev.session_id}:{ev.position}",
+                ev.position,
             )
             for ev, lsn in events
         ]
         msgs += [
-            (f"{p}.sessions.{sid}", data, f"{self.slot}:ctx:{sid}:{pos}")
+            (f"{p}.sessions.{sid}", data, f"{self.slot}:ctx:{sid}:{pos}", pos)
             for sid, pos, data in sessions
         ]
         if not msgs:
             return
         try:
-            self._run(self._publish(msgs), self.settings.ack_timeout + 5)
+            sent = self._run(self._publish(msgs), 2 * self.settings.ack_timeout + 5)
         except (JetStreamError, ConfigError):
             raise
         except Exception as e:
             raise JetStreamError(f"publish to JetStream failed: {type(e).__name__}: {e}") from e
-        self.published += len(msgs)
+        self.published += sent
+        self.skipped += len(msgs) - sent
 
     def close(self) -> None:
         async def drain() -> None:

@@ -96,6 +96,76 @@ def test_consumer_crash_republishes_without_duplicates(db: Database, tmp_path: P
         srv.kill()
 
 
+def test_a_batch_republished_after_the_duplicate_window_is_not_duplicated(tmp_path: Path) -> None:
+    """Past the duplicate window the server no longer drops a copy: a restarted publisher (a
+    new object, as after a crash) reads each subject's last position and skips what is there."""
+    import datetime as dt
+
+    from ledger_cdc.events import LedgerEvent, ToolInvoked
+
+    srv = NatsServer(tmp_path / "js")
+    try:
+        wait_jetstream([srv.url])
+        url = srv.url + "?duplicate_window=0.5"
+        sids, now = [uuid.uuid4() for _ in range(30)], dt.datetime.now(dt.timezone.utc)
+        batch = [
+            (LedgerEvent(i, sid, pos, "a", "tool.invoked", ToolInvoked(f"c{i}", "t"), now), 1)
+            for pos in range(1, 21)
+            for i, sid in enumerate(sids, start=pos * 100)
+        ]
+        first = JetStreamPublisher(JetStreamSettings.from_url(url), "agent_slot")
+        first.publish(batch[:450], [(sid, 15, b"{}") for sid in sids])  # then a crash
+        first.close()
+        time.sleep(2.0)  # four duplicate windows
+        again = JetStreamPublisher(JetStreamSettings.from_url(url), "agent_slot")
+        again.publish(batch, [(sid, 20, b"{}") for sid in sids])  # the restart's republish
+        assert again.skipped == 450 and again.published == len(batch) - 450 + 30
+        again.publish(batch[-30:], [])  # and nothing is published twice on one connection
+        assert again.skipped == 480
+        again.close()
+        events = read_all([srv.url], "ledger.events.*")
+        keys = [(json.loads(m.data)["session_id"], json.loads(m.data)["position"]) for m in events]
+        assert len(keys) == len(set(keys)) == len(batch)
+        per: dict[str, list[int]] = defaultdict(list)
+        for sid, pos in keys:
+            per[sid].append(pos)
+        assert all(v == list(range(1, 21)) for v in per.values())
+        ctx = read_all([srv.url], "ledger.sessions.*", durable="ctx")
+        assert len(ctx) == 2 * len(sids)  # position 15, then 20: each once
+    finally:
+        srv.kill()
+
+
+def test_consumer_restarted_after_several_windows_publishes_nothing_twice(
+    db: Database, tmp_path: Path
+) -> None:
+    if db.server.major != 18:
+        pytest.skip("the stream's guarantee is the same on every PostgreSQL: run once, on 18")
+    srv = NatsServer(tmp_path / "js")
+    consumer = None
+    try:
+        wait_jetstream([srv.url])
+        sink = srv.url + "?duplicate_window=0.5"
+        args = ("--create-slot", "--sink", "postgres", "--sink", sink, "--max-delay-ms", "5")
+        consumer = ConsumerProcess(db.dsn, *args, log=tmp_path / "c.log").start()
+        writers = Writers(db.dsn, n=3, pace=0.005).start()
+        try:
+            for _ in range(3):  # SIGKILL mid-stream, then down for four windows
+                until(lambda: writers.turns > 0, timeout=30)
+                time.sleep(1.0)
+                consumer.kill()
+                time.sleep(2.0)
+                consumer = ConsumerProcess(db.dsn, *args, log=tmp_path / "c.log").start()
+        finally:
+            writers.stop()
+        wait_caught_up(db.dsn, timeout=90)
+        assert _check_exactly_once(db, [srv.url]) > 50
+    finally:
+        if consumer is not None:
+            consumer.kill()
+        srv.kill()
+
+
 def test_three_node_cluster_loses_a_node_mid_run(db: Database, tmp_path: Path) -> None:
     if db.server.major != 18:
         pytest.skip("a NATS node lost is the same on every PostgreSQL: run once, on 18")
