@@ -8,6 +8,7 @@ payload that fails). The standard agent steps are registered here; applications 
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import re
 import uuid
@@ -25,6 +26,8 @@ __all__ = [
     "MAX_TIME",
     "MIN_TIME",
     "READ_MAX_DEPTH",
+    "Blob",
+    "CheckpointSaved",
     "ContextLoaded",
     "HandoffEmitted",
     "HandoffReceived",
@@ -42,10 +45,14 @@ __all__ = [
     "SignalReceived",
     "TaskCompleted",
     "TaskFailed",
+    "ThreadDeleted",
     "ToolCall",
     "ToolInvoked",
     "ToolObserved",
+    "Typed",
     "Usage",
+    "Write",
+    "WritesPut",
     "admit_time",
     "decode_payload",
     "encode_payload",
@@ -196,6 +203,60 @@ class TaskFailed(msgspec.Struct, frozen=True):
 # A free-form payload for event types registered without a Struct.
 FreeForm = dict[str, Any]
 
+# -- LangGraph's checkpoints (ledger_cdc.integrations.langgraph writes them): standard types, so
+# every reader (the consumer included) knows them without importing LangGraph; no reducer folds
+# them (a session context counts them as ignored events).
+
+
+class Typed(msgspec.Struct, array_like=True, frozen=True):
+    """A value as ``serde.dumps_typed`` gives it: its type tag and its bytes (base64)."""
+
+    type: str
+    data: str
+
+    @classmethod
+    def of(cls, pair: tuple[str, bytes]) -> Typed:
+        return cls(pair[0], base64.b64encode(pair[1]).decode("ascii"))
+
+    def pair(self) -> tuple[str, bytes]:
+        return self.type, base64.b64decode(self.data)
+
+
+class Blob(msgspec.Struct, array_like=True, frozen=True):
+    channel: str
+    version: str
+    value: Typed
+
+
+class CheckpointSaved(msgspec.Struct, frozen=True):
+    thread_id: str
+    ns: str
+    checkpoint_id: str
+    parent_id: str | None
+    checkpoint: Typed  # without channel_values
+    metadata: Typed
+    blobs: list[Blob] = []
+
+
+class Write(msgspec.Struct, array_like=True, frozen=True):
+    idx: int
+    channel: str
+    value: Typed
+
+
+class WritesPut(msgspec.Struct, frozen=True):
+    thread_id: str
+    ns: str
+    checkpoint_id: str
+    task_id: str
+    task_path: str
+    writes: list[Write]
+
+
+class ThreadDeleted(msgspec.Struct, frozen=True):
+    thread_id: str
+
+
 EVENT_TYPES: dict[str, Any] = {
     "context.loaded": ContextLoaded,
     "model.requested": ModelRequested,
@@ -212,6 +273,9 @@ EVENT_TYPES: dict[str, Any] = {
     "run.released": RunReleased,
     "run.suspended": RunSuspended,
     "signal.received": SignalReceived,
+    "langgraph.checkpoint": CheckpointSaved,
+    "langgraph.writes": WritesPut,
+    "langgraph.thread.deleted": ThreadDeleted,
 }
 _BUILTIN = frozenset(EVENT_TYPES)
 _decoders: dict[str, msgspec.json.Decoder[Any]] = {}

@@ -1,0 +1,477 @@
+"""A LangGraph checkpoint saver on the ledger: every checkpoint and every pending write is one
+append-only ledger event of the thread's session.
+
+    from ledger_cdc.integrations.langgraph import LedgerSaver
+    graph = builder.compile(checkpointer=LedgerSaver.from_dsn(dsn))
+
+A thread is a ledger session (its id: ``uuid5(LANGGRAPH_NAMESPACE, thread_id)``), so a graph's
+history is in the same log as the agent's other events, in commit order, replayable and
+verifiable like them. Three standard event types (``ledger_cdc.events``: every reader knows them
+without importing LangGraph; no reducer folds them):
+
+- ``langgraph.checkpoint``: the checkpoint (serialised by the saver's ``serde``, channel values
+  apart), its metadata, its parent, and the values of the channels whose version it bumps;
+- ``langgraph.writes``: one ``put_writes`` call (task id and path, each write with its index);
+- ``langgraph.thread.deleted``: ``delete_thread`` — the ledger refuses UPDATE and DELETE, so the
+  thread's earlier events are hidden from the saver, not erased (archive them with partitions).
+
+Reads fold a thread's events in position order with LangGraph's own rules (as its in-memory
+saver): the latest event for a checkpoint id wins; a channel's value is the one stored for the
+version the checkpoint names; a regular write keeps its first value for a (task, index), a special
+one (error, interrupt, …) its last; pending writes come in (task path, task id, index) order.
+Sync and async methods share one implementation (SQL steps run by ``client.steps``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    WRITES_IDX_MAP,
+    BaseCheckpointSaver,
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+    get_checkpoint_id,
+    get_checkpoint_metadata,
+)
+from langgraph.checkpoint.serde.base import SerializerProtocol
+
+from ledger_cdc.client.steps import Step, Steps, run, run_async
+from ledger_cdc.client.writer import AsyncLedger, Ledger
+from ledger_cdc.errors import ConfigError
+from ledger_cdc.events import (
+    Blob,
+    CheckpointSaved,
+    ThreadDeleted,
+    Typed,
+    Write,
+    WritesPut,
+)
+
+__all__ = ["LANGGRAPH_NAMESPACE", "LedgerSaver", "thread_session"]
+
+LANGGRAPH_NAMESPACE = uuid.UUID("5f0e0c3a-8d1b-5a44-9a3e-6c6564676572")
+AGENT = "langgraph"
+
+
+def thread_session(thread_id: str) -> uuid.UUID:
+    """The ledger session of a LangGraph thread."""
+    return uuid.uuid5(LANGGRAPH_NAMESPACE, str(thread_id))
+
+
+_EVENTS: dict[str, type[msgspec.Struct]] = {
+    "langgraph.checkpoint": CheckpointSaved,
+    "langgraph.writes": WritesPut,
+    "langgraph.thread.deleted": ThreadDeleted,
+}
+_decoders = {name: msgspec.json.Decoder(t) for name, t in _EVENTS.items()}
+
+_THREAD = (
+    "SELECT position, event_type, payload::text FROM agent_events "
+    "WHERE session_id = %s AND event_type LIKE 'langgraph.%%' ORDER BY position"
+)
+_ALL = (
+    "SELECT session_id, position, event_type, payload::text FROM agent_events "
+    "WHERE event_type LIKE 'langgraph.%%' ORDER BY session_id, position"
+)
+
+
+@dataclass
+class _Thread:
+    """One thread as its events fold (events before its last deletion are skipped)."""
+
+    thread_id: str = ""
+    # (ns, checkpoint id) → the latest checkpoint event for it
+    checkpoints: dict[tuple[str, str], CheckpointSaved] = field(default_factory=dict)
+    blobs: dict[tuple[str, str, str], Typed] = field(default_factory=dict)  # ns, channel, version
+    # (ns, checkpoint id) → (task id, index) → (task path, channel, value)
+    writes: dict[tuple[str, str], dict[tuple[str, int], tuple[str, str, Typed]]] = field(
+        default_factory=dict
+    )
+
+    def fold(self, event_type: str, text: str) -> None:
+        ev = _decoders[event_type].decode(text)
+        if isinstance(ev, ThreadDeleted):
+            self.checkpoints.clear()
+            self.blobs.clear()
+            self.writes.clear()
+        elif isinstance(ev, CheckpointSaved):
+            self.thread_id = ev.thread_id
+            self.checkpoints[(ev.ns, ev.checkpoint_id)] = ev
+            for b in ev.blobs:
+                self.blobs[(ev.ns, b.channel, b.version)] = b.value
+        elif isinstance(ev, WritesPut):
+            self.thread_id = ev.thread_id
+            table = self.writes.setdefault((ev.ns, ev.checkpoint_id), {})
+            for w in ev.writes:
+                key = (ev.task_id, w.idx)
+                if w.idx >= 0 and key in table:
+                    continue  # a regular write keeps its first value
+                table[key] = (ev.task_path, w.channel, w.value)
+
+
+def _fold_rows(rows: list[tuple[Any, ...]]) -> _Thread:
+    t = _Thread()
+    for _, event_type, text in rows:
+        t.fold(event_type, text)
+    return t
+
+
+def _thread_steps(thread_id: str) -> Steps[_Thread]:
+    rows = yield Step(_THREAD, (thread_session(thread_id),))
+    return _fold_rows(rows)
+
+
+def _all_steps() -> Steps[list[_Thread]]:
+    rows = yield Step(_ALL, ())
+    out: list[_Thread] = []
+    current: Any = None
+    part: list[tuple[Any, ...]] = []
+    for sid, position, event_type, text in rows:
+        if sid != current and part:
+            out.append(_fold_rows(part))
+            part = []
+        current = sid
+        part.append((position, event_type, text))
+    if part:
+        out.append(_fold_rows(part))
+    return [t for t in out if t.thread_id]
+
+
+def _configurable(config: RunnableConfig | None) -> dict[str, Any]:
+    return dict((config or {}).get("configurable") or {})
+
+
+class LedgerSaver(BaseCheckpointSaver[str]):
+    """LangGraph's ``BaseCheckpointSaver`` on the ledger (see the module docstring).
+
+    Give it a :class:`~ledger_cdc.Ledger` (sync methods) and/or an
+    :class:`~ledger_cdc.AsyncLedger` (async methods), or a DSN (:meth:`from_dsn`: both, on
+    pools of their own)."""
+
+    def __init__(
+        self,
+        ledger: Ledger | None = None,
+        aledger: AsyncLedger | None = None,
+        *,
+        serde: SerializerProtocol | None = None,
+    ) -> None:
+        super().__init__(serde=serde)
+        self.ledger = ledger
+        self.aledger = aledger
+        self._dsn: str | None = None
+        self._opening: asyncio.Lock | None = None
+
+    @classmethod
+    def from_dsn(cls, dsn: str, *, serde: SerializerProtocol | None = None) -> LedgerSaver:
+        saver = cls(Ledger(dsn), serde=serde)
+        saver._dsn = dsn
+        return saver
+
+    async def _async_ledger(self) -> AsyncLedger:
+        if self.aledger is None:
+            if self._dsn is None:
+                raise ConfigError(
+                    "LedgerSaver needs an AsyncLedger for its async methods: "
+                    "LedgerSaver(ledger, aledger) or LedgerSaver.from_dsn(dsn)"
+                )
+            if self._opening is None:
+                self._opening = asyncio.Lock()
+            async with self._opening:  # one pool, however many coroutines ask at once
+                if self.aledger is None:
+                    self.aledger = await AsyncLedger.connect(self._dsn)
+        return self.aledger
+
+    def _sync_ledger(self) -> Ledger:
+        if self.ledger is None:
+            raise ConfigError(
+                "LedgerSaver needs a Ledger for its sync methods: LedgerSaver(ledger, aledger) "
+                "or LedgerSaver.from_dsn(dsn)"
+            )
+        return self.ledger
+
+    def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
+
+    async def aclose(self) -> None:
+        if self.aledger is not None:
+            await self.aledger.close()
+        self.close()
+
+    # -- versions -------------------------------------------------------------------------------
+
+    def get_next_version(self, current: str | None, channel: None) -> str:
+        """Versions compare as strings: a zero-padded counter (LangGraph's own scheme)."""
+        if current is None:
+            n = 0
+        elif isinstance(current, int):
+            n = current
+        else:
+            n = int(str(current).split(".")[0])
+        return f"{n + 1:032}.{uuid.uuid4().int % 10**16:016}"
+
+    # -- the events a write appends ---------------------------------------------------------------
+
+    def _checkpoint_event(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> tuple[str, CheckpointSaved, RunnableConfig]:
+        conf = _configurable(config)
+        thread_id = str(conf["thread_id"])
+        ns = str(conf.get("checkpoint_ns") or "")
+        c: dict[str, Any] = dict(checkpoint)
+        values: dict[str, Any] = c.pop("channel_values", None) or {}
+        blobs = [
+            Blob(
+                k,
+                str(v),
+                Typed.of(self.serde.dumps_typed(values[k]) if k in values else ("empty", b"")),
+            )
+            for k, v in new_versions.items()
+        ]
+        ev = CheckpointSaved(
+            thread_id,
+            ns,
+            str(checkpoint["id"]),
+            conf.get("checkpoint_id"),
+            Typed.of(self.serde.dumps_typed(c)),
+            Typed.of(self.serde.dumps_typed(get_checkpoint_metadata(config, metadata))),
+            blobs,
+        )
+        out: RunnableConfig = {
+            "configurable": {
+                "thread_id": thread_id,
+                "checkpoint_ns": ns,
+                "checkpoint_id": checkpoint["id"],
+            }
+        }
+        return thread_id, ev, out
+
+    def _writes_event(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str,
+    ) -> tuple[str, WritesPut]:
+        conf = _configurable(config)
+        thread_id = str(conf["thread_id"])
+        ev = WritesPut(
+            thread_id,
+            str(conf.get("checkpoint_ns") or ""),
+            str(conf["checkpoint_id"]),
+            task_id,
+            task_path,
+            [
+                Write(WRITES_IDX_MAP.get(ch, i), ch, Typed.of(self.serde.dumps_typed(v)))
+                for i, (ch, v) in enumerate(writes)
+            ],
+        )
+        return thread_id, ev
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    def _tuple(self, t: _Thread, ns: str, cp: CheckpointSaved) -> CheckpointTuple:
+        checkpoint: Any = self.serde.loads_typed(cp.checkpoint.pair())
+        values: dict[str, Any] = {}
+        for ch, version in (checkpoint.get("channel_versions") or {}).items():
+            blob = t.blobs.get((ns, ch, str(version)))
+            if blob is not None and blob.type != "empty":
+                values[ch] = self.serde.loads_typed(blob.pair())
+        checkpoint["channel_values"] = values
+        writes = t.writes.get((ns, cp.checkpoint_id), {})
+        ordered = sorted(writes.items(), key=lambda kv: (kv[1][0], kv[0][0], kv[0][1]))
+        pending = [
+            (task_id, ch, self.serde.loads_typed(value.pair()))
+            for (task_id, _), (_, ch, value) in ordered
+        ]
+        parent: RunnableConfig | None = None
+        if cp.parent_id:
+            parent = {
+                "configurable": {
+                    "thread_id": cp.thread_id,
+                    "checkpoint_ns": ns,
+                    "checkpoint_id": cp.parent_id,
+                }
+            }
+        return CheckpointTuple(
+            config={
+                "configurable": {
+                    "thread_id": cp.thread_id,
+                    "checkpoint_ns": ns,
+                    "checkpoint_id": cp.checkpoint_id,
+                }
+            },
+            checkpoint=checkpoint,
+            metadata=self.serde.loads_typed(cp.metadata.pair()),
+            parent_config=parent,
+            pending_writes=pending,
+        )
+
+    def _get(self, t: _Thread, config: RunnableConfig) -> CheckpointTuple | None:
+        conf = _configurable(config)
+        ns = str(conf.get("checkpoint_ns") or "")
+        wanted = get_checkpoint_id(config)
+        if wanted:
+            cp = t.checkpoints.get((ns, str(wanted)))
+        else:
+            ids = [cid for (n, cid) in t.checkpoints if n == ns]
+            cp = t.checkpoints[(ns, max(ids))] if ids else None
+        return None if cp is None else self._tuple(t, ns, cp)
+
+    def _list(
+        self,
+        threads: list[_Thread],
+        config: RunnableConfig | None,
+        filter: dict[str, Any] | None,
+        before: RunnableConfig | None,
+        limit: int | None,
+    ) -> list[CheckpointTuple]:
+        conf = _configurable(config)
+        ns_wanted = conf.get("checkpoint_ns")
+        id_wanted = get_checkpoint_id(config) if config else None
+        before_id = get_checkpoint_id(before) if before else None
+        out: list[CheckpointTuple] = []
+        for t in threads:
+            namespaces = sorted({n for n, _ in t.checkpoints})
+            for ns in namespaces:
+                if ns_wanted is not None and ns != ns_wanted:
+                    continue
+                ids = sorted((cid for n, cid in t.checkpoints if n == ns), reverse=True)
+                for cid in ids:
+                    if id_wanted and cid != id_wanted:
+                        continue
+                    if before_id and not cid < before_id:
+                        continue
+                    cp = t.checkpoints[(ns, cid)]
+                    if filter:
+                        meta = self.serde.loads_typed(cp.metadata.pair())
+                        if not all(meta.get(k) == v for k, v in filter.items()):
+                            continue
+                    out.append(self._tuple(t, ns, cp))
+                    if limit is not None and len(out) >= limit:
+                        return out
+        return out
+
+    def _threads_steps(self, config: RunnableConfig | None) -> Steps[list[_Thread]]:
+        thread_id = _configurable(config).get("thread_id")
+        if thread_id is None:
+            return (yield from _all_steps())
+        t = yield from _thread_steps(str(thread_id))
+        return [t] if t.thread_id else []
+
+    # -- sync -----------------------------------------------------------------------------------
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        thread_id = str(_configurable(config)["thread_id"])
+        with self._sync_ledger().connection() as conn:
+            t = run(conn, _thread_steps(thread_id))
+        return self._get(t, config)
+
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
+        with self._sync_ledger().connection() as conn:
+            threads = run(conn, self._threads_steps(config))
+        yield from self._list(threads, config, filter, before, limit)
+
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        thread_id, ev, out = self._checkpoint_event(config, checkpoint, metadata, new_versions)
+        self._sync_ledger().append(thread_session(thread_id), AGENT, "langgraph.checkpoint", ev)
+        return out
+
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        thread_id, ev = self._writes_event(config, writes, task_id, task_path)
+        self._sync_ledger().append(thread_session(thread_id), AGENT, "langgraph.writes", ev)
+
+    def delete_thread(self, thread_id: str) -> None:
+        self._sync_ledger().append(
+            thread_session(thread_id),
+            AGENT,
+            "langgraph.thread.deleted",
+            ThreadDeleted(str(thread_id)),
+        )
+
+    # -- async ----------------------------------------------------------------------------------
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        thread_id = str(_configurable(config)["thread_id"])
+        ledger = await self._async_ledger()
+        async with ledger.connection() as conn:
+            t = await run_async(conn, _thread_steps(thread_id))
+        return self._get(t, config)
+
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
+        ledger = await self._async_ledger()
+        async with ledger.connection() as conn:
+            threads = await run_async(conn, self._threads_steps(config))
+        for item in self._list(threads, config, filter, before, limit):
+            yield item
+
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        thread_id, ev, out = self._checkpoint_event(config, checkpoint, metadata, new_versions)
+        ledger = await self._async_ledger()
+        await ledger.append(thread_session(thread_id), AGENT, "langgraph.checkpoint", ev)
+        return out
+
+    async def aput_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        thread_id, ev = self._writes_event(config, writes, task_id, task_path)
+        ledger = await self._async_ledger()
+        await ledger.append(thread_session(thread_id), AGENT, "langgraph.writes", ev)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        ledger = await self._async_ledger()
+        await ledger.append(
+            thread_session(thread_id),
+            AGENT,
+            "langgraph.thread.deleted",
+            ThreadDeleted(str(thread_id)),
+        )
