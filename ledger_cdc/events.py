@@ -28,6 +28,7 @@ __all__ = [
     "READ_MAX_DEPTH",
     "Blob",
     "CheckpointSaved",
+    "CheckpointsHidden",
     "ContextLoaded",
     "HandoffEmitted",
     "HandoffReceived",
@@ -257,6 +258,14 @@ class ThreadDeleted(msgspec.Struct, frozen=True):
     thread_id: str
 
 
+class CheckpointsHidden(msgspec.Struct, frozen=True):
+    """Checkpoints (namespace, id) the saver no longer shows: pruned, or of deleted runs."""
+
+    thread_id: str
+    checkpoints: list[tuple[str, str]]
+    reason: str = ""
+
+
 EVENT_TYPES: dict[str, Any] = {
     "context.loaded": ContextLoaded,
     "model.requested": ModelRequested,
@@ -276,6 +285,7 @@ EVENT_TYPES: dict[str, Any] = {
     "langgraph.checkpoint": CheckpointSaved,
     "langgraph.writes": WritesPut,
     "langgraph.thread.deleted": ThreadDeleted,
+    "langgraph.checkpoints.hidden": CheckpointsHidden,
 }
 _BUILTIN = frozenset(EVENT_TYPES)
 _decoders: dict[str, msgspec.json.Decoder[Any]] = {}

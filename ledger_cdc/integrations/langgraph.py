@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,13 +51,14 @@ from ledger_cdc.errors import ConfigError
 from ledger_cdc.events import (
     Blob,
     CheckpointSaved,
+    CheckpointsHidden,
     ThreadDeleted,
     Typed,
     Write,
     WritesPut,
 )
 
-__all__ = ["LANGGRAPH_NAMESPACE", "LedgerSaver", "thread_session"]
+__all__ = ["LANGGRAPH_NAMESPACE", "AsyncLedgerSaver", "LedgerSaver", "thread_session"]
 
 LANGGRAPH_NAMESPACE = uuid.UUID("5f0e0c3a-8d1b-5a44-9a3e-6c6564676572")
 AGENT = "langgraph"
@@ -71,6 +73,7 @@ _EVENTS: dict[str, type[msgspec.Struct]] = {
     "langgraph.checkpoint": CheckpointSaved,
     "langgraph.writes": WritesPut,
     "langgraph.thread.deleted": ThreadDeleted,
+    "langgraph.checkpoints.hidden": CheckpointsHidden,
 }
 _decoders = {name: msgspec.json.Decoder(t) for name, t in _EVENTS.items()}
 
@@ -108,6 +111,10 @@ class _Thread:
             self.checkpoints[(ev.ns, ev.checkpoint_id)] = ev
             for b in ev.blobs:
                 self.blobs[(ev.ns, b.channel, b.version)] = b.value
+        elif isinstance(ev, CheckpointsHidden):
+            for ns, cid in ev.checkpoints:
+                self.checkpoints.pop((ns, cid), None)
+                self.writes.pop((ns, cid), None)
         elif isinstance(ev, WritesPut):
             self.thread_id = ev.thread_id
             table = self.writes.setdefault((ev.ns, ev.checkpoint_id), {})
@@ -146,6 +153,23 @@ def _all_steps() -> Steps[list[_Thread]]:
     return [t for t in out if t.thread_id]
 
 
+def _hidden_for_runs(
+    serde: SerializerProtocol, threads: list[_Thread], run_ids: Sequence[str]
+) -> list[tuple[str, CheckpointsHidden]]:
+    """Per thread, the checkpoints whose metadata ``run_id`` is one of ``run_ids``."""
+    wanted = set(run_ids)
+    out = []
+    for t in threads:
+        hide = [
+            key
+            for key, cp in t.checkpoints.items()
+            if serde.loads_typed(cp.metadata.pair()).get("run_id") in wanted
+        ]
+        if hide:
+            out.append((t.thread_id, CheckpointsHidden(t.thread_id, hide, "runs deleted")))
+    return out
+
+
 def _configurable(config: RunnableConfig | None) -> dict[str, Any]:
     return dict((config or {}).get("configurable") or {})
 
@@ -172,9 +196,31 @@ class LedgerSaver(BaseCheckpointSaver[str]):
 
     @classmethod
     def from_dsn(cls, dsn: str, *, serde: SerializerProtocol | None = None) -> LedgerSaver:
+        """A saver on pools of its own (the async one opened on first use)."""
         saver = cls(Ledger(dsn), serde=serde)
         saver._dsn = dsn
         return saver
+
+    @classmethod
+    @contextmanager
+    def from_conn_string(
+        cls, conn_string: str, *, serde: SerializerProtocol | None = None
+    ) -> Iterator[LedgerSaver]:
+        """As langgraph-checkpoint-postgres's savers: ``with LedgerSaver.from_conn_string(dsn)
+        as saver: ...`` (closed on the way out)."""
+        saver = cls.from_dsn(conn_string, serde=serde)
+        try:
+            yield saver
+        finally:
+            saver.close()
+
+    def setup(self) -> None:
+        """Prepare the schema: the ledger's migrations (idempotent; ``ledger-cdc init`` does
+        the same, with the publication and roles)."""
+        from ledger_cdc.admin.schema import migrate
+
+        with self._sync_ledger().connection() as conn:
+            migrate(conn)
 
     async def _async_ledger(self) -> AsyncLedger:
         if self.aledger is None:
@@ -421,6 +467,38 @@ class LedgerSaver(BaseCheckpointSaver[str]):
             ThreadDeleted(str(thread_id)),
         )
 
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Hide the checkpoints (and their writes) whose metadata ``run_id`` is one of these."""
+        with self._sync_ledger().connection() as conn:
+            threads = run(conn, _all_steps())
+        for thread_id, ev in _hidden_for_runs(self.serde, threads, run_ids):
+            self._sync_ledger().append(
+                thread_session(thread_id), AGENT, "langgraph.checkpoints.hidden", ev
+            )
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Every visible checkpoint and write of one thread, appended again to another (the
+        source is untouched)."""
+        with self._sync_ledger().connection() as conn:
+            t = run(conn, _thread_steps(str(source_thread_id)))
+        for event_type, ev in _copied(t, str(target_thread_id)):
+            self._sync_ledger().append(thread_session(target_thread_id), AGENT, event_type, ev)
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """``keep_latest``: hide all but the latest checkpoint of each namespace; ``delete``:
+        as :meth:`delete_thread`. An append either way; erase with partitions (archive)."""
+        for thread_id in thread_ids:
+            if strategy == "delete":
+                self.delete_thread(thread_id)
+                continue
+            with self._sync_ledger().connection() as conn:
+                t = run(conn, _thread_steps(str(thread_id)))
+            ev = _pruned(t, strategy)
+            if ev is not None:
+                self._sync_ledger().append(
+                    thread_session(thread_id), AGENT, "langgraph.checkpoints.hidden", ev
+                )
+
     # -- async ----------------------------------------------------------------------------------
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
@@ -475,3 +553,101 @@ class LedgerSaver(BaseCheckpointSaver[str]):
             "langgraph.thread.deleted",
             ThreadDeleted(str(thread_id)),
         )
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        ledger = await self._async_ledger()
+        async with ledger.connection() as conn:
+            threads = await run_async(conn, _all_steps())
+        for thread_id, ev in _hidden_for_runs(self.serde, threads, run_ids):
+            await ledger.append(
+                thread_session(thread_id), AGENT, "langgraph.checkpoints.hidden", ev
+            )
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        ledger = await self._async_ledger()
+        async with ledger.connection() as conn:
+            t = await run_async(conn, _thread_steps(str(source_thread_id)))
+        for event_type, ev in _copied(t, str(target_thread_id)):
+            await ledger.append(thread_session(target_thread_id), AGENT, event_type, ev)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        ledger = await self._async_ledger()
+        for thread_id in thread_ids:
+            if strategy == "delete":
+                await self.adelete_thread(thread_id)
+                continue
+            async with ledger.connection() as conn:
+                t = await run_async(conn, _thread_steps(str(thread_id)))
+            ev = _pruned(t, strategy)
+            if ev is not None:
+                await ledger.append(
+                    thread_session(thread_id), AGENT, "langgraph.checkpoints.hidden", ev
+                )
+
+
+class AsyncLedgerSaver(LedgerSaver):
+    """The same saver, built for async code: ``async with AsyncLedgerSaver.from_conn_string(dsn)
+    as saver`` (an :class:`~ledger_cdc.AsyncLedger` pool; its sync methods are not used)."""
+
+    @classmethod
+    @asynccontextmanager
+    async def from_conn_string(  # type: ignore[override]
+        cls, conn_string: str, *, serde: SerializerProtocol | None = None
+    ) -> AsyncIterator[AsyncLedgerSaver]:
+        saver = cls(None, await AsyncLedger.connect(conn_string), serde=serde)
+        try:
+            yield saver
+        finally:
+            await saver.aclose()
+
+    async def setup(self) -> None:  # type: ignore[override]
+        """Prepare the schema (the ledger's migrations, idempotent)."""
+
+        ledger = await self._async_ledger()
+        dsn = ledger._dsn
+        if dsn is None:
+            raise ConfigError("setup() needs a saver made from a DSN (from_conn_string)")
+        await asyncio.to_thread(_migrate, dsn)
+
+
+def _migrate(dsn: str) -> None:
+    import psycopg
+
+    from ledger_cdc.admin.schema import migrate
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        migrate(conn)
+
+
+def _copied(t: _Thread, target: str) -> list[tuple[str, Any]]:
+    """The events that give ``target`` the visible checkpoints and writes of ``t``."""
+    out: list[tuple[str, Any]] = []
+    for (ns, cid), cp in sorted(t.checkpoints.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        versions_blobs = [
+            Blob(ch, version, value) for (bns, ch, version), value in t.blobs.items() if bns == ns
+        ]
+        out.append(
+            (
+                "langgraph.checkpoint",
+                CheckpointSaved(
+                    target, ns, cid, cp.parent_id, cp.checkpoint, cp.metadata, versions_blobs
+                ),
+            )
+        )
+        by_task: dict[tuple[str, str], list[Write]] = {}
+        for (task_id, idx), (path, ch, value) in t.writes.get((ns, cid), {}).items():
+            by_task.setdefault((task_id, path), []).append(Write(idx, ch, value))
+        for (task_id, path), writes in by_task.items():
+            out.append(("langgraph.writes", WritesPut(target, ns, cid, task_id, path, writes)))
+    return out
+
+
+def _pruned(t: _Thread, strategy: str) -> CheckpointsHidden | None:
+    if strategy != "keep_latest":
+        raise ConfigError(f"unknown prune strategy {strategy!r} (keep_latest or delete)")
+    latest: dict[str, str] = {}
+    for ns, cid in t.checkpoints:
+        if cid > latest.get(ns, ""):
+            latest[ns] = cid
+    hide = [(ns, cid) for ns, cid in t.checkpoints if cid != latest[ns]]
+    return CheckpointsHidden(t.thread_id, hide, "pruned") if hide else None
