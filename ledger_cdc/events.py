@@ -32,6 +32,9 @@ __all__ = [
     "ContextLoaded",
     "HandoffEmitted",
     "HandoffReceived",
+    "ItemPopped",
+    "ItemsAdded",
+    "ItemsCleared",
     "LedgerEvent",
     "Limits",
     "Message",
@@ -266,6 +269,28 @@ class CheckpointsHidden(msgspec.Struct, frozen=True):
     reason: str = ""
 
 
+# -- OpenAI Agents SDK sessions (ledger_cdc.integrations.openai_agents writes them).
+
+
+class ItemsAdded(msgspec.Struct, frozen=True):
+    """One ``add_items`` call: its items, in order, as the SDK gives them (JSON objects)."""
+
+    items: list[Any]
+
+
+class ItemPopped(msgspec.Struct, frozen=True):
+    """``pop_item``: the item it removed, named by the event that added it and its index."""
+
+    added_at: int  # position of the items.added event
+    index: int
+
+
+class ItemsCleared(msgspec.Struct, frozen=True):
+    """``clear_session``: the items before this event are no longer the session's."""
+
+    reason: str = ""
+
+
 EVENT_TYPES: dict[str, Any] = {
     "context.loaded": ContextLoaded,
     "model.requested": ModelRequested,
@@ -286,6 +311,9 @@ EVENT_TYPES: dict[str, Any] = {
     "langgraph.writes": WritesPut,
     "langgraph.thread.deleted": ThreadDeleted,
     "langgraph.checkpoints.hidden": CheckpointsHidden,
+    "openai.items.added": ItemsAdded,
+    "openai.item.popped": ItemPopped,
+    "openai.items.cleared": ItemsCleared,
 }
 _BUILTIN = frozenset(EVENT_TYPES)
 _decoders: dict[str, msgspec.json.Decoder[Any]] = {}

@@ -1,0 +1,113 @@
+"""The OpenAI Agents SDK session on the ledger behaves as the SDK's own SQLiteSession, op for op,
+and stays whole under concurrent writers: one add's items together and in order, no item popped
+twice, nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from typing import Any
+
+import pytest
+
+pytest.importorskip("agents.memory")
+
+from agents.memory import SQLiteSession
+
+from ledger_cdc.client.writer import AsyncLedger
+from ledger_cdc.integrations.openai_agents import LedgerSession, conversation_session
+from tests.support.cdc import ConsumerProcess, wait_caught_up
+from tests.support.harness import Database
+
+pytestmark = pytest.mark.server
+
+
+def _item(n: int) -> dict[str, Any]:
+    role = "user" if n % 2 else "assistant"
+    return {"role": role, "content": f"message {n} ✓", "meta": {"n": n, "tags": ["a", "b"]}}
+
+
+def test_the_ledger_session_answers_as_the_sdks_sqlite_session(db: Database) -> None:
+    rng = random.Random(18)
+
+    async def go() -> None:
+        ledger = await AsyncLedger.connect(db.dsn)
+        ours = LedgerSession(f"conv-{uuid.uuid4()}", ledger)
+        theirs = SQLiteSession("reference")
+        try:
+            n = 0
+            for _ in range(120):
+                op = rng.choice(["add", "add", "get", "get_limit", "pop", "clear"])
+                if op == "add":
+                    items = [_item(n + i) for i in range(rng.randint(1, 4))]
+                    n += len(items)
+                    await ours.add_items(items)
+                    await theirs.add_items(items)
+                elif op == "get":
+                    assert await ours.get_items() == await theirs.get_items()
+                elif op == "get_limit":
+                    k = rng.randint(0, 6)
+                    assert await ours.get_items(k) == await theirs.get_items(k)
+                elif op == "pop":
+                    assert await ours.pop_item() == await theirs.pop_item()
+                elif op == "clear" and rng.random() < 0.3:
+                    await ours.clear_session()
+                    await theirs.clear_session()
+            assert await ours.get_items() == await theirs.get_items()
+        finally:
+            theirs.close()
+            await ledger.close()
+
+    asyncio.run(go())
+
+
+def test_concurrent_writers_keep_the_history_whole(db: Database) -> None:
+    sid = f"conv-{uuid.uuid4()}"
+
+    async def go() -> tuple[list[Any], list[Any]]:
+        ledger = await AsyncLedger.connect(db.dsn, pool_size=8)
+        try:
+            sessions = [LedgerSession(sid, ledger) for _ in range(6)]
+
+            async def writer(w: int) -> None:
+                for k in range(10):
+                    await sessions[w].add_items([{"w": w, "k": k, "part": p} for p in range(3)])
+
+            popped: list[Any] = []
+
+            async def popper(s: LedgerSession) -> None:
+                for _ in range(15):
+                    item = await s.pop_item()
+                    if item is not None:
+                        popped.append(item)
+
+            await asyncio.gather(
+                *(writer(w) for w in range(4)), popper(sessions[4]), popper(sessions[5])
+            )
+            return await sessions[0].get_items(), popped
+        finally:
+            await ledger.close()
+
+    left, popped = asyncio.run(go())
+    keys = [(x["w"], x["k"], x["part"]) for x in left + popped]
+    assert len(keys) == len(set(keys)) == 4 * 10 * 3  # nothing lost, nothing popped twice
+    # what is left keeps each add's items together and in order, and each writer's adds in order
+    seen: dict[tuple[int, int], list[int]] = {}
+    for x in left:
+        seen.setdefault((x["w"], x["k"]), []).append(x["part"])
+    for parts in seen.values():
+        assert parts == sorted(parts)
+    for w in range(4):
+        ks = [x["k"] for x in left if x["w"] == w]
+        assert ks == sorted(ks)
+    # the consumer folds the conversation like any session (standard event types)
+    with ConsumerProcess(db.dsn, "--create-slot"):
+        wait_caught_up(db.dsn)
+    with db.connect() as conn:
+        assert conn.execute("SELECT count(*) FROM ledger_dead_letters").fetchone() == (0,)
+        row = conn.execute(
+            "SELECT event_count FROM agent_sessions WHERE session_id = %s",
+            (conversation_session(sid),),
+        ).fetchone()
+    assert row is not None and row[0] == 40 + len(popped)
