@@ -32,6 +32,7 @@ __all__ = [
     "ContextLoaded",
     "HandoffEmitted",
     "HandoffReceived",
+    "HarnessRecord",
     "ItemPopped",
     "ItemsAdded",
     "ItemsCleared",
@@ -291,6 +292,16 @@ class ItemsCleared(msgspec.Struct, frozen=True):
     reason: str = ""
 
 
+# -- Pydantic AI harness step stores (ledger_cdc.integrations.pydantic_ai writes them): each
+# carries the harness's record as JSON; tool effects also append the standard tool.* events.
+
+
+class HarnessRecord(msgspec.Struct, frozen=True):
+    """A run record, step event, snapshot or tool-effect record of the harness, as JSON."""
+
+    record: dict[str, Any]
+
+
 EVENT_TYPES: dict[str, Any] = {
     "context.loaded": ContextLoaded,
     "model.requested": ModelRequested,
@@ -314,6 +325,10 @@ EVENT_TYPES: dict[str, Any] = {
     "openai.items.added": ItemsAdded,
     "openai.item.popped": ItemPopped,
     "openai.items.cleared": ItemsCleared,
+    "pydantic.run.registered": HarnessRecord,
+    "pydantic.step": HarnessRecord,
+    "pydantic.snapshot": HarnessRecord,
+    "pydantic.tool.effect": HarnessRecord,
 }
 _BUILTIN = frozenset(EVENT_TYPES)
 _decoders: dict[str, msgspec.json.Decoder[Any]] = {}

@@ -19,7 +19,7 @@ from langgraph.checkpoint.conformance.report import ProgressCallbacks
 
 from ledger_cdc.client.writer import AsyncLedger, Ledger
 from ledger_cdc.integrations.langgraph import LedgerSaver, thread_session
-from tests.support.cdc import ConsumerProcess, wait_caught_up
+from tests.support.cdc import ConsumerProcess, assert_verify_exact, wait_caught_up
 from tests.support.harness import Database
 
 pytestmark = pytest.mark.server
@@ -104,6 +104,7 @@ def test_sync_methods_read_what_async_ones_wrote_and_the_ledger_holds_it(db: Dat
         # the consumer (which never imports LangGraph) knows these events: nothing quarantined
         with ConsumerProcess(db.dsn, "--create-slot"):
             wait_caught_up(db.dsn)
+        assert_verify_exact(db.dsn)  # verify --all: the projections equal a fold from zero
         with db.connect() as conn:
             assert conn.execute("SELECT count(*) FROM ledger_dead_letters").fetchone() == (0,)
             row = conn.execute(

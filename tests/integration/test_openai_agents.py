@@ -17,7 +17,7 @@ from agents.memory import SQLiteSession
 
 from ledger_cdc.client.writer import AsyncLedger
 from ledger_cdc.integrations.openai_agents import LedgerSession, conversation_session
-from tests.support.cdc import ConsumerProcess, wait_caught_up
+from tests.support.cdc import ConsumerProcess, assert_verify_exact, wait_caught_up
 from tests.support.harness import Database
 
 pytestmark = pytest.mark.server
@@ -104,6 +104,7 @@ def test_concurrent_writers_keep_the_history_whole(db: Database) -> None:
     # the consumer folds the conversation like any session (standard event types)
     with ConsumerProcess(db.dsn, "--create-slot"):
         wait_caught_up(db.dsn)
+    assert_verify_exact(db.dsn)  # verify --all: the projections equal a fold from zero
     with db.connect() as conn:
         assert conn.execute("SELECT count(*) FROM ledger_dead_letters").fetchone() == (0,)
         row = conn.execute(
