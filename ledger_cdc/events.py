@@ -228,9 +228,13 @@ class Typed(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Blob(msgspec.Struct, array_like=True, frozen=True):
+    """A channel's value at a version; with ``base``, only the items appended to the list the
+    channel held at version ``base`` (a growing message list is stored once, not per step)."""
+
     channel: str
     version: str
     value: Typed
+    base: str | None = None
 
 
 class CheckpointSaved(msgspec.Struct, frozen=True):

@@ -10,7 +10,9 @@ verifiable like them. Three standard event types (``ledger_cdc.events``: every r
 without importing LangGraph; no reducer folds them):
 
 - ``langgraph.checkpoint``: the checkpoint (serialised by the saver's ``serde``, channel values
-  apart), its metadata, its parent, and the values of the channels whose version it bumps;
+  apart), its metadata, its parent, and the values of the channels whose version it bumps — of a
+  list channel that only grew (a message list), just the items appended since its previous
+  version, with a full value at least every 32 versions: storage grows with what changed;
 - ``langgraph.writes``: one ``put_writes`` call (task id and path, each write with its index);
 - ``langgraph.thread.deleted``: ``delete_thread`` — the ledger refuses UPDATE and DELETE, so the
   thread's earlier events are hidden from the saver, not erased (archive them with partitions).
@@ -25,7 +27,9 @@ Sync and async methods share one implementation (SQL steps run by ``client.steps
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -62,6 +66,10 @@ __all__ = ["LANGGRAPH_NAMESPACE", "AsyncLedgerSaver", "LedgerSaver", "thread_ses
 
 LANGGRAPH_NAMESPACE = uuid.UUID("5f0e0c3a-8d1b-5a44-9a3e-6c6564676572")
 AGENT = "langgraph"
+_FULL_EVERY = 32  # a full value at least every this many versions of a list channel
+_LAST_CHANNELS = 4096  # list channels whose last value a saver remembers (for deltas)
+_MISSING = object()
+_THREADS_KEPT = 256  # threads a saver keeps folded (a read fetches only their new events)
 
 
 def thread_session(thread_id: str) -> uuid.UUID:
@@ -79,7 +87,8 @@ _decoders = {name: msgspec.json.Decoder(t) for name, t in _EVENTS.items()}
 
 _THREAD = (
     "SELECT position, event_type, payload::text FROM agent_events "
-    "WHERE session_id = %s AND event_type LIKE 'langgraph.%%' ORDER BY position"
+    "WHERE session_id = %s AND position > %s AND event_type LIKE 'langgraph.%%' "
+    "ORDER BY position"
 )
 _ALL = (
     "SELECT session_id, position, event_type, payload::text FROM agent_events "
@@ -92,9 +101,10 @@ class _Thread:
     """One thread as its events fold (events before its last deletion are skipped)."""
 
     thread_id: str = ""
+    position: int = 0  # the last position folded (a saver keeps threads and reads only what is new)
     # (ns, checkpoint id) → the latest checkpoint event for it
     checkpoints: dict[tuple[str, str], CheckpointSaved] = field(default_factory=dict)
-    blobs: dict[tuple[str, str, str], Typed] = field(default_factory=dict)  # ns, channel, version
+    blobs: dict[tuple[str, str, str], Blob] = field(default_factory=dict)  # ns, channel, version
     # (ns, checkpoint id) → (task id, index) → (task path, channel, value)
     writes: dict[tuple[str, str], dict[tuple[str, int], tuple[str, str, Typed]]] = field(
         default_factory=dict
@@ -110,7 +120,7 @@ class _Thread:
             self.thread_id = ev.thread_id
             self.checkpoints[(ev.ns, ev.checkpoint_id)] = ev
             for b in ev.blobs:
-                self.blobs[(ev.ns, b.channel, b.version)] = b.value
+                self.blobs[(ev.ns, b.channel, b.version)] = b
         elif isinstance(ev, CheckpointsHidden):
             for ns, cid in ev.checkpoints:
                 self.checkpoints.pop((ns, cid), None)
@@ -124,17 +134,22 @@ class _Thread:
                     continue  # a regular write keeps its first value
                 table[key] = (ev.task_path, w.channel, w.value)
 
+    def fold_rows(self, rows: list[tuple[Any, ...]]) -> _Thread:
+        for position, event_type, text in rows:
+            if position > self.position:  # in order, once (two readers may fetch the same)
+                self.fold(event_type, text)
+                self.position = position
+        return self
+
 
 def _fold_rows(rows: list[tuple[Any, ...]]) -> _Thread:
-    t = _Thread()
-    for _, event_type, text in rows:
-        t.fold(event_type, text)
-    return t
+    return _Thread().fold_rows(rows)
 
 
-def _thread_steps(thread_id: str) -> Steps[_Thread]:
-    rows = yield Step(_THREAD, (thread_session(thread_id),))
-    return _fold_rows(rows)
+def _thread_steps(thread_id: str, after: int = 0) -> Steps[list[tuple[Any, ...]]]:
+    """The thread's events after ``after``, in position order."""
+    rows = yield Step(_THREAD, (thread_session(thread_id), after))
+    return rows
 
 
 def _all_steps() -> Steps[list[_Thread]]:
@@ -193,6 +208,10 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         self.aledger = aledger
         self._dsn: str | None = None
         self._opening: asyncio.Lock | None = None
+        self._threads: OrderedDict[str, _Thread] = OrderedDict()  # folded threads, by use
+        self._lock = threading.Lock()
+        # (thread, ns, channel) → (version, value, deltas since a full value) of list channels
+        self._last: OrderedDict[tuple[str, str, str], tuple[str, list[Any], int]] = OrderedDict()
 
     @classmethod
     def from_dsn(cls, dsn: str, *, serde: SerializerProtocol | None = None) -> LedgerSaver:
@@ -256,14 +275,15 @@ class LedgerSaver(BaseCheckpointSaver[str]):
     # -- versions -------------------------------------------------------------------------------
 
     def get_next_version(self, current: str | None, channel: None) -> str:
-        """Versions compare as strings: a zero-padded counter (LangGraph's own scheme)."""
+        """Versions compare as strings: a zero-padded counter and a random tie-break (LangGraph's
+        own scheme, 21 characters instead of 49: every checkpoint names each channel's)."""
         if current is None:
             n = 0
         elif isinstance(current, int):
             n = current
         else:
             n = int(str(current).split(".")[0])
-        return f"{n + 1:032}.{uuid.uuid4().int % 10**16:016}"
+        return f"{n + 1:012}.{uuid.uuid4().int % 10**8:08}"
 
     # -- the events a write appends ---------------------------------------------------------------
 
@@ -279,14 +299,7 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         ns = str(conf.get("checkpoint_ns") or "")
         c: dict[str, Any] = dict(checkpoint)
         values: dict[str, Any] = c.pop("channel_values", None) or {}
-        blobs = [
-            Blob(
-                k,
-                str(v),
-                Typed.of(self.serde.dumps_typed(values[k]) if k in values else ("empty", b"")),
-            )
-            for k, v in new_versions.items()
-        ]
+        blobs = [self._blob((thread_id, ns, k), str(v), values) for k, v in new_versions.items()]
         ev = CheckpointSaved(
             thread_id,
             ns,
@@ -333,9 +346,9 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         checkpoint: Any = self.serde.loads_typed(cp.checkpoint.pair())
         values: dict[str, Any] = {}
         for ch, version in (checkpoint.get("channel_versions") or {}).items():
-            blob = t.blobs.get((ns, ch, str(version)))
-            if blob is not None and blob.type != "empty":
-                values[ch] = self.serde.loads_typed(blob.pair())
+            value = self._value(t, ns, ch, str(version))
+            if value is not _MISSING:
+                values[ch] = value
         checkpoint["channel_values"] = values
         writes = t.writes.get((ns, cp.checkpoint_id), {})
         ordered = sorted(writes.items(), key=lambda kv: (kv[1][0], kv[0][0], kv[0][1]))
@@ -365,6 +378,60 @@ class LedgerSaver(BaseCheckpointSaver[str]):
             parent_config=parent,
             pending_writes=pending,
         )
+
+    def _value(self, t: _Thread, ns: str, channel: str, version: str) -> Any:
+        """A channel's value at a version: a full value, or a base's value and what was appended
+        to it since (a chain no longer than _FULL_EVERY)."""
+        chain: list[Blob] = []
+        v: str | None = version
+        while v is not None:
+            blob = t.blobs.get((ns, channel, v))
+            if blob is None or len(chain) > _FULL_EVERY:
+                return _MISSING
+            chain.append(blob)
+            v = blob.base
+        if chain[-1].value.type == "empty":
+            return _MISSING
+        value = self.serde.loads_typed(chain[-1].value.pair())
+        for blob in reversed(chain[:-1]):
+            value = list(value) + list(self.serde.loads_typed(blob.value.pair()))
+        return value
+
+    def _blob(self, key: tuple[str, str, str], version: str, values: dict[str, Any]) -> Blob:
+        """The blob of a new version of a channel (thread, ns, channel): the items appended
+        since the last version this saver wrote, when the channel is a list that only grew."""
+        channel = key[2]
+        if channel not in values:
+            self._last.pop(key, None)
+            return Blob(channel, version, Typed.of(("empty", b"")))
+        value = values[channel]
+        prev = self._last.get(key)
+        blob: Blob | None = None
+        depth = 0
+        if (
+            prev is not None
+            and isinstance(value, list)
+            and prev[2] < _FULL_EVERY
+            and len(value) >= len(prev[1])
+            and value[: len(prev[1])] == prev[1]
+        ):
+            tail = value[len(prev[1]) :]
+            blob = Blob(channel, version, Typed.of(self.serde.dumps_typed(tail)), prev[0])
+            depth = prev[2] + 1
+        if blob is None:
+            blob = Blob(channel, version, Typed.of(self.serde.dumps_typed(value)))
+        if isinstance(value, list):
+            self._last[key] = (version, list(value), depth)
+            self._last.move_to_end(key)
+            while len(self._last) > _LAST_CHANNELS:
+                self._last.popitem(last=False)
+        else:
+            self._last.pop(key, None)
+        return blob
+
+    def _forget(self, thread_id: str) -> None:
+        for key in [k for k in self._last if k[0] == thread_id]:
+            del self._last[key]
 
     def _get(self, t: _Thread, config: RunnableConfig) -> CheckpointTuple | None:
         conf = _configurable(config)
@@ -415,15 +482,37 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         thread_id = _configurable(config).get("thread_id")
         if thread_id is None:
             return (yield from _all_steps())
-        t = yield from _thread_steps(str(thread_id))
+        cached = self._cached(str(thread_id))
+        rows = yield from _thread_steps(str(thread_id), cached.position)
+        t = self._folded(str(thread_id), cached, rows)
         return [t] if t.thread_id else []
+
+    def _cached(self, thread_id: str) -> _Thread:
+        with self._lock:
+            t = self._threads.get(thread_id)
+            if t is None:
+                t = self._threads[thread_id] = _Thread()
+                while len(self._threads) > _THREADS_KEPT:
+                    self._threads.popitem(last=False)
+            self._threads.move_to_end(thread_id)
+            return t
+
+    def _folded(self, thread_id: str, t: _Thread, rows: list[tuple[Any, ...]]) -> _Thread:
+        with self._lock:
+            return t.fold_rows(rows)
+
+    def _thread_read(self, thread_id: str) -> Steps[_Thread]:
+        """One thread, brought up to date: only the events after what this saver folded."""
+        cached = self._cached(thread_id)
+        rows = yield from _thread_steps(thread_id, cached.position)
+        return self._folded(thread_id, cached, rows)
 
     # -- sync -----------------------------------------------------------------------------------
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         thread_id = str(_configurable(config)["thread_id"])
         with self._sync_ledger().connection() as conn:
-            t = run(conn, _thread_steps(thread_id))
+            t = run(conn, self._thread_read(thread_id))
         return self._get(t, config)
 
     def list(
@@ -460,6 +549,7 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         self._sync_ledger().append(thread_session(thread_id), AGENT, "langgraph.writes", ev)
 
     def delete_thread(self, thread_id: str) -> None:
+        self._forget(str(thread_id))
         self._sync_ledger().append(
             thread_session(thread_id),
             AGENT,
@@ -480,7 +570,7 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         """Every visible checkpoint and write of one thread, appended again to another (the
         source is untouched)."""
         with self._sync_ledger().connection() as conn:
-            t = run(conn, _thread_steps(str(source_thread_id)))
+            t = run(conn, self._thread_read(str(source_thread_id)))
         for event_type, ev in _copied(t, str(target_thread_id)):
             self._sync_ledger().append(thread_session(target_thread_id), AGENT, event_type, ev)
 
@@ -492,7 +582,7 @@ class LedgerSaver(BaseCheckpointSaver[str]):
                 self.delete_thread(thread_id)
                 continue
             with self._sync_ledger().connection() as conn:
-                t = run(conn, _thread_steps(str(thread_id)))
+                t = run(conn, self._thread_read(str(thread_id)))
             ev = _pruned(t, strategy)
             if ev is not None:
                 self._sync_ledger().append(
@@ -505,7 +595,7 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         thread_id = str(_configurable(config)["thread_id"])
         ledger = await self._async_ledger()
         async with ledger.connection() as conn:
-            t = await run_async(conn, _thread_steps(thread_id))
+            t = await run_async(conn, self._thread_read(thread_id))
         return self._get(t, config)
 
     async def alist(
@@ -546,6 +636,7 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         await ledger.append(thread_session(thread_id), AGENT, "langgraph.writes", ev)
 
     async def adelete_thread(self, thread_id: str) -> None:
+        self._forget(str(thread_id))
         ledger = await self._async_ledger()
         await ledger.append(
             thread_session(thread_id),
@@ -566,7 +657,7 @@ class LedgerSaver(BaseCheckpointSaver[str]):
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         ledger = await self._async_ledger()
         async with ledger.connection() as conn:
-            t = await run_async(conn, _thread_steps(str(source_thread_id)))
+            t = await run_async(conn, self._thread_read(str(source_thread_id)))
         for event_type, ev in _copied(t, str(target_thread_id)):
             await ledger.append(thread_session(target_thread_id), AGENT, event_type, ev)
 
@@ -577,7 +668,7 @@ class LedgerSaver(BaseCheckpointSaver[str]):
                 await self.adelete_thread(thread_id)
                 continue
             async with ledger.connection() as conn:
-                t = await run_async(conn, _thread_steps(str(thread_id)))
+                t = await run_async(conn, self._thread_read(str(thread_id)))
             ev = _pruned(t, strategy)
             if ev is not None:
                 await ledger.append(
@@ -622,10 +713,16 @@ def _migrate(dsn: str) -> None:
 def _copied(t: _Thread, target: str) -> list[tuple[str, Any]]:
     """The events that give ``target`` the visible checkpoints and writes of ``t``."""
     out: list[tuple[str, Any]] = []
+    blobs_sent: set[str] = set()
     for (ns, cid), cp in sorted(t.checkpoints.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        versions_blobs = [
-            Blob(ch, version, value) for (bns, ch, version), value in t.blobs.items() if bns == ns
-        ]
+        versions_blobs = []
+        if ns not in blobs_sent:  # a namespace's values travel once, with its first checkpoint
+            blobs_sent.add(ns)
+            versions_blobs = [
+                Blob(ch, version, b.value, b.base)
+                for (bns, ch, version), b in t.blobs.items()
+                if bns == ns
+            ]
         out.append(
             (
                 "langgraph.checkpoint",

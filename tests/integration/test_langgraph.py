@@ -168,3 +168,60 @@ def test_a_graph_stopped_mid_run_resumes_from_the_ledger(db: Database) -> None:
         assert len(history) >= 4 and history[0].metadata["step"] > history[-1].metadata["step"]
     finally:
         second.close()
+
+
+def _talk_graph(saver: Any, steps: int) -> Any:
+    """A graph whose one node appends a message per step until ``steps`` messages."""
+    graph_mod = pytest.importorskip("langgraph.graph")
+
+    def talk(state: State) -> dict[str, Any]:
+        n = len(state["steps"])
+        return {"steps": [f"message {n}: " + "x" * 200]}
+
+    g = graph_mod.StateGraph(State)
+    g.add_node("talk", talk)
+    g.add_edge(graph_mod.START, "talk")
+    g.add_conditional_edges("talk", lambda s: graph_mod.END if len(s["steps"]) >= steps else "talk")
+    return g.compile(checkpointer=saver)
+
+
+def test_a_growing_list_is_stored_by_its_increments_and_every_checkpoint_reads_whole(
+    db: Database,
+) -> None:
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    steps = 70  # past two full values (one every 32 versions)
+    config = {"configurable": {"thread_id": f"talk-{uuid.uuid4()}"}, "recursion_limit": 500}
+    reference = InMemorySaver()
+    _talk_graph(reference, steps).invoke({"steps": []}, config)
+    saver = LedgerSaver.from_dsn(db.dsn)
+    try:
+        _talk_graph(saver, steps).invoke({"steps": []}, config)
+        ours = [t.checkpoint["channel_values"] for t in saver.list(config)]
+        theirs = [t.checkpoint["channel_values"] for t in reference.list(config)]
+        assert ours == theirs and len(ours) > steps
+        # a new saver (no memory of earlier versions) reads the same
+        fresh = LedgerSaver.from_dsn(db.dsn)
+        assert [t.checkpoint["channel_values"] for t in fresh.list(config)] == theirs
+        fresh.close()
+    finally:
+        saver.close()
+    # storage grows with what changed: twice the steps, about twice the bytes (not four times)
+    half = {"configurable": {"thread_id": f"talk-{uuid.uuid4()}"}, "recursion_limit": 500}
+    saver = LedgerSaver.from_dsn(db.dsn)
+    try:
+        _talk_graph(saver, steps // 2).invoke({"steps": []}, half)
+    finally:
+        saver.close()
+
+    def stored(cfg: dict[str, Any]) -> int:
+        with db.connect() as conn:
+            row = conn.execute(
+                "SELECT sum(octet_length(payload::text)) FROM agent_events WHERE session_id = %s",
+                (thread_session(cfg["configurable"]["thread_id"]),),
+            ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    ratio = stored(config) / stored(half)
+    assert ratio < 2.5, ratio
