@@ -30,7 +30,7 @@ import asyncio
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +57,8 @@ from ledger_cdc.events import (
     CheckpointSaved,
     CheckpointsHidden,
     ThreadDeleted,
+    ToolInvoked,
+    ToolObserved,
     Typed,
     Write,
     WritesPut,
@@ -183,6 +185,19 @@ def _hidden_for_runs(
         if hide:
             out.append((t.thread_id, CheckpointsHidden(t.thread_id, hide, "runs deleted")))
     return out
+
+
+def _memo_of(conn: Any, sid: uuid.UUID, call_id: str) -> Any:
+    """The completed call ``call_id`` of a session, if there is one (from its rebuilt context,
+    or agent_memo past its snapshot)."""
+    from ledger_cdc.client.recovery import memoised_tool, rebuild_context
+    from ledger_cdc.errors import NoSuchSessionError
+
+    try:
+        ctx = rebuild_context(conn, sid)
+    except NoSuchSessionError:
+        return None
+    return memoised_tool(conn, ctx, call_id)
 
 
 def _configurable(config: RunnableConfig | None) -> dict[str, Any]:
@@ -588,6 +603,39 @@ class LedgerSaver(BaseCheckpointSaver[str]):
                 self._sync_ledger().append(
                     thread_session(thread_id), AGENT, "langgraph.checkpoints.hidden", ev
                 )
+
+    # -- external calls at most once ------------------------------------------------------------
+
+    def call_once(
+        self,
+        config: RunnableConfig,
+        call_id: str,
+        tool: str,
+        call: Callable[[], Any],
+        *,
+        arguments: dict[str, Any] | None = None,
+    ) -> Any:
+        """Run a node's external call (a payment, an email, a paid model) at most once per
+        thread and ``call_id``, whatever happens to the worker.
+
+        LangGraph re-runs a node whose writes were not saved: a worker killed after the call
+        but before the graph moved on calls again on resume. Here the call is recorded in the
+        thread's session as the ledger's own ``tool.invoked`` / ``tool.observed`` (idempotency
+        key ``<thread>:<call_id>``); once observed, a re-run answers from the ledger's memo.
+        The result must be JSON (it is stored in the ledger). A call invoked but never observed
+        (the worker died during it) is called again with the same key: pass it to the service."""
+        thread_id = str(_configurable(config)["thread_id"])
+        sid = thread_session(thread_id)
+        ledger = self._sync_ledger()
+        with ledger.connection() as conn:
+            done = _memo_of(conn, sid, call_id)
+        if done is not None:
+            return done.result
+        key = f"{thread_id}:{call_id}"
+        ledger.append(sid, AGENT, "tool.invoked", ToolInvoked(call_id, tool, arguments or {}, key))
+        result = call()
+        ledger.append(sid, AGENT, "tool.observed", ToolObserved(call_id, result))
+        return result
 
     # -- async ----------------------------------------------------------------------------------
 

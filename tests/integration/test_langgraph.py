@@ -17,6 +17,7 @@ pytest.importorskip("langgraph.checkpoint.conformance")
 from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.conformance.report import ProgressCallbacks
 
+from ledger_cdc.client.recovery import rebuild_context
 from ledger_cdc.client.writer import AsyncLedger, Ledger
 from ledger_cdc.integrations.langgraph import LedgerSaver, thread_session
 from tests.support.cdc import ConsumerProcess, assert_verify_exact, wait_caught_up
@@ -225,3 +226,43 @@ def test_a_growing_list_is_stored_by_its_increments_and_every_checkpoint_reads_w
 
     ratio = stored(config) / stored(half)
     assert ratio < 2.5, ratio
+
+
+def test_a_worker_killed_after_its_call_is_resumed_without_calling_again(
+    db: Database, tmp_path: Any
+) -> None:
+    """LangGraph re-runs a node whose writes were not saved; the node's external call goes
+    through ``call_once``, so the resumed node is answered from the ledger's memo."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from tests.support.cdc import ROOT, until
+    from tests.support.httptarget import Target
+
+    thread, marks = f"order-{uuid.uuid4()}", tmp_path / "marks"
+    with Target() as target:
+        argv = [
+            sys.executable,
+            "-m",
+            "tests.support.lgworker",
+            db.dsn,
+            thread,
+            target.url,
+            str(marks),
+        ]
+        first = subprocess.Popen([*argv, "--hold"], cwd=ROOT)
+        try:
+            until(lambda: marks.exists() and "charge ran" in marks.read_text(), 60)
+        finally:
+            first.send_signal(signal.SIGKILL)  # the call was made; the node never returned
+            first.wait(30)
+        second = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert json.loads(second.stdout.strip().splitlines()[-1]) == ["charged 200", "receipt sent"]
+        assert marks.read_text().count("charge ran") == 2  # LangGraph ran the node again …
+        assert len(target.requests) == 1  # … and the payment was made once
+    with db.connect() as conn:
+        ctx = rebuild_context(conn, thread_session(thread))
+    assert ctx.completed_tools["charge"].idempotency_key == f"{thread}:charge"
