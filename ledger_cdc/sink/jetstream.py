@@ -101,6 +101,13 @@ class WireEvent(msgspec.Struct):
 
 
 _encode = msgspec.json.Encoder().encode
+_LSN_HEADER = "Ledger-Batch-Lsn"  # the highest commit LSN of the message's batch (an integer)
+
+
+def _lsn_of(session: tuple[Any, ...]) -> int:
+    return int(session[3]) if len(session) > 3 else 0  # unknown: looked up like an old one
+
+
 _PING_INTERVAL = 2  # seconds between NATS pings
 _WINDOW = 1000  # publishes awaiting their acknowledgement at once
 log = logging.getLogger("ledger_cdc.jetstream")
@@ -134,9 +141,14 @@ class JetStreamPublisher:
         self._broken = False
         self.published = 0
         self.skipped = 0  # messages not published: the stream already held their position
+        self.heads_read = 0  # subjects whose last message was read (what may be in the stream)
         # subject → the last position the stream holds on it, as read or acknowledged on this
         # connection (forgotten with the connection: another publisher may have written since)
         self._heads: dict[str, int] = {}
+        # the highest commit LSN the stream may hold, read from its last message when this
+        # connection began: a message of a later commit cannot be in the stream, so only the
+        # others need their subject's head (None: not known, every subject is looked up)
+        self._high: int | None = None
 
     def _run(self, coro: Any, timeout: float) -> Any:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -158,6 +170,7 @@ class JetStreamPublisher:
         nc, self._nc, self._js = self._nc, None, None
         self._stream_ready = False
         self._heads = {}
+        self._high = None
         self._broken = False
         if nc is not None:
             with contextlib.suppress(Exception):
@@ -205,7 +218,23 @@ class JetStreamPublisher:
             )
         else:
             await self._reconcile(info.config, subjects)
+        self._high = await self._high_water()
         self._stream_ready = True
+
+    async def _high_water(self) -> int | None:
+        """The batch LSN of the stream's last message (0 for an empty stream)."""
+        from nats.js.errors import NotFoundError
+
+        info = await self._js.stream_info(self.settings.stream)
+        last = int(getattr(info.state, "last_seq", 0) or 0)
+        if last == 0:
+            return 0
+        try:
+            msg = await self._js.get_msg(self.settings.stream, seq=last)
+        except NotFoundError:
+            return None
+        value = (msg.headers or {}).get(_LSN_HEADER, "")
+        return int(value) if value.isdigit() else None
 
     async def _reconcile(self, config: Any, subjects: list[str]) -> None:
         """An existing stream whose settings differ from the URL's is updated to them (replicas,
@@ -283,21 +312,26 @@ class JetStreamPublisher:
                 asyncio.gather(*(self._head(s) for s in part)), self.settings.ack_timeout
             )
             self._heads.update(zip(part, heads, strict=True))
+            self.heads_read += len(part)
 
-    async def _publish(self, msgs: list[tuple[str, bytes, str, int]]) -> int:
+    async def _publish(self, msgs: list[tuple[str, bytes, str, int, int]]) -> int:
         await self._connect()
         js = self._js
         window: list[Any] = []
         sent = 0
+        # every message of a batch carries the batch's highest commit LSN: the stream's last
+        # message then tells the highest commit the stream may hold (batches go in order)
+        batch_lsn = str(max(m[4] for m in msgs))
         try:
-            await self._learn_heads([m[0] for m in msgs])
+            high = self._high
+            maybe_there = [m[0] for m in msgs if high is None or m[4] <= high]
+            await self._learn_heads(maybe_there)
             heads = self._heads
-            for subject, data, msg_id, position in msgs:  # in order: one connection keeps it
-                if position <= heads[subject]:
+            for subject, data, msg_id, position, _lsn in msgs:  # in order: one connection
+                if position <= heads.get(subject, 0):
                     continue  # already in the stream (published before a crash)
-                window.append(
-                    await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id})
-                )
+                headers = {"Nats-Msg-Id": msg_id, _LSN_HEADER: batch_lsn}
+                window.append(await js.publish_async(subject, data, headers=headers))
                 sent += 1
                 if len(window) >= _WINDOW:  # never near the context's own limit (4,000)
                     await asyncio.wait_for(asyncio.gather(*window), self.settings.ack_timeout)
@@ -309,17 +343,18 @@ class JetStreamPublisher:
                 f.cancel()
             await self._reset()
             raise
-        for subject, _, _, position in msgs:  # all acknowledged: the stream holds them now
-            if position > heads[subject]:
+        for subject, _, _, position, _ in msgs:  # all acknowledged: the stream holds them now
+            if position > heads.get(subject, 0):
                 heads[subject] = position
         return sent
 
     def publish(
         self,
         events: Sequence[tuple[LedgerEvent, int]],
-        sessions: Sequence[tuple[uuid.UUID, int, bytes]],
+        sessions: Sequence[tuple[Any, ...]],
     ) -> None:
-        """Publish (event, commit LSN) pairs, then (session, last position, context JSON)."""
+        """Publish (event, commit LSN) pairs, then (session, last position, context JSON[,
+        commit LSN]) for each changed projection."""
         from ledger_cdc.errors import format_lsn
 
         p = self.settings.prefix
@@ -341,12 +376,13 @@ class JetStreamPublisher:
                 ),
                 f"{self.slot}:ev:{ev.session_id}:{ev.position}",
                 ev.position,
+                lsn,
             )
             for ev, lsn in events
         ]
         msgs += [
-            (f"{p}.sessions.{sid}", data, f"{self.slot}:ctx:{sid}:{pos}", pos)
-            for sid, pos, data in sessions
+            (f"{p}.sessions.{s[0]}", s[2], f"{self.slot}:ctx:{s[0]}:{s[1]}", s[1], _lsn_of(s))
+            for s in sessions
         ]
         if not msgs:
             return

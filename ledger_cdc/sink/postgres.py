@@ -449,8 +449,8 @@ class PgSink:
             pub.publish(
                 batch.published,
                 [
-                    (sid, ctx.last_position, data)
-                    for sid, (ctx, data, _, _) in batch.sessions.items()
+                    (sid, ctx.last_position, data, commit_lsn)
+                    for sid, (ctx, data, commit_lsn, _) in batch.sessions.items()
                 ],
             )
 

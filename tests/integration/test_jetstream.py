@@ -108,28 +108,41 @@ def test_a_batch_republished_after_the_duplicate_window_is_not_duplicated(tmp_pa
         wait_jetstream([srv.url])
         url = srv.url + "?duplicate_window=0.5"
         sids, now = [uuid.uuid4() for _ in range(30)], dt.datetime.now(dt.timezone.utc)
+        # each event its own commit, in commit order; a projection carries its session's last
+        # commit, so the batch's last messages (projections) have lower LSNs than its last event
         batch = [
-            (LedgerEvent(i, sid, pos, "a", "tool.invoked", ToolInvoked(f"c{i}", "t"), now), 1)
+            (LedgerEvent(i, sid, pos, "a", "tool.invoked", ToolInvoked(f"c{i}", "t"), now), i)
             for pos in range(1, 21)
             for i, sid in enumerate(sids, start=pos * 100)
         ]
+        lsn_of = {(ev.session_id, ev.position): lsn for ev, lsn in batch}
         first = JetStreamPublisher(JetStreamSettings.from_url(url), "agent_slot")
-        first.publish(batch[:450], [(sid, 15, b"{}") for sid in sids])  # then a crash
+        first.publish(
+            batch[:450], [(sid, 15, b"{}", lsn_of[(sid, 15)]) for sid in reversed(sids)]
+        )  # then a crash before the checkpoint
+        assert first.heads_read == 0  # an empty stream: nothing to look up
         first.close()
         time.sleep(2.0)  # four duplicate windows
         again = JetStreamPublisher(JetStreamSettings.from_url(url), "agent_slot")
-        again.publish(batch, [(sid, 20, b"{}") for sid in sids])  # the restart's republish
+        again.publish(batch, [(sid, 20, b"{}", lsn_of[(sid, 20)]) for sid in sids])  # republish
         assert again.skipped == 450 and again.published == len(batch) - 450 + 30
+        heads_read = again.heads_read
+        later = [
+            (LedgerEvent(i, sid, 21, "a", "tool.invoked", ToolInvoked(f"d{i}", "t"), now), 9000 + i)
+            for i, sid in enumerate(sids)
+        ]
+        again.publish(later, [])  # commits after everything in the stream: no lookup
+        assert again.heads_read == heads_read
         again.publish(batch[-30:], [])  # and nothing is published twice on one connection
         assert again.skipped == 480
         again.close()
         events = read_all([srv.url], "ledger.events.*")
         keys = [(json.loads(m.data)["session_id"], json.loads(m.data)["position"]) for m in events]
-        assert len(keys) == len(set(keys)) == len(batch)
+        assert len(keys) == len(set(keys)) == len(batch) + len(later)
         per: dict[str, list[int]] = defaultdict(list)
         for sid, pos in keys:
             per[sid].append(pos)
-        assert all(v == list(range(1, 21)) for v in per.values())
+        assert all(v == list(range(1, 22)) for v in per.values())
         ctx = read_all([srv.url], "ledger.sessions.*", durable="ctx")
         assert len(ctx) == 2 * len(sids)  # position 15, then 20: each once
     finally:
