@@ -366,6 +366,14 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     help="Stream shard K: slot <slot>_sK and publication <publication>_sK (init --shards).",
 )
 @option(
+    "--vacuum-interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Seconds between VACUUMs of agent_sessions, which every batch rewrites (0: leave it "
+    "to autovacuum, whose one-minute naptime lets a busy table grow several times its data).",
+)
+@option(
     "--standby-poll",
     default=0.5,
     show_default=True,
@@ -392,6 +400,7 @@ def consume(
     log_format: str,
     sinks: tuple[str, ...],
     shard: int | None,
+    vacuum_interval: float,
     standby_poll: float,
 ) -> None:
     """Stream the slot into per-session projections, exactly once, in commit order.
@@ -440,6 +449,7 @@ def consume(
         progress=bootstrap_progress(state.console, log_format),
         sinks=extra,
         standby_poll=standby_poll,
+        vacuum_interval=vacuum_interval,
     )
     consumer = Consumer(config)
     consumer.install_signal_handlers()

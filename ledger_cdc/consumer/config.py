@@ -37,6 +37,9 @@ class ConsumerConfig:
     health_interval: float = 10.0
     notify_channel: str = RUNS_CHANNEL  # NOTIFY channel for runs ready to lease
     lease_watch_interval: float = 1.0  # seconds between looks for expired leases (0: off)
+    # seconds between VACUUMs of the projections (rewritten by every batch, their dead versions
+    # pile up faster than autovacuum's one-minute naptime returns them; 0: leave it to autovacuum)
+    vacuum_interval: float = 2.0
     partition_ensure_interval: float = 3600.0  # partitioned ledgers: create partitions ahead
     partitions_ahead: int = 3
     standby_poll: float = 0.5  # seconds between tries for a slot another consumer holds

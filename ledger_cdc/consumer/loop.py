@@ -43,6 +43,7 @@ from ledger_cdc.consumer.tasks import (
     heartbeat,
     lease_watch,
     partition_keeper,
+    vacuum,
 )
 from ledger_cdc.errors import ConfigError, FencedError, LedgerError, RetryableError
 from ledger_cdc.fold import default_reducers
@@ -549,6 +550,10 @@ class Consumer:
                 cfg.target_dsn or cfg.dsn,
                 lease_watch(cfg.notify_channel),
                 stop,
+            ).start()
+        if cfg.vacuum_interval:
+            Periodic(
+                "vacuum", cfg.vacuum_interval, cfg.target_dsn or cfg.dsn, vacuum(), stop
             ).start()
         if cfg.partition_ensure_interval:
             Periodic(

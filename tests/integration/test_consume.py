@@ -370,3 +370,30 @@ def test_verify_is_exact_after_a_restart(db: Database, tmp_path: Path) -> None:
             ledger.append(sid, "a", "tool.invoked", {"call_id": "m", "tool": "t"})
             wait_caught_up(db.dsn)
     assert_verify_exact(db.dsn)
+
+
+def test_the_consumer_vacuums_the_projections_it_rewrites(db: Database, tmp_path: Path) -> None:
+    """Every batch rewrites the touched sessions' rows: the consumer VACUUMs agent_sessions on
+    its own interval (autovacuum's naptime is a minute), so their dead versions are reused."""
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+        (before,) = conn.execute(  # type: ignore[misc]
+            "SELECT vacuum_count FROM pg_stat_user_tables WHERE relname = 'agent_sessions'"
+        ).fetchone()
+    with ConsumerProcess(db.dsn, "--vacuum-interval", "0.2", log=tmp_path / "c.log"):
+        w = Writers(db.dsn, n=2, sessions=4).start()
+        try:
+
+            def vacuumed() -> bool:
+                with db.connect() as conn:
+                    row = conn.execute(
+                        "SELECT vacuum_count FROM pg_stat_user_tables "
+                        "WHERE relname = 'agent_sessions'"
+                    ).fetchone()
+                return row is not None and row[0] > before
+
+            until(vacuumed, 60)
+        finally:
+            w.stop()
+        wait_caught_up(db.dsn)
+    assert_projections_equal_refold(db.dsn)
