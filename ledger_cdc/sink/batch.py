@@ -432,7 +432,9 @@ class BatchBuilder:
             f.batch.memo.append((sid, ev.position, done))
         f.batch.events += 1
         if self.publish:
-            f.batch.published.append((ev, txn.commit_lsn))
+            # a bootstrap (xid 0) folds rows read from the table, not a streamed commit: their
+            # LSN is unknown (0), so the fan-out looks up what the stream already holds of them
+            f.batch.published.append((ev, txn.commit_lsn if txn.xid else 0))
 
     def _cut_snapshots(self, f: _Part, before: dict[uuid.UUID, tuple[int, str]]) -> None:
         """Snapshots are cut here, between transactions, never inside one."""

@@ -101,7 +101,7 @@ class WireEvent(msgspec.Struct):
 
 
 _encode = msgspec.json.Encoder().encode
-_LSN_HEADER = "Ledger-Batch-Lsn"  # the highest commit LSN of the message's batch (an integer)
+_LSN_HEADER = "Ledger-High-Lsn"  # the highest commit LSN the stream holds with this message
 
 
 def _lsn_of(session: tuple[Any, ...]) -> int:
@@ -222,7 +222,8 @@ class JetStreamPublisher:
         self._stream_ready = True
 
     async def _high_water(self) -> int | None:
-        """The batch LSN of the stream's last message (0 for an empty stream)."""
+        """The high LSN the stream's last message carries (0 for an empty stream; None when
+        it carries none)."""
         from nats.js.errors import NotFoundError
 
         info = await self._js.stream_info(self.settings.stream)
@@ -319,18 +320,22 @@ class JetStreamPublisher:
         js = self._js
         window: list[Any] = []
         sent = 0
-        # every message of a batch carries the batch's highest commit LSN: the stream's last
-        # message then tells the highest commit the stream may hold (batches go in order)
-        batch_lsn = str(max(m[4] for m in msgs))
+        # every message carries the highest commit LSN the stream may hold once it is stored:
+        # the most of what the stream held when this connection began and of every batch
+        # published since. The stream's last message always tells it, whichever batch a restart
+        # replays first (a replayed batch may end below what a crashed publisher had stored).
+        # Unknown stays unknown ("": every later reader looks every subject up).
+        high = self._high
+        batch_max = max(m[4] for m in msgs)
+        mark = "" if high is None else str(max(high, batch_max))
         try:
-            high = self._high
             maybe_there = [m[0] for m in msgs if high is None or m[4] <= high]
             await self._learn_heads(maybe_there)
             heads = self._heads
             for subject, data, msg_id, position, _lsn in msgs:  # in order: one connection
                 if position <= heads.get(subject, 0):
                     continue  # already in the stream (published before a crash)
-                headers = {"Nats-Msg-Id": msg_id, _LSN_HEADER: batch_lsn}
+                headers = {"Nats-Msg-Id": msg_id, _LSN_HEADER: mark}
                 window.append(await js.publish_async(subject, data, headers=headers))
                 sent += 1
                 if len(window) >= _WINDOW:  # never near the context's own limit (4,000)
@@ -346,6 +351,8 @@ class JetStreamPublisher:
         for subject, _, _, position, _ in msgs:  # all acknowledged: the stream holds them now
             if position > heads.get(subject, 0):
                 heads[subject] = position
+        if high is not None:
+            self._high = max(high, batch_max)
         return sent
 
     def publish(
@@ -371,7 +378,7 @@ class JetStreamPublisher:
                         ev.payload,
                         ev.created_at,
                         ev.idempotency_key,
-                        format_lsn(lsn),
+                        format_lsn(lsn) if lsn else None,
                     )
                 ),
                 f"{self.slot}:ev:{ev.session_id}:{ev.position}",

@@ -445,14 +445,20 @@ class PgSink:
     # -- the parts of a commit ------------------------------------------------------------------
 
     def _publish(self, batch: Batch) -> None:
+        if not self.publishers:
+            return
+        # a projection's LSN for the fan-out: the latest commit of its events in this batch
+        # (0, unknown, for a bootstrap's or when none was published)
+        lsn: dict[uuid.UUID, int] = {}
+        for ev, at in batch.published:
+            if at > lsn.get(ev.session_id, 0):
+                lsn[ev.session_id] = at
+        sessions = [
+            (sid, ctx.last_position, data, lsn.get(sid, 0))
+            for sid, (ctx, data, _, _) in batch.sessions.items()
+        ]
         for pub in self.publishers:
-            pub.publish(
-                batch.published,
-                [
-                    (sid, ctx.last_position, data, commit_lsn)
-                    for sid, (ctx, data, commit_lsn, _) in batch.sessions.items()
-                ],
-            )
+            pub.publish(batch.published, sessions)
 
     def _staged_conn(self) -> psycopg.Connection[Any]:
         conn = self.conn

@@ -149,6 +149,60 @@ def test_a_batch_republished_after_the_duplicate_window_is_not_duplicated(tmp_pa
         srv.kill()
 
 
+def test_a_shorter_replay_after_a_crash_does_not_hide_what_the_stream_holds(
+    tmp_path: Path,
+) -> None:
+    """A restart may replay a shorter batch than the one a crashed publisher stored (its batches
+    end elsewhere). What the stream's last message says it may hold must not go down, or the
+    restart after that would publish again what is there."""
+    import datetime as dt
+
+    from ledger_cdc.events import LedgerEvent, ToolInvoked
+
+    srv = NatsServer(tmp_path / "js")
+    try:
+        wait_jetstream([srv.url])
+        url = srv.url + "?duplicate_window=0.5"
+        sids, now = [uuid.uuid4() for _ in range(2)], dt.datetime.now(dt.timezone.utc)
+        # one session's events commit first, the other's after (what a lookup by subject sees
+        # depends on the LSN ranges: the second session has only later commits)
+        events = [
+            (
+                LedgerEvent(
+                    i,
+                    sids[0] if i < 200 else sids[1],
+                    1 + (i if i < 200 else i - 200),
+                    "a",
+                    "tool.invoked",
+                    ToolInvoked(f"c{i}", "t"),
+                    now,
+                ),
+                100 + i,
+            )
+            for i in range(600)
+        ]
+        first = JetStreamPublisher(JetStreamSettings.from_url(url), "agent_slot")
+        first.publish(events, [])  # stored; its checkpoint was not
+        first.close()
+        second = JetStreamPublisher(JetStreamSettings.from_url(url), "agent_slot")
+        # the restart's first batch ends earlier, and carries a projection the stream lacks
+        second.publish(events[:200], [(sids[0], 200, b"{}", 299)])
+        assert second.published == 1 and second.skipped == 200
+        second.close()
+        time.sleep(2.0)  # past the duplicate window
+        third = JetStreamPublisher(JetStreamSettings.from_url(url), "agent_slot")
+        third.publish(events, [])
+        assert third.published == 0 and third.skipped == 600
+        third.close()
+        keys = [
+            (json.loads(m.data)["session_id"], json.loads(m.data)["position"])
+            for m in read_all([srv.url], "ledger.events.*")
+        ]
+        assert len(keys) == len(set(keys)) == 600
+    finally:
+        srv.kill()
+
+
 def test_consumer_restarted_after_several_windows_publishes_nothing_twice(
     db: Database, tmp_path: Path
 ) -> None:
