@@ -17,6 +17,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -149,9 +150,14 @@ def vacuum() -> Step:
     context), so dead versions accumulate by the megabyte between autovacuum's visits; vacuumed
     often, their space is reused instead of growing the table. SKIP_LOCKED: never waits."""
 
+    refused: list[str] = []
+    listening: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
+
     def step(conn: psycopg.Connection[Any]) -> bool:
-        refused: list[str] = []
-        conn.add_notice_handler(lambda d: refused.append(d.message_primary or ""))
+        if conn not in listening:  # one handler per connection (a reconnect makes a new one)
+            conn.add_notice_handler(lambda d: refused.append(d.message_primary or ""))
+            listening.add(conn)
+        refused.clear()
         conn.execute("VACUUM (SKIP_LOCKED) agent_sessions")
         if any("skipping" in m for m in refused):  # not the owner (nor pg_maintain, 17+)
             log.info("the projections are left to autovacuum: this role may not VACUUM them")
