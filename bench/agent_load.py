@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from common import ROOT, percentile, proc_cpu_seconds, proc_peak_rss_mb, wait_until
+from common import ROOT, percentile, proc_cpu_seconds, proc_peak_rss_mb, recvlogical, wait_until
 
 from ledger_cdc.admin.schema import create_slot, init
 from ledger_cdc.client.writer import Ledger
@@ -52,6 +52,7 @@ from ledger_cdc.events import (
     ToolObserved,
     Usage,
 )
+from ledger_cdc.lsn import parse_lsn
 
 PG_EPOCH = 946684800.0
 WORDS = [
@@ -134,8 +135,7 @@ def write_all(dsn: str, args: argparse.Namespace) -> int:
 
 def lsn(conn: psycopg.Connection[Any]) -> int:
     (text_lsn,) = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()  # type: ignore[misc]
-    hi, lo = text_lsn.split("/")
-    return (int(hi, 16) << 32) | int(lo, 16)
+    return parse_lsn(text_lsn)
 
 
 def folded(conn: psycopg.Connection[Any]) -> int:
@@ -239,30 +239,7 @@ def main() -> None:
             write_all(pg.dsn("backlog"), args)
             b1 = lsn(conn)
             end = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]  # type: ignore[index]
-        t0 = time.monotonic()
-        subprocess.run(
-            [
-                pg.bin("pg_recvlogical"),
-                "-d",
-                pg.url("backlog"),
-                "--slot",
-                "twin",
-                "--start",
-                "-o",
-                "proto_version=1",
-                "-o",
-                "publication_names=agent_pub",
-                "-f",
-                "/dev/null",
-                "-E",
-                end,
-                "--no-loop",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=1800,
-        )
-        t_ref = time.monotonic() - t0
+        t_ref = recvlogical(pg, end, "backlog")
         drain_log = tempfile.NamedTemporaryFile(suffix=".log", delete=False)  # noqa: SIM115
         drain = subprocess.Popen(
             [

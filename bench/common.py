@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -97,3 +98,32 @@ def pgbench_argv(pg: object, script: object, clients: int, seconds: int) -> list
         "postgres",
         pg.url().rsplit("/", 1)[1],  # type: ignore[attr-defined]
     ]
+
+
+def recvlogical(pg: Any, end: str, dbname: str = "postgres", slot: str = "twin") -> float:
+    """The reference reader: ``pg_recvlogical`` draining ``slot`` to /dev/null up to the LSN
+    ``end``; the seconds it took."""
+    t0 = time.monotonic()
+    subprocess.run(
+        [
+            pg.bin("pg_recvlogical"),
+            "-d",
+            pg.url(dbname),
+            "--slot",
+            slot,
+            "--start",
+            "-o",
+            "proto_version=1",
+            "-o",
+            "publication_names=agent_pub",
+            "-f",
+            "/dev/null",
+            "-E",
+            end,
+            "--no-loop",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=1800,
+    )
+    return time.monotonic() - t0

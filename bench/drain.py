@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import psycopg
-from common import ROOT, proc_cpu_seconds, proc_peak_rss_mb, wait_until, write_backlog
+from common import ROOT, proc_cpu_seconds, proc_peak_rss_mb, recvlogical, wait_until, write_backlog
 
 from ledger_cdc.admin.schema import create_slot, init
 from ledger_cdc.demo.embedded import EmbeddedPostgres
@@ -59,30 +59,7 @@ def main() -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
             (end,) = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()  # type: ignore[misc]
 
-        t0 = time.monotonic()
-        subprocess.run(
-            [
-                pg.bin("pg_recvlogical"),
-                "-d",
-                pg.url(),
-                "--slot",
-                "twin",
-                "--start",
-                "-o",
-                "proto_version=1",
-                "-o",
-                "publication_names=agent_pub",
-                "-f",
-                "/dev/null",
-                "-E",
-                end,
-                "--no-loop",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=1800,
-        )
-        t_ref = time.monotonic() - t0
+        t_ref = recvlogical(pg, end)
         r_ref = args.events / t_ref
 
         t_ours, t_start, cpu, rss = drain(args, dsn, dsn)
