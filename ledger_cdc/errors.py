@@ -302,7 +302,8 @@ def _password_of(dsn: str) -> str | None:
     return None
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name if it has none)."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -348,7 +349,7 @@ def translate(e: BaseException, *, dsn: str | None = None, doing: str = "") -> L
     One line, with a hint, without the password."""
     if isinstance(e, LedgerError):
         return e
-    line = redact(_first_line(e), dsn)
+    line = redact(first_line(e), dsn)
     where = f"{doing}: " if doing else ""
     state = getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)
     if state in ("42P01", "42703", "3F000", "42883"):
@@ -365,7 +366,7 @@ def translate(e: BaseException, *, dsn: str | None = None, doing: str = "") -> L
 
 def describe(e: BaseException, dsn: str | None = None) -> str:
     """One line for any exception, password removed."""
-    return redact(_first_line(e), dsn)
+    return redact(first_line(e), dsn)
 
 
 __all__ = [
@@ -397,6 +398,7 @@ __all__ = [
     "TransportError",
     "UnknownEventTypeError",
     "describe",
+    "first_line",
     "format_lsn",
     "is_permanent",
     "parse_lsn",

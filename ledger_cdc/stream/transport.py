@@ -34,6 +34,7 @@ from ledger_cdc.errors import (
     SlotError,
     SlotLostError,
     TransportError,
+    first_line,
     format_lsn,
     translate,
 )
@@ -198,7 +199,7 @@ class ReplicationStream:
             conn.close()
             self._conn = self._cur = None
             raise SlotBusyError(
-                f"slot {self.slot!r} is in use by another process: {_first_line(e)}"
+                f"slot {self.slot!r} is in use by another process: {first_line(e)}"
             ) from e
         except psycopg2.errors.ObjectNotInPrerequisiteState as e:
             conn.close()
@@ -208,13 +209,13 @@ class ReplicationStream:
             detail = getattr(getattr(e, "diag", None), "message_detail", None) or ""
             text = f"{e} {detail}"
             if "invalidated" in text or "can no longer" in text:
-                why = f"{_first_line(e)} ({detail.strip()})" if detail else _first_line(e)
+                why = f"{first_line(e)} ({detail.strip()})" if detail else first_line(e)
                 raise SlotLostError(f"slot {self.slot!r} was invalidated: {why}") from e
-            raise SlotError(f"slot {self.slot!r} cannot be used: {_first_line(e)}") from e
+            raise SlotError(f"slot {self.slot!r} cannot be used: {first_line(e)}") from e
         except psycopg2.errors.FeatureNotSupported as e:
             conn.close()
             self._conn = self._cur = None
-            raise SlotError(f"slot {self.slot!r}: {_first_line(e)}") from e
+            raise SlotError(f"slot {self.slot!r}: {first_line(e)}") from e
         except psycopg2.Error as e:
             conn.close()
             self._conn = self._cur = None
@@ -298,7 +299,7 @@ class ReplicationStream:
                 )
         except psycopg2.Error as e:
             self.close()
-            raise TransportError(f"cannot send feedback: {_first_line(e)}") from e
+            raise TransportError(f"cannot send feedback: {first_line(e)}") from e
 
     @contextlib.contextmanager
     def keepalive_during(self) -> Iterator[None]:
@@ -320,8 +321,3 @@ class ReplicationStream:
 
     def describe(self) -> str:
         return f"slot {self.slot} confirmed {format_lsn(self.confirmed)}"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -105,9 +105,6 @@ class Wal:
     def relation(self) -> bytes:
         """The Relation message of the ledger table. As pgoutput does, a connection sends it
         before its first change of the table (:class:`FakeTransport`), not the WAL."""
-        return self._relation()
-
-    def _relation(self) -> bytes:
         return build_message(
             b"R",
             {
