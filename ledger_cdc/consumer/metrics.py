@@ -1,8 +1,10 @@
 """The consumer's counters and gauges (:class:`Metrics`), exposed through ``prometheus_client``.
 
 :class:`Metrics` is a plain object the loop updates; a collector reads it at scrape time, so the
-hot path never touches a Prometheus object. The outbox dispatcher's :class:`DispatchMetrics`
-are exposed the same way. :func:`serve` starts the HTTP endpoint (``/metrics``).
+hot path never touches a Prometheus object, and ``prometheus_client`` is imported only when
+metrics are rendered or served (not at every consumer's start-up). The outbox dispatcher's
+:class:`DispatchMetrics` are exposed the same way. :func:`serve` starts the HTTP endpoint
+(``/metrics``).
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
+
     from ledger_cdc.client.dispatch import DispatchMetrics
 
 __all__ = ["DispatchCollector", "Metrics", "MetricsCollector", "MetricsServer", "registry", "serve"]
@@ -61,6 +62,8 @@ class Metrics:
 
     def prometheus(self, slot: str) -> str:
         """The Prometheus text exposition of these metrics, labelled with the slot."""
+        from prometheus_client import generate_latest
+
         return generate_latest(registry(MetricsCollector(self, slot))).decode()
 
 
@@ -76,14 +79,16 @@ _COUNTERS = (
 )
 
 
-class MetricsCollector(Collector):
-    """Reads a :class:`Metrics` at each scrape."""
+class MetricsCollector:
+    """Reads a :class:`Metrics` at each scrape (a ``prometheus_client`` collector)."""
 
     def __init__(self, metrics: Metrics, slot: str) -> None:
         self.metrics = metrics
         self.slot = slot
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         m, labels = self.metrics, [self.slot]
 
         def counter(name: str, help_: str, value: float) -> Metric:
@@ -108,7 +113,7 @@ class MetricsCollector(Collector):
             yield (counter if key.endswith("_total") else gauge)(key, help_, value)
 
 
-class DispatchCollector(Collector):
+class DispatchCollector:
     """Reads the outbox dispatcher's :class:`~ledger_cdc.client.dispatch.DispatchMetrics`."""
 
     def __init__(self, metrics: DispatchMetrics, worker: str) -> None:
@@ -116,6 +121,8 @@ class DispatchCollector(Collector):
         self.worker = worker
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily
+
         m = self.metrics
         for name, help_, value in (
             ("dispatched", "Outbox calls completed.", m.dispatched),
@@ -133,8 +140,10 @@ class DispatchCollector(Collector):
             yield c
 
 
-def registry(*collectors: Collector) -> CollectorRegistry:
+def registry(*collectors: MetricsCollector | DispatchCollector) -> CollectorRegistry:
     """A registry of its own (not the process-wide default) holding these collectors."""
+    from prometheus_client import CollectorRegistry
+
     reg = CollectorRegistry(auto_describe=False)
     for c in collectors:
         reg.register(c)
@@ -155,5 +164,7 @@ class MetricsServer:
 
 def serve(reg: CollectorRegistry, port: int, host: str = "127.0.0.1") -> MetricsServer:
     """Serve ``reg`` on ``host:port`` (port 0: any free port) in a daemon thread."""
+    from prometheus_client import start_http_server
+
     server, _thread = start_http_server(port, addr=host, registry=reg)
     return MetricsServer(int(server.server_address[1]), server)
