@@ -11,7 +11,8 @@ between turns. The same writes run three times, each in a database of its own on
 2. **live**: ``ledger-cdc consume`` streaming while the writers go at ``--rate`` turns/s in all
    (0: as fast as they can): commit → committed projection p50/p99 (from the consumer's own
    batches), the WAL written beyond phase 1 ÷ phase 1's, the projection and snapshot tables'
-   size ÷ their live data after the run, consumer CPU per MB of ledger WAL and per 1,000 events,
+   size ÷ their size once rewritten (bloat), the consumer WAL by table (pg_walinspect, where
+   the server has it), consumer CPU per MB of ledger WAL and per 1,000 events,
    peak RSS;
 3. **backlog**: the writes first, then the drain, against ``pg_recvlogical`` on a twin slot:
    ledger WAL MB/s of each.
@@ -52,7 +53,7 @@ from ledger_cdc.events import (
     ToolObserved,
     Usage,
 )
-from ledger_cdc.lsn import parse_lsn
+from ledger_cdc.lsn import format_lsn, parse_lsn
 
 PG_EPOCH = 946684800.0
 WORDS = [
@@ -158,15 +159,54 @@ def consumer_role(dsn: str, out: str) -> None:
     Path(out).write_text(json.dumps(lat))
 
 
+PROJECTION_TABLES = ("agent_sessions", "agent_snapshots", "agent_memo")
+
+
 def sizes(conn: psycopg.Connection[Any]) -> tuple[int, int]:
-    """(on disk, live data) of the projection and snapshot tables, after a VACUUM."""
-    conn.execute("VACUUM agent_sessions, agent_snapshots")
-    disk = live = 0
-    for t in ("agent_sessions", "agent_snapshots"):
-        (d,) = conn.execute("SELECT pg_total_relation_size(%s)", (t,)).fetchone()  # type: ignore[misc]
-        (v,) = conn.execute(f"SELECT coalesce(sum(pg_column_size(t.*)), 0) FROM {t} t").fetchone()  # type: ignore[misc]
-        disk, live = disk + int(d), live + int(v)
-    return disk, live
+    """(on disk after a plain VACUUM, on disk once rewritten by VACUUM FULL) of the consumer's
+    tables, indexes and TOAST included: bloat is the first over the second (a table of ten rows
+    takes its few fixed pages either way)."""
+    total = "SELECT sum(pg_total_relation_size(t)) FROM unnest(%s::regclass[]) AS t"
+    conn.execute(f"VACUUM {', '.join(PROJECTION_TABLES)}")
+    (disk,) = conn.execute(total, (list(PROJECTION_TABLES),)).fetchone()  # type: ignore[misc]
+    conn.execute(f"VACUUM FULL {', '.join(PROJECTION_TABLES)}")
+    (compact,) = conn.execute(total, (list(PROJECTION_TABLES),)).fetchone()  # type: ignore[misc]
+    return int(disk), int(compact)
+
+
+# Each WAL record's bytes (its full-page images included) by the relation of its first block;
+# records without a block (commits, running xacts, …) are "(no relation)".
+_WAL_BY_RELATION = """
+SELECT coalesce(c.relname, '(no relation)'), sum(w.record_length)
+FROM pg_get_wal_records_info(%s::pg_lsn, %s::pg_lsn) w
+LEFT JOIN pg_class c
+  ON c.relfilenode = (regexp_match(w.block_ref, 'rel \\d+/\\d+/(\\d+)'))[1]::oid
+GROUP BY 1
+"""
+_OWNER = """
+SELECT c.relname, coalesce(o.relname, i.relname, c.relname)
+FROM pg_class c
+LEFT JOIN pg_class o ON o.reltoastrelid = c.oid
+LEFT JOIN pg_index x ON x.indexrelid = c.oid
+LEFT JOIN pg_class i ON i.oid = x.indrelid
+"""
+
+
+def wal_by_table(conn: psycopg.Connection[Any], start: int, end: int) -> dict[str, int] | None:
+    """WAL bytes written between two LSNs, by table (its indexes and TOAST counted with it), read
+    with pg_walinspect (None where the server lacks it)."""
+    try:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+    except psycopg.Error:
+        return None
+    owner = dict(conn.execute(_OWNER).fetchall())
+    # an index's TOAST-index chain ends at its table: resolve twice
+    owner = {k: owner.get(v, v) for k, v in owner.items()}
+    out: dict[str, int] = {}
+    for rel, n in conn.execute(_WAL_BY_RELATION, (format_lsn(start), format_lsn(end))):
+        name = owner.get(rel, rel)
+        out[name] = out.get(name, 0) + int(n)
+    return out
 
 
 def main() -> None:
@@ -225,13 +265,15 @@ def main() -> None:
             write_all(pg.dsn("live"), args)
             t_live = time.monotonic() - t0
             wait_until(lambda: folded(conn) >= events, 600)
-            live_wal = lsn(conn) - l0
+            l1 = lsn(conn)
+            live_wal = l1 - l0
             cpu = proc_cpu_seconds(proc.pid) - cpu0
             rss = proc_peak_rss_mb(proc.pid)
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
             lat = json.loads(Path(out).read_text())
-            disk, live = sizes(conn)
+            by_table = wal_by_table(conn, l0, l1)
+            disk, compact = sizes(conn)
 
         # 3. backlog, then the drain, against pg_recvlogical on a twin slot
         with psycopg.connect(pg.dsn("backlog"), autocommit=True) as conn:
@@ -286,9 +328,19 @@ def main() -> None:
         f"    consumer WAL             {(live_wal - ledger_wal) / 1e6:7.1f} MB = "
         f"{(live_wal - ledger_wal) / ledger_wal:.2f}× the ledger's"
     )
+    if by_table:
+        ledger_own = sum(v for k, v in by_table.items() if k.startswith("agent_events"))
+        shown = sorted(
+            ((k, v) for k, v in by_table.items() if not k.startswith("agent_events")),
+            key=lambda kv: -kv[1],
+        )
+        print(
+            "      by table (pg_walinspect): "
+            + ", ".join(f"{k} {v / ledger_own:.3f}×" for k, v in shown[:6])
+        )
     print(
-        f"    projection + snapshots   {disk / 1e6:7.1f} MB on disk for {live / 1e6:.1f} MB live "
-        f"= {disk / max(1, live):.2f}×"
+        f"    consumer tables          {disk / 1e6:7.2f} MB on disk, {compact / 1e6:.2f} MB once "
+        f"rewritten = {disk / max(1, compact):.2f}× ({', '.join(PROJECTION_TABLES)})"
     )
     print(
         f"    consumer CPU             {cpu / mb:.3f} s per MB, {cpu / events * 1000:.2f} s per "

@@ -117,6 +117,12 @@ class HistoryArchivedError(LedgerError):
     exit_code = 1
 
 
+class WindowMissingError(HistoryArchivedError):
+    """A stored context (snapshot, projection) references the ``context.loaded`` event that
+    holds its context window, and that event is neither in the ledger nor kept by an archive
+    (or no longer holds the messages the context referenced)."""
+
+
 class ArchiveRefusedError(LedgerError):
     """Archiving was refused: it would lose something (the consumer is behind, or the target
     directory already holds this partition's archive)."""
@@ -397,6 +403,7 @@ __all__ = [
     "SlotLostError",
     "TransportError",
     "UnknownEventTypeError",
+    "WindowMissingError",
     "describe",
     "first_line",
     "format_lsn",

@@ -17,8 +17,10 @@ each with its own TRUNCATE guard (statement triggers are not inherited by partit
 :func:`archive` removes partitions entirely older than a bound: refused unless every session in
 the partition is folded past it; each such session gets a snapshot at or after its last event
 there; the rows are exported (COPY, gzip, sha256 in a manifest), then the partition is detached
-and dropped in one transaction that records the archive. It is the only path that removes
-ledger data.
+and dropped in one transaction that records the archive — and that keeps, in
+``agent_kept_events``, the payloads stored contexts and memo rows still reference (every
+completion, and the ``context.loaded`` events projections and snapshots open with). It is the only
+path that removes ledger data.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ from psycopg import sql
 from ledger_cdc.errors import ArchiveRefusedError, ConfigError
 from ledger_cdc.fold import (
     FORMAT_VERSION,
-    PROJECTION_FORMAT,
+    PROJECTION_FORMATS,
+    SNAPSHOT_FORMATS,
     decode_context,
-    encode_snapshot,
+    encode_stored,
     reducer_version,
 )
 from ledger_cdc.sink.postgres import SNAPSHOT_CONFLICT
@@ -276,6 +279,41 @@ INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version
 VALUES (%s, %s, %s, %s, %s, %s, %s, %s)
 """
 _SNAPSHOT += SNAPSHOT_CONFLICT
+# What stored contexts and memo rows read from the partition's events once it is gone, kept in
+# agent_kept_events: every completion (a memo row leaves its call's result or content in it,
+# a stored context the long messages taken from it), and the context.loaded events a stored
+# context opens with: for each projection and snapshot of the partition's sessions, the latest
+# context.loaded at or before its position, when that one is in this partition.
+_KEEP_EVENTS = """
+WITH sessions AS (SELECT DISTINCT session_id FROM {part}),
+refs AS (
+    SELECT s.session_id, s.last_position AS at
+    FROM agent_sessions s JOIN sessions USING (session_id)
+    UNION
+    SELECT n.session_id, n.upto_position FROM agent_snapshots n JOIN sessions USING (session_id)
+),
+windows AS (
+    SELECT c.session_id, c.position
+    FROM refs r
+    JOIN LATERAL (
+        SELECT p.session_id, p.position FROM {part} p
+        WHERE p.session_id = r.session_id AND p.event_type = 'context.loaded'
+          AND p.position <= r.at
+        ORDER BY p.position DESC LIMIT 1
+    ) c ON true
+    WHERE NOT EXISTS (
+        SELECT FROM agent_events e
+        WHERE e.session_id = r.session_id AND e.event_type = 'context.loaded'
+          AND e.position > c.position AND e.position <= r.at
+    )
+)
+INSERT INTO agent_kept_events (session_id, position, event_type, payload, partition_name)
+SELECT p.session_id, p.position, p.event_type, p.payload, %(name)s
+FROM {part} p
+WHERE p.event_type IN ('model.responded', 'tool.observed')
+   OR (p.session_id, p.position) IN (SELECT session_id, position FROM windows)
+ON CONFLICT DO NOTHING
+"""
 _EXPORT = (
     "COPY (SELECT seq, session_id, position, agent_id, event_type, payload, idempotency_key, "
     "created_at, encode(prev_hash, 'hex'), encode(hash, 'hex') FROM {part} "
@@ -326,7 +364,8 @@ def _step(on_step: Callable[[str, str], None] | None, name: str, step: str) -> N
 _FOLDED = """
 SELECT p.session_id, max(p.position), s.last_position,
        (SELECT max(n.upto_position) FROM agent_snapshots n
-        WHERE n.session_id = p.session_id AND n.format_version = %s AND n.reducer_version = %s)
+        WHERE n.session_id = p.session_id AND n.format_version = ANY(%s)
+          AND n.reducer_version = %s)
 FROM {part} p LEFT JOIN agent_sessions s ON s.session_id = p.session_id
 GROUP BY p.session_id, s.last_position
 """
@@ -389,6 +428,8 @@ def _archive_one(
                     "WHERE ledger_archived_heads.upto_position < EXCLUDED.upto_position",
                     (sid, last, h, p.name),
                 )
+            # what projections, snapshots and memo rows reference stays readable
+            conn.execute(sql.SQL(_KEEP_EVENTS).format(part=part), {"name": p.name})
             # idempotency keys (and signal ids) stay: agent_event_keys keeps what a retry
             # compares, and agent_session_heads each session's head
             conn.execute(sql.SQL("DROP TABLE {}").format(part))
@@ -413,7 +454,7 @@ def _cover(conn: psycopg.Connection[Any], p: Partition, *, consumer_wait: float)
     deadline = time.monotonic() + consumer_wait
     while True:
         rows = conn.execute(
-            sql.SQL(_FOLDED).format(part=part), (FORMAT_VERSION, version)
+            sql.SQL(_FOLDED).format(part=part), (list(SNAPSHOT_FORMATS), version)
         ).fetchall()
         behind = [(sid, last, folded) for sid, last, folded, _ in rows if (folded or 0) < last]
         if not behind:
@@ -434,13 +475,14 @@ def _cover(conn: psycopg.Connection[Any], p: Partition, *, consumer_wait: float)
         # the snapshot is cut from the projection: the consumer's own point, whose memo is in
         # agent_memo already (a snapshot leaves its memo to that table)
         row = conn.execute(_PROJECTION, (sid,)).fetchone()
-        if row is None or row[2] != PROJECTION_FORMAT:
+        if row is None or row[2] not in PROJECTION_FORMATS:
             raise ArchiveRefusedError(
                 f"partition {p.name}: session {sid} has no projection of the current format to "
                 "cut a snapshot from; archive refused"
             )
         last_seq, position, _, text, head = row
-        data = encode_snapshot(decode_context(text))
+        # a projection of format 2 is in a snapshot's form already (its window referenced)
+        data = encode_stored(decode_context(text))
         conn.execute(
             _SNAPSHOT,
             (

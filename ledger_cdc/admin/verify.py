@@ -25,16 +25,22 @@ import psycopg
 from ledger_cdc.admin.partitions import archived_heads, check_archive
 from ledger_cdc.admin.timeline import field_differences
 from ledger_cdc.client.read import COLUMNS, row_event
-from ledger_cdc.client.recovery import load_memo, snapshot_context
+from ledger_cdc.client.recovery import REFERENCED, load_memo, snapshot_context
 from ledger_cdc.connect import connect
+from ledger_cdc.errors import WindowMissingError
 from ledger_cdc.fold import (
-    FORMAT_VERSION,
     PROJECTION_FORMAT,
+    PROJECTION_FORMATS,
+    SNAPSHOT_FORMATS,
     SessionContext,
+    attach,
+    comparable,
     decode_context,
-    encode_snapshot,
+    encode_context,
+    encode_stored,
     fold_one,
     reducer_version,
+    references,
 )
 
 __all__ = ["Difference", "VerifyReport", "verify"]
@@ -85,7 +91,44 @@ class VerifyReport:
         return not self.differences and not self.unknown
 
 
-def _compare(
+_PROJECTION = (
+    b"SELECT last_seq, format_version, context::text FROM agent_sessions WHERE session_id = %s"
+)
+
+
+def _attach(conn: psycopg.Connection[Any], ctx: SessionContext) -> None:
+    window, positions = references(ctx)
+    if window is not None or positions:
+        sid = ctx.session_id
+        row = conn.execute(REFERENCED, (sid, window, sid, positions)).fetchone()
+        attach(ctx, *(row if row is not None else (None, None)))
+
+
+def _check_projection(
+    conn: psycopg.Connection[Any],
+    report: VerifyReport,
+    ctx: SessionContext,
+    position: int,
+    limit: int,
+) -> None:
+    """The session's projection (at ``position``) against the refold ``ctx``."""
+    sid = ctx.session_id
+    row = conn.execute(_PROJECTION, (sid,)).fetchone()
+    if row is None:
+        return
+    report.projections += 1
+    if row[1] not in PROJECTION_FORMATS:
+        report.notes.append(f"session {sid}: projection has format {row[1]}: not compared")
+        return
+    stored = decode_context(row[2])
+    whole = row[1] != PROJECTION_FORMAT  # format 1 holds every completed call
+    _compare_stored(
+        conn, report, "projection", ctx, stored, int(row[0]), position, limit, whole=whole
+    )
+
+
+def _compare_stored(
+    conn: psycopg.Connection[Any],
     report: VerifyReport,
     kind: str,
     ctx: SessionContext,
@@ -93,13 +136,30 @@ def _compare(
     seq: int,
     position: int,
     limit: int,
+    *,
+    whole: bool = False,
 ) -> None:
-    expected, actual = msgspec.to_builtins(ctx), msgspec.to_builtins(stored)
-    diffs = field_differences(expected, actual, limit=limit)
+    """A stored context against the refold ``ctx``: what it references read back (a difference
+    when it cannot be), the storage hints left out of both. A projection of format 1
+    (``whole``) holds every completed call; the others none (they are checked in agent_memo)."""
+    sid = ctx.session_id
+    try:
+        _attach(conn, stored)
+    except WindowMissingError as e:
+        report.differences.append(
+            Difference(sid, kind, seq, position, "window", None, None, str(e))
+        )
+        return
+    expected = ctx if whole else decode_context(encode_stored(ctx, reference=False))
+    diffs = field_differences(
+        msgspec.to_builtins(comparable(expected)),
+        msgspec.to_builtins(comparable(stored)),
+        limit=limit,
+    )
     for path, exp, act in diffs:
         report.differences.append(
             Difference(
-                ctx.session_id,
+                sid,
                 kind,
                 seq,
                 position,
@@ -457,22 +517,7 @@ def _verify_archived(
         f"snapshot at position {base.last_position}"
     )
     if projection_at == base.last_position:
-        row = conn.execute(
-            "SELECT last_seq, format_version, context::text FROM agent_sessions "
-            "WHERE session_id = %s",
-            (sid,),
-        ).fetchone()
-        if row is not None and row[1] == PROJECTION_FORMAT:
-            report.projections += 1
-            _compare(
-                report,
-                "projection",
-                base,
-                decode_context(row[2]),
-                int(row[0]),
-                base.last_position,
-                limit,
-            )
+        _check_projection(conn, report, base, base.last_position, limit)
     elif projection_at is not None:
         report.notes.append(
             f"session {sid}: projection at position {projection_at}, archive snapshot at "
@@ -486,13 +531,17 @@ def _archive_base(
     """The first snapshot at or after the archived bound that rebuild_context would trust."""
     for row in conn.execute(
         "SELECT upto_seq, upto_position, content_hash, data, true FROM agent_snapshots "
-        "WHERE session_id = %s AND upto_position >= %s AND format_version = %s "
+        "WHERE session_id = %s AND upto_position >= %s AND format_version = ANY(%s) "
         "AND reducer_version = %s AND data IS NOT NULL ORDER BY upto_position",
-        (sid, upto, FORMAT_VERSION, version),
+        (sid, upto, list(SNAPSHOT_FORMATS), version),
         binary=True,
     ):
         ctx = snapshot_context(sid, row)
         if ctx is not None:
+            try:
+                _attach(conn, ctx)
+            except WindowMissingError:
+                continue
             return load_memo(conn, ctx)  # the refold goes on with the whole memo
     return None
 
@@ -508,20 +557,8 @@ def _check_at(
 ) -> None:
     sid = ctx.session_id
     if pos == projection_at:
-        row = conn.execute(
-            "SELECT last_seq, format_version, context::text FROM agent_sessions "
-            "WHERE session_id = %s",
-            (sid,),
-        ).fetchone()
-        if row is not None:
-            report.projections += 1
-            if row[1] != PROJECTION_FORMAT:
-                report.notes.append(f"session {sid}: projection has format {row[1]}: not compared")
-            else:
-                _compare(report, "projection", ctx, decode_context(row[2]), int(row[0]), pos, limit)
+        _check_projection(conn, report, ctx, pos, limit)
         _check_memo(conn, report, ctx, pos, limit)
-    snapshot: SessionContext | None = None
-    canonical = b""
     for seq, fmt, rv, digest, data, hashed in conn.execute(
         "SELECT upto_seq, format_version, reducer_version, content_hash, "
         "coalesce(data, convert_to(context::text, 'UTF8')), data IS NOT NULL "
@@ -530,7 +567,7 @@ def _check_at(
         binary=True,
     ):
         report.snapshots += 1
-        if fmt != FORMAT_VERSION or rv != version:
+        if fmt not in SNAPSHOT_FORMATS or rv != version:
             report.notes.append(
                 f"session {sid}: snapshot at seq {seq} is format {fmt} / reducers {rv}: "
                 "not compared (rebuild_context does not use it either)"
@@ -559,10 +596,10 @@ def _check_at(
                 )
             )
             continue
-        if snapshot is None:  # what a snapshot of the refold holds: no memo, memo_position set
-            canonical = encode_snapshot(ctx)
-            snapshot = decode_context(canonical)
-        if hashed and canonical != raw and stored == snapshot:
+        canonical = encode_context(stored)  # before its window is attached: what is stored
+        found = len(report.differences)
+        _compare_stored(conn, report, "snapshot", ctx, stored, int(seq), pos, limit)
+        if hashed and canonical != raw and len(report.differences) == found:
             report.differences.append(
                 Difference(
                     sid,
@@ -575,7 +612,6 @@ def _check_at(
                     "snapshot bytes are not the canonical encoding of its context",
                 )
             )
-        _compare(report, "snapshot", snapshot, stored, int(seq), pos, limit)
 
 
 def _check_memo(

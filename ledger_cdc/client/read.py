@@ -21,10 +21,18 @@ from psycopg import sql
 
 from ledger_cdc.errors import ConfigError, InvalidEventError
 from ledger_cdc.events import LedgerEvent, Rejected, admit_time, load_payload
-from ledger_cdc.fold import SessionContext, fold_one
+from ledger_cdc.fold import SessionContext, decode_context, fold_one
 from ledger_cdc.names import RUNS_CHANNEL
 
-__all__ = ["COLUMNS", "events_query", "fold_all", "load_events", "load_events_sized", "row_event"]
+__all__ = [
+    "COLUMNS",
+    "events_query",
+    "fold_all",
+    "load_events",
+    "load_events_sized",
+    "projected_contexts",
+    "row_event",
+]
 
 # created_at outside what every reader can hold (events.MIN_TIME..MAX_TIME) is selected as text
 # in the last column instead: loading it as a time would raise in the driver, on any path.
@@ -115,6 +123,29 @@ def fold_all(conn: psycopg.Connection[Any]) -> dict[uuid.UUID, SessionContext]:
             ctx = out[ev.session_id] = SessionContext(ev.session_id)
         fold_one(ctx, ev)
     return out
+
+
+# -- projections ---------------------------------------------------------------------------------
+
+_PROJECTED = (
+    "SELECT session_id, ledger_full_context(session_id, context)::text FROM agent_sessions "
+    "{where} ORDER BY session_id"
+)
+
+
+def projected_contexts(
+    conn: psycopg.Connection[Any], session_ids: Sequence[uuid.UUID] | None = None
+) -> dict[uuid.UUID, SessionContext]:
+    """The projections of these sessions (all if None), each context whole: its window's
+    messages read from their ``context.loaded`` event and its completed calls from
+    ``agent_memo`` (``agent_sessions.context`` stores neither; SQL readers use the
+    ``agent_session_contexts`` view or ``ledger_session_context(session_id)``)."""
+    where = "" if session_ids is None else "WHERE session_id = ANY(%s)"
+    params = () if session_ids is None else (list(session_ids),)
+    return {
+        sid: decode_context(text)
+        for sid, text in conn.execute(_PROJECTED.format(where=where).encode(), params)
+    }
 
 
 # -- runs ready to lease -------------------------------------------------------------------

@@ -52,14 +52,16 @@ from ledger_cdc.events import (
     ToolInvoked,
 )
 from ledger_cdc.fold import (
-    FORMAT_VERSION,
+    SNAPSHOT_FORMATS,
     CompletedModel,
     CompletedTool,
     SessionContext,
     apply,
+    attach,
     decode_context,
     fold_one,
     reducer_version,
+    references,
 )
 
 __all__ = [
@@ -93,10 +95,25 @@ log = logging.getLogger("ledger_cdc.replay")
 _SNAPSHOT = (
     b"SELECT upto_seq, upto_position, content_hash, "
     b"coalesce(data, convert_to(context::text, 'UTF8')), data IS NOT NULL FROM agent_snapshots "
-    b"WHERE session_id = %s AND format_version = %s AND reducer_version = %s AND upto_seq <= %s "
+    b"WHERE session_id = %s AND format_version = ANY(%s) AND reducer_version = %s "
+    b"AND upto_seq <= %s "
     b"AND upto_position < %s ORDER BY upto_position DESC LIMIT 1"
 )
 _NO_LIMIT = 2**63 - 1
+_FORMATS = list(SNAPSHOT_FORMATS)
+# What a stored context references: the messages of its window (its context.loaded event's, or
+# an archive's copy) and the strings of the messages it took from events
+REFERENCED = b"SELECT ledger_window(%s, %s)::text, ledger_messages(%s, %s::int8[])"
+
+
+def attach_steps(ctx: SessionContext) -> Steps[SessionContext]:
+    """A stored context made whole: what it references read back and put in place."""
+    window, positions = references(ctx)
+    if window is not None or positions:
+        sid = ctx.session_id
+        row = first((yield Step(REFERENCED, (sid, window, sid, positions))))
+        attach(ctx, *(row if row is not None else (None, None)))
+    return ctx
 
 
 def _session(session_id: uuid.UUID | str) -> uuid.UUID:
@@ -247,13 +264,14 @@ def _rebuild_steps(sid: uuid.UUID, upto_seq: int | None, memo: bool) -> Steps[Se
     after = after_seq = 0
     below = _NO_LIMIT  # a snapshot found unusable: look below its position
     while ctx is None:
-        key = (sid, FORMAT_VERSION, version, bound, below)
+        key = (sid, _FORMATS, version, bound, below)
         row = first((yield Step(_SNAPSHOT, key, binary=True)))
         if row is None:
             break
         ctx = snapshot_context(sid, row)
         if ctx is not None:
             after_seq, after = int(row[0]), int(row[1])
+            ctx = yield from attach_steps(ctx)
         below = int(row[1])
     if ctx is None:
         _no_archived_history(sid, first((yield Step(_ARCHIVED, (sid,)))))
@@ -303,8 +321,10 @@ async def rebuild_context_async(
 
 # -- the memo: completed calls, in the context or in agent_memo ---------------------------------
 
+# entries leave a call's result (content) in the completing event: ledger_memo_entry reads it
 _MEMO_WHERE = (
-    b"SELECT entry::text FROM agent_memo WHERE session_id = %s AND completed_position <= %s "
+    b"SELECT ledger_memo_entry(session_id, kind, completed_position, entry)::text "
+    b"FROM agent_memo WHERE session_id = %s AND completed_position <= %s "
 )
 _MEMO_BY = {
     ("tool", "id"): b"AND kind = 'tool' AND call_id = %s",
@@ -315,9 +335,10 @@ _MEMO_BY = {
 }
 _LATEST = b" ORDER BY completed_position DESC LIMIT 1"
 _MEMO_ALL = (
-    b"SELECT kind, entry::text FROM (SELECT DISTINCT ON (kind, call_id) kind, "
-    b"completed_position, entry FROM agent_memo WHERE session_id = %s AND completed_position "
-    b"<= %s ORDER BY kind, call_id, completed_position DESC) AS m ORDER BY completed_position"
+    b"SELECT kind, ledger_memo_entry(session_id, kind, completed_position, entry)::text "
+    b"FROM (SELECT DISTINCT ON (kind, call_id) session_id, kind, completed_position, entry "
+    b"FROM agent_memo WHERE session_id = %s AND completed_position <= %s "
+    b"ORDER BY kind, call_id, completed_position DESC) AS m ORDER BY completed_position"
 )
 _tool_entry = msgspec.json.Decoder(CompletedTool)
 _model_entry = msgspec.json.Decoder(CompletedModel)

@@ -104,6 +104,8 @@ class Consumer:
                 config.slot,
                 idle_timeout=config.sink_idle_timeout,
                 publication=config.publication,
+                # another database than the ledger's cannot read its events: copy them
+                by_reference=not config.target_dsn,
             )
             for url in config.sinks:
                 from ledger_cdc.sink.jetstream import JetStreamPublisher, JetStreamSettings
@@ -138,6 +140,7 @@ class Consumer:
             publish=bool(self.sink.publishers),
             spill_dir=config.spill_dir,
             on_anomaly=self._on_anomaly,
+            by_reference=bool(getattr(self.sink, "by_reference", False)),
         )
         self.flush_policy = FlushPolicy(config.batch_size, self._budget, config.max_delay)
         self._worker = SinkWorker(self.sink)

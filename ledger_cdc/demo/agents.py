@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 
-from ledger_cdc.client.read import COLUMNS, fold_all, row_event
+from ledger_cdc.client.read import COLUMNS, fold_all, projected_contexts, row_event
 from ledger_cdc.client.writer import Ledger, OutboxItem
 from ledger_cdc.events import (
     ContextLoaded,
@@ -35,7 +35,7 @@ from ledger_cdc.events import (
     ToolObserved,
     Usage,
 )
-from ledger_cdc.fold import SessionContext, decode_context
+from ledger_cdc.fold import SessionContext
 
 __all__ = ["DemoReport", "run_agents"]
 
@@ -171,12 +171,7 @@ def ledger_rows(dsn: str, limit: int = 400) -> list[tuple[LedgerEvent | Rejected
 
 def projections(dsn: str) -> list[SessionContext]:
     with psycopg.connect(dsn) as conn:
-        return [
-            decode_context(text)
-            for (text,) in conn.execute(
-                "SELECT context::text FROM agent_sessions ORDER BY session_id"
-            )
-        ]
+        return list(projected_contexts(conn).values())
 
 
 def verify_against_refold(dsn: str) -> tuple[bool, int]:

@@ -11,6 +11,11 @@ row of ``agent_memo``, written by the consumer in the batch that folds it, and a
 ``memo_position``, the session position up to which its memo lives there. A context rebuilt from
 a snapshot therefore holds only the calls completed after it, and answers memo lookups through
 ``ledger_cdc.client.recovery.memoised_tool`` / ``memoised_model``.
+
+Two fields are storage hints rather than state: ``window`` (which ``context.loaded`` event the
+first messages come from) and ``sources`` (which events later messages were taken from). What
+is stored leaves those messages in their events (``ledger_cdc.fold.codec``); ``verify``
+compares contexts without the hints.
 """
 
 from __future__ import annotations
@@ -28,15 +33,19 @@ from ledger_cdc.events import Message, ToolCall
 __all__ = [
     "FORMAT_VERSION",
     "PROJECTION_FORMAT",
+    "PROJECTION_FORMATS",
     "REDUCER_VERSION",
     "RUN_PENDING",
     "RUN_RUNNING",
     "RUN_SUSPENDED",
+    "SNAPSHOT_FORMATS",
     "CompletedModel",
     "CompletedTool",
+    "ContextWindow",
     "ForkOrigin",
     "Handoff",
     "Lease",
+    "MessageSource",
     "PendingModel",
     "PendingTool",
     "RunState",
@@ -47,13 +56,19 @@ __all__ = [
     "TokenUsage",
 ]
 
-FORMAT_VERSION = 3
-"""Version of the snapshot format (snapshots of another version are not used, except as the base
-of a session whose earlier history was archived). 3: canonical encoding (object keys sorted) and
-the quarantine count; 2: the memo is not in the snapshot but in ``agent_memo`` up to
-``memo_position``; 1 held the whole memo."""
-PROJECTION_FORMAT = 1
-"""Version of the projection's context format (``agent_sessions.context``, the whole context)."""
+FORMAT_VERSION = 4
+"""Version of the snapshot format written. 4: the context window loaded by a ``context.loaded``
+event is not copied but referenced (``window``: the event's position; the messages after it are
+stored); 3: canonical encoding (object keys sorted) and the quarantine count; 2: the memo is not
+in the snapshot but in ``agent_memo`` up to ``memo_position``; 1 held the whole memo."""
+SNAPSHOT_FORMATS = (3, 4)
+"""Snapshot formats read (3 is 4 without a referenced window)."""
+PROJECTION_FORMAT = 2
+"""Version of the projection's context format (``agent_sessions.context``) written. 2: as a
+snapshot of format 4 (no completed calls: they are in ``agent_memo``; the context window
+referenced); 1: the whole context, every completed call and message copied."""
+PROJECTION_FORMATS = (1, 2)
+"""Projection formats read."""
 REDUCER_VERSION = "core-3"
 """Version of the built-in reducers' semantics (bump when a reducer changes its output)."""
 
@@ -163,6 +178,37 @@ class RunState(msgspec.Struct):
     leases: int = 0  # run.leased events, renewals included
 
 
+class ContextWindow(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
+    """Where a context's first messages come from: the ``context.loaded`` event at ``position``
+    in the session, whose ``length`` messages (``chars`` characters of content) open
+    ``messages``; later messages were appended by the fold.
+
+    A storage hint, not state: snapshots and projections store the event's position instead of
+    its messages (``omitted``: the first ``length`` messages are not in ``messages`` and must be
+    read from that event, :func:`ledger_cdc.fold.codec.attach`). ``verify`` compares
+    contexts without it. A reducer that changes ``messages`` other than by appending must set
+    ``ctx.window = None`` (a window that no longer matches its messages is found out when the
+    context is stored, by ``length`` and ``chars``, and the messages are then copied)."""
+
+    position: int
+    length: int
+    chars: int
+    omitted: bool = False
+
+
+class MessageSource(msgspec.Struct, frozen=True, omit_defaults=True, gc=False, array_like=True):
+    """``messages[index]`` is, verbatim, a string of the event at ``position``: a
+    ``model.responded``'s ``content``, a ``tool.observed``'s ``error`` or (string) ``result``,
+    ``chars`` characters long. A storage hint like :class:`ContextWindow`: a stored context
+    leaves a long content in its event (``omitted``: the message's content is empty until read
+    back)."""
+
+    index: int
+    position: int
+    chars: int
+    omitted: bool = False
+
+
 class Handoff(msgspec.Struct, omit_defaults=True, gc=False):
     handoff_id: str
     agent: str  # to (emitted) / from (received)
@@ -205,6 +251,8 @@ class SessionContext(msgspec.Struct):
     forked_from: ForkOrigin | None = None
     run: RunState | None = None
     extra: dict[str, Any] = {}
+    window: ContextWindow | None = None  # where messages[:window.length] come from (a hint)
+    sources: list[MessageSource] = []  # the events later messages were taken from (a hint)
 
     # -- memo: what a restarted worker answers from the ledger instead of calling again ------
 

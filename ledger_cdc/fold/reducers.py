@@ -56,9 +56,11 @@ from ledger_cdc.fold.context import (
     RUN_SUSPENDED,
     CompletedModel,
     CompletedTool,
+    ContextWindow,
     ForkOrigin,
     Handoff,
     Lease,
+    MessageSource,
     PendingModel,
     PendingTool,
     RunState,
@@ -90,6 +92,13 @@ Reducer = Callable[[SessionContext, LedgerEvent], None]
 def _context_loaded(ctx: SessionContext, ev: LedgerEvent) -> None:
     p: ContextLoaded = ev.payload
     ctx.messages = list(p.messages)
+    # stored by reference to this event (a storage hint: see ContextWindow)
+    ctx.window = (
+        ContextWindow(ev.position, len(p.messages), sum(len(m.content) for m in p.messages))
+        if p.messages
+        else None
+    )
+    ctx.sources = []
     if p.task is not None:
         ctx.task = p.task
 
@@ -123,6 +132,7 @@ def _model_responded(ctx: SessionContext, ev: LedgerEvent) -> None:
     u.model_calls += 1
     if p.content:
         ctx.messages.append(Message("assistant", p.content))
+        ctx.sources.append(MessageSource(len(ctx.messages) - 1, ev.position, len(p.content)))
 
 
 def _tool_invoked(ctx: SessionContext, ev: LedgerEvent) -> None:
@@ -154,6 +164,8 @@ def _tool_observed(ctx: SessionContext, ev: LedgerEvent) -> None:
     )
     content = p.error if p.error is not None else _text(p.result)
     ctx.messages.append(Message("tool", content, tool_call_id=p.call_id))
+    if p.error is not None or isinstance(p.result, str):  # the event's own string
+        ctx.sources.append(MessageSource(len(ctx.messages) - 1, ev.position, len(content)))
 
 
 def _text(value: Any) -> str:

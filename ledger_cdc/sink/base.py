@@ -27,6 +27,9 @@ class Sink(Protocol):
     checkpoint: int | None  # the stored LSN, as last read or written
     epoch: int | None
     publishers: list[Any]  # fan-out sinks given each batch before it commits
+    # whether what it stores may reference ledger events instead of copying them (the sink
+    # reads them back: its database holds the ledger, or it keeps them itself)
+    by_reference: bool
 
     def load_checkpoint(self) -> int | None:
         """Read the stored checkpoint (and epoch); None when the slot has none."""

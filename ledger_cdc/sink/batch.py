@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.fold import (
+    REFERENCE_MIN,
     RUN_PENDING,
     CompletedModel,
     CompletedTool,
@@ -35,8 +36,7 @@ from ledger_cdc.fold import (
     SessionStatus,
     completion,
     decode_context,
-    encode_context,
-    encode_snapshot,
+    encode_stored,
 )
 from ledger_cdc.lsn import format_lsn
 from ledger_cdc.names import RUNS_CHANNEL
@@ -52,6 +52,7 @@ __all__ = [
     "SnapshotPolicy",
     "SnapshotRow",
     "Tail",
+    "context_size",
 ]
 
 log = logging.getLogger("ledger_cdc.consumer")
@@ -78,7 +79,7 @@ class SnapshotRow:
     upto_position: int
     reducer_version: str
     content_hash: bytes
-    context: bytes  # canonical JSON of the snapshot (fold.encode_snapshot)
+    context: bytes  # canonical JSON of the snapshot (fold.encode_stored)
     upto_hash: bytes | None = None  # chain hash of the event at upto_position, as streamed
 
 
@@ -87,7 +88,8 @@ class Batch:
     """What one sink transaction writes."""
 
     end_lsn: int
-    # session → (context, its canonical JSON, commit LSN, hash of its last event as streamed)
+    # session → (context, its stored JSON (fold.encode_stored), commit LSN, hash of its last event
+    # as streamed)
     sessions: dict[uuid.UUID, tuple[SessionContext, bytes, int, bytes | None]] = field(
         default_factory=dict
     )
@@ -139,6 +141,15 @@ class SnapshotPolicy:
         if every > 0 and count // every != count_before // every:
             return True
         return status != status_before and status in _ENDED
+
+
+def context_size(ctx: SessionContext, stored: bytes | str) -> int:
+    """Estimated bytes a context takes in memory, from its stored JSON (and the messages that
+    leaves in their events: its window's, the long ones taken from events)."""
+    w = ctx.window
+    extra = 0 if w is None else w.chars + 48 * w.length
+    extra += sum(s.chars for s in ctx.sources if s.chars >= REFERENCE_MIN)
+    return CONTEXT_FACTOR * (len(stored) + extra)
 
 
 class SessionCache:
@@ -282,8 +293,12 @@ class BatchBuilder:
         publish: bool = False,
         spill_dir: str | None = None,
         on_anomaly: Callable[[Anomaly], None] | None = None,
+        by_reference: bool = True,
     ) -> None:
         self.load_contexts = load
+        # stored contexts reference the ledger's events instead of copying them (the sink reads
+        # them back: see fold.encode_stored)
+        self.by_reference = by_reference
         self.cache = cache
         self.budget = max(1, budget)
         self.reducers = reducers
@@ -445,7 +460,7 @@ class BatchBuilder:
                 f.batch.snapshots.append(self.snapshot(ctx, f.changed[sid][2]))
 
     def snapshot(self, ctx: SessionContext, head: bytes | None) -> SnapshotRow:
-        data = encode_snapshot(ctx)
+        data = encode_stored(ctx, reference=self.by_reference)
         return SnapshotRow(
             ctx.session_id,
             ctx.last_seq,
@@ -461,9 +476,14 @@ class BatchBuilder:
         change notices; the cache brought back within its budget."""
         batch = f.batch
         for sid, (ctx, commit_lsn, head) in f.changed.items():
-            data = encode_context(ctx)
+            data = encode_stored(ctx, reference=self.by_reference)
             batch.sessions[sid] = (ctx, data, commit_lsn, head)
-            self.cache.touch(sid, CONTEXT_FACTOR * len(data))
+            # the cached context is now what a load of this projection gives: its completed
+            # calls are in this batch's memo rows, no longer held here
+            if ctx.completed_tools or ctx.completed_models:
+                ctx.completed_tools, ctx.completed_models = {}, {}
+            ctx.memo_position = ctx.last_position
+            self.cache.touch(sid, context_size(ctx, data))
             if not notices:
                 continue
             run = ctx.run
@@ -518,6 +538,7 @@ class BatchBuilder:
             run.count(rest)
             write_part(rest)  # in the projections before the tail reads them
             for rows in tail.due_snapshots(self.snapshots.every):
+                # a projection read back is already in stored form (its window not attached)
                 snaps = [
                     self.snapshot(self.cache.get(sid) or decode_context(text), head)
                     for sid, text, head in rows

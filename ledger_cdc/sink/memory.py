@@ -19,18 +19,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ledger_cdc.errors import FencedError
+from ledger_cdc.events import Message
 from ledger_cdc.fold import (
     FORMAT_VERSION,
     RUN_PENDING,
     CompletedModel,
     CompletedTool,
     SessionContext,
+    attach,
     decode_context,
+    references,
 )
 from ledger_cdc.lsn import format_lsn
 from ledger_cdc.names import SESSIONS_CHANNEL
 from ledger_cdc.sink.base import BOOTSTRAPPING
-from ledger_cdc.sink.batch import Batch, DeadLetter, SnapshotPolicy, SnapshotRow
+from ledger_cdc.sink.batch import Batch, DeadLetter, SnapshotPolicy, SnapshotRow, context_size
 
 __all__ = ["MemorySink", "MemoryStore", "Projection"]
 
@@ -74,10 +77,47 @@ class MemoryStore:
     folded_seq: int = 0
     commits: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # what stored contexts reference, as agent_events holds it: the messages of context windows
+    # and the strings messages were taken from, by (session, event position)
+    windows: dict[tuple[uuid.UUID, int], tuple[Message, ...]] = field(default_factory=dict)
+    strings: dict[tuple[uuid.UUID, int], str] = field(default_factory=dict)
+
+    def stored(self, session_id: uuid.UUID) -> SessionContext | None:
+        """The projection as stored, its window attached (no completed calls: see memo)."""
+        row = self.sessions.get(session_id)
+        if row is None:
+            return None
+        ctx = decode_context(row.data)
+        self.attach(ctx)
+        return ctx
+
+    def attach(self, ctx: SessionContext) -> None:
+        sid = ctx.session_id
+        at, positions = references(ctx)
+        attach(
+            ctx,
+            None if at is None else self.windows.get((sid, at)),
+            [self.strings.get((sid, p)) for p in positions],
+        )
 
     def context(self, session_id: uuid.UUID) -> SessionContext | None:
-        row = self.sessions.get(session_id)
-        return None if row is None else decode_context(row.data)
+        """The whole context the projection stands for: its window attached and its completed
+        calls read from the memo (what ``ledger_session_context`` gives in SQL)."""
+        ctx = self.stored(session_id)
+        if ctx is None or not ctx.memo_position:
+            return ctx
+        latest: dict[tuple[str, str], tuple[int, CompletedTool | CompletedModel]] = {}
+        for (sid, kind, call, seq), done in self.memo.items():
+            prev = latest.get((kind, call))
+            if sid == session_id and (prev is None or prev[0] < seq):
+                latest[(kind, call)] = (seq, done)
+        for (_, call), (_, done) in sorted(latest.items(), key=lambda kv: kv[1][0]):
+            if isinstance(done, CompletedTool):
+                ctx.completed_tools[call] = done
+            else:
+                ctx.completed_models[call] = done
+        ctx.memo_position = 0
+        return ctx
 
     def _copy(self) -> MemoryStore:
         return MemoryStore(
@@ -91,6 +131,8 @@ class MemoryStore:
             self.folded_seq,
             self.commits,
             self.lock,
+            dict(self.windows),
+            dict(self.strings),
         )
 
     def _swap(self, new: MemoryStore) -> None:
@@ -104,6 +146,8 @@ class MemoryStore:
             "epoch",
             "folded_seq",
             "commits",
+            "windows",
+            "strings",
         ):
             setattr(self, name, getattr(new, name))
 
@@ -151,6 +195,7 @@ class MemorySink:
         self.checkpoint: int | None = None
         self.epoch: int | None = None
         self.publishers: list[Any] = []
+        self.by_reference = True  # the store keeps what stored contexts reference
         self.fail_next: BaseException | None = None
         self.before_commit: Callable[[Batch], None] | None = None  # a hook for fault tests
         self._open: MemoryStore | None = None  # inside commit_chunked: the state being built
@@ -175,7 +220,9 @@ class MemorySink:
         for sid in session_ids:
             p = state.sessions.get(sid)
             if p is not None:
-                out[sid] = (decode_context(p.data), 3 * len(p.data))
+                ctx = decode_context(p.data)
+                state.attach(ctx)
+                out[sid] = (ctx, context_size(ctx, p.data))
         return out
 
     # -- writes --------------------------------------------------------------------------------
@@ -266,6 +313,12 @@ def _apply(state: MemoryStore, batch: Batch, touched: dict[uuid.UUID, _Touched])
         touched.setdefault(sid, _Touched(count, status, run_status, leases))
     for sid, (ctx, data, commit_lsn, head) in batch.sessions.items():
         run = ctx.run
+        w = ctx.window
+        if w is not None and not w.omitted:
+            state.windows.setdefault((sid, w.position), tuple(ctx.messages[: w.length]))
+        for src in ctx.sources:  # the events' strings (what a reload reads back)
+            if not src.omitted and src.index < len(ctx.messages):
+                state.strings.setdefault((sid, src.position), ctx.messages[src.index].content)
         state.sessions[sid] = Projection(
             bytes(data),
             ctx.last_seq,

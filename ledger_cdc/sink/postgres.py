@@ -25,14 +25,17 @@ from ledger_cdc.errors import FencedError, format_lsn, parse_lsn, translate
 from ledger_cdc.fold import (
     FORMAT_VERSION,
     PROJECTION_FORMAT,
+    PROJECTION_FORMATS,
     CompletedModel,
     CompletedTool,
     SessionContext,
+    attach,
     decode_context,
+    encode_memo_entry,
 )
 from ledger_cdc.names import SESSIONS_CHANNEL
 from ledger_cdc.sink.base import BOOTSTRAPPING
-from ledger_cdc.sink.batch import Batch, DeadLetter, SnapshotRow
+from ledger_cdc.sink.batch import Batch, DeadLetter, SnapshotRow, context_size
 
 __all__ = [
     "BOOTSTRAPPING",
@@ -107,6 +110,20 @@ SELECT session_id, kind, call_id, completed_seq, completed_position, idempotency
        prompt_hash, entry::jsonb
 FROM stage_memo
 ON CONFLICT DO NOTHING
+"""
+# Projections with what they reference: the messages of their window (NULL when the context
+# holds them itself) and the strings of the messages they took from events (fold.references).
+LOAD_PROJECTIONS = """
+SELECT s.session_id, s.format_version, s.context::text,
+       CASE WHEN s.context #>> '{window,omitted}' = 'true'
+            THEN ledger_window(s.session_id, (s.context #>> '{window,position}')::int8)::text
+       END,
+       (SELECT array_agg(ledger_message(s.session_id, (x.src ->> 1)::int8) ORDER BY x.o)
+        FROM jsonb_array_elements(CASE jsonb_typeof(s.context -> 'sources')
+                                  WHEN 'array' THEN s.context -> 'sources' END)
+             WITH ORDINALITY AS x(src, o)
+        WHERE x.src ->> 3 = 'true')
+FROM agent_sessions s WHERE s.session_id = ANY(%s)
 """
 _LARGE = 1024 * 1024  # a JSON value past this is staged by a statement of its own (binary)
 # Rows with a large value go by a binary COPY of their own, the value streamed from its bytes
@@ -271,9 +288,18 @@ class PgSink:
     """Projections in a PostgreSQL database (the source database, or ``--target-dsn``)."""
 
     def __init__(
-        self, dsn: str, slot: str, *, idle_timeout: float = 10.0, publication: str | None = None
+        self,
+        dsn: str,
+        slot: str,
+        *,
+        idle_timeout: float = 10.0,
+        publication: str | None = None,
+        by_reference: bool = True,
     ) -> None:
         self.dsn = dsn
+        # False when this database is not the ledger's (--target-dsn): what stored contexts and
+        # memo rows would reference of the ledger's events is copied instead
+        self.by_reference = by_reference
         self.slot = slot
         self.publication = publication
         self.idle_timeout = idle_timeout
@@ -347,37 +373,21 @@ class PgSink:
     def load_contexts_sized(
         self, session_ids: Iterable[uuid.UUID]
     ) -> dict[uuid.UUID, tuple[SessionContext, int]]:
-        """Each session's projected context, with its estimated size in memory (3× its JSON),
-        for the sessions that have one (of the current projection format)."""
+        """Each session's projected context, whole (its window's messages read back), with its
+        estimated size in memory, for the sessions that have one of a format read."""
         ids = list(session_ids)
         if not ids:
             return {}
-        rows = self.conn.execute(
-            "SELECT session_id, format_version, context::text FROM agent_sessions "
-            "WHERE session_id = ANY(%s)",
-            (ids,),
-        ).fetchall()
-        return {
-            sid: (decode_context(text), 3 * len(text))
-            for sid, version, text in rows
-            if version == PROJECTION_FORMAT
-        }
-
-    @_translated
-    def load_contexts(self, session_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, SessionContext]:
-        ids = list(session_ids)
-        if not ids:
-            return {}
-        rows = self.conn.execute(
-            "SELECT session_id, format_version, context::text FROM agent_sessions "
-            "WHERE session_id = ANY(%s)",
-            (ids,),
-        ).fetchall()
-        out: dict[uuid.UUID, SessionContext] = {}
-        for sid, version, text in rows:
-            if version == PROJECTION_FORMAT:
-                out[sid] = decode_context(text)
+        out: dict[uuid.UUID, tuple[SessionContext, int]] = {}
+        for sid, version, text, window, said in self.conn.execute(LOAD_PROJECTIONS, (ids,)):
+            if version in PROJECTION_FORMATS:
+                ctx = decode_context(text)
+                attach(ctx, window, said)
+                out[sid] = (ctx, context_size(ctx, text))
         return out
+
+    def load_contexts(self, session_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, SessionContext]:
+        return {sid: ctx for sid, (ctx, _) in self.load_contexts_sized(session_ids).items()}
 
     @_translated
     def commit(self, batch: Batch) -> None:
@@ -505,7 +515,7 @@ class PgSink:
             big_memo: list[tuple[Any, ...]] = []
             with cur.copy(_COPY_MEMO) as copy:
                 for sid, position, done in batch.memo:
-                    memo: tuple[Any, ...] = _memo_row(sid, position, done)
+                    memo: tuple[Any, ...] = _memo_row(sid, position, done, self.by_reference)
                     if len(memo[-1]) > _LARGE:
                         big_memo.append(memo)
                     else:
@@ -618,13 +628,10 @@ class ChunkedTail:
             self.conn.execute(_NOTIFY_TOUCHED, {"ch": SESSIONS_CHANNEL})
 
 
-_json = msgspec.json.Encoder()
-
-
 def _memo_row(
-    sid: uuid.UUID, position: int, done: CompletedTool | CompletedModel
+    sid: uuid.UUID, position: int, done: CompletedTool | CompletedModel, by_reference: bool
 ) -> tuple[Any, ...]:
-    entry = _json.encode(done)
+    entry = encode_memo_entry(done, by_reference=by_reference)
     if isinstance(done, CompletedTool):
         return (
             sid,

@@ -24,15 +24,21 @@ from ledger_cdc.admin.partitions import (
 )
 from ledger_cdc.admin.schema import init
 from ledger_cdc.admin.verify import verify
-from ledger_cdc.client.recovery import HistoryArchivedError, rebuild_context
+from ledger_cdc.client.recovery import (
+    HistoryArchivedError,
+    memoised_model,
+    memoised_tool,
+    rebuild_context,
+)
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.errors import ConfigError, IdempotencyConflictError
-from ledger_cdc.fold import FORMAT_VERSION, decode_context, encode_context
+from ledger_cdc.fold import FORMAT_VERSION, encode_context
 from tests.support.cdc import (
     ROOT,
     ConsumerProcess,
     Writers,
     assert_projections_equal_refold,
+    stored_projections,
     until,
     wait_caught_up,
 )
@@ -179,8 +185,8 @@ def test_archive_under_load_loses_nothing(empty_db: Database, tmp_path: Path) ->
             for sid in sessions:
                 assert encode_context(rebuild_context(conn, sid, head, memo=True)) == before[sid]
             # the current state rebuilt from snapshot + tail equals the consumer's projections
-            for sid, text in conn.execute("SELECT session_id, context::text FROM agent_sessions"):
-                assert rebuild_context(conn, sid, memo=True) == decode_context(text), sid
+            for sid, ctx in stored_projections(conn).items():
+                assert rebuild_context(conn, sid, memo=True) == ctx, sid
             # history before the archived bound cannot be rebuilt without a snapshot covering it
             conn.execute(
                 "DELETE FROM agent_snapshots WHERE session_id = %s AND upto_position <= 5",
@@ -246,3 +252,95 @@ def test_archive_replaces_a_snapshot_of_the_old_format_and_stops_at_the_consumer
         assert ctx.last_position == 3 and ctx.memo_position == 3
         late = rebuild_context(conn, ahead)  # snapshot at 3, then the tail from the log
         assert late.memo_position == 3 and late.completed_tools["old-1"].result == "late"
+
+
+def test_archive_keeps_what_stored_contexts_and_memo_rows_reference(
+    empty_db: Database, tmp_path: Path
+) -> None:
+    """Projections, snapshots and memo rows leave windows, long messages and call results in
+    their events: once those events' partition is archived, agent_kept_events holds them, and
+    every reader (the SQL view, rebuild, memo lookups, verify, a restarted consumer) still gets
+    whole contexts — the same as before the archive."""
+    dsn = empty_db.dsn
+    init(dsn, partition_by="month", slot="agent_slot")
+    kept, moved_on = uuid.uuid4(), uuid.uuid4()
+    long_window = [
+        {"role": "system", "content": "window " * 200},
+        {"role": "user", "content": "summarise the quarter"},
+    ]
+    with empty_db.connect() as conn:
+        now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+        ensure(conn, 0, at=now - OLD)
+        for sid in (kept, moved_on):
+            history = [
+                ("context.loaded", {"messages": long_window}),
+                ("model.requested", {"request_id": "r1", "model": "m"}),
+                ("model.responded", {"request_id": "r1", "model": "m", "content": "reply " * 90}),
+                ("tool.invoked", {"call_id": "c1", "tool": "sql"}),
+                ("tool.observed", {"call_id": "c1", "result": "row;" * 300}),
+            ]
+            import_events(
+                conn,
+                [
+                    (i, ImportedEvent(sid, "old", t, p, now - OLD + dt.timedelta(minutes=i), None))
+                    for i, (t, p) in enumerate(history, 1)
+                ],
+            )
+    with Ledger(dsn) as ledger:  # one session goes on under its old window, one loads another
+        ledger.append(kept, "a", "tool.invoked", {"call_id": "c2", "tool": "sql"})
+        ledger.append(moved_on, "a", "context.loaded", {"messages": long_window[:1]})
+    consumer = ConsumerProcess(dsn, "--snapshot-every", "1000").start()
+    try:
+        wait_caught_up(dsn)
+        with empty_db.connect() as conn:
+            stored = dict(conn.execute("SELECT session_id, context FROM agent_sessions").fetchall())
+            # the projection copies neither the window nor the long reply and result
+            assert stored[kept]["window"]["omitted"] is True
+            assert [m["content"] for m in stored[kept]["messages"]] == ["", ""]
+            assert all(len(s) == 4 for s in stored[kept]["sources"])
+            entries = [e for (e,) in conn.execute("SELECT entry FROM agent_memo")]
+            assert entries and not any("result" in e or "content" in e for e in entries)
+            before = stored_projections(conn)
+            rebuilt = {s: rebuild_context(conn, s, memo=True) for s in (kept, moved_on)}
+            assert assert_projections_equal_refold(dsn) == 12
+            (done,) = archive(conn, dt.timedelta(days=90), tmp_path / "archive")
+            assert done.events == 10
+            kept_rows = conn.execute(
+                "SELECT session_id, position, event_type FROM agent_kept_events "
+                "ORDER BY session_id, position"
+            ).fetchall()
+            want = {(kept, 1, "context.loaded")} | {
+                (s, p, t)
+                for s in (kept, moved_on)
+                for p, t in ((3, "model.responded"), (5, "tool.observed"))
+            }
+            assert set(kept_rows) == want  # moved_on's old window is referenced by nothing
+            assert stored_projections(conn) == before
+            for sid in (kept, moved_on):
+                assert rebuild_context(conn, sid, memo=True) == rebuilt[sid]
+            lazy = rebuild_context(conn, kept)  # from the archive's snapshot
+            assert memoised_tool(conn, lazy, "c1").result == "row;" * 300  # type: ignore[union-attr]
+            assert memoised_model(conn, lazy, "r1").content == "reply " * 90  # type: ignore[union-attr]
+            (whole,) = conn.execute(
+                "SELECT context FROM agent_session_contexts WHERE session_id = %s", (kept,)
+            ).fetchone()  # type: ignore[misc]
+            assert whole["messages"][:2] == long_window and whole["completed_tools"]["c1"]
+            assert not verify(dsn).differences
+        # a consumer that starts cold reads the projection back (its window from the archive's
+        # keep) and folds on
+        consumer.kill()
+        with Ledger(dsn) as ledger:
+            ledger.append(kept, "a", "tool.observed", {"call_id": "c2", "result": "new " * 80})
+        consumer = ConsumerProcess(dsn, "--snapshot-every", "1000").start()
+        wait_caught_up(dsn)
+        with empty_db.connect() as conn:
+            ctx = stored_projections(conn)[kept]
+            assert [m.content for m in ctx.messages] == [
+                *(m["content"] for m in long_window),
+                "reply " * 90,
+                "row;" * 300,
+                "new " * 80,
+            ]
+            assert not verify(dsn).differences
+    finally:
+        consumer.kill()

@@ -12,8 +12,8 @@ import pytest
 from psycopg import sql
 
 from ledger_cdc.admin.schema import init
+from ledger_cdc.client.read import projected_contexts
 from ledger_cdc.client.recovery import fold_all
-from ledger_cdc.fold import decode_context
 from tests.support.cdc import ConsumerProcess, Writers, until
 from tests.support.harness import Database
 
@@ -68,14 +68,7 @@ def test_four_shards_fold_disjoint_sessions_whose_union_is_the_full_fold(
         out = []
         for dsn in targets:
             with psycopg.connect(dsn) as c:
-                out.append(
-                    {
-                        sid: decode_context(t)
-                        for sid, t in c.execute(
-                            "SELECT session_id, context::text FROM agent_sessions"
-                        )
-                    }
-                )
+                out.append(dict(projected_contexts(c)))
         return out
 
     until(
@@ -86,6 +79,17 @@ def test_four_shards_fold_disjoint_sessions_whose_union_is_the_full_fold(
         timeout=60,
     )
     per_shard = folded()
+    for dsn in targets:  # another database than the ledger's: nothing stored by reference
+        with psycopg.connect(dsn) as c:
+            referencing = c.execute(
+                "SELECT count(*) FILTER (WHERE jsonb_typeof(context -> 'window') = 'object'), "
+                "count(*) FILTER (WHERE context #>> '{window,omitted}' = 'true' OR EXISTS ("
+                "SELECT FROM jsonb_array_elements(context -> 'sources') x WHERE x ->> 3 = 'true')), "
+                "(SELECT count(*) FROM agent_memo WHERE NOT (entry ? 'result' OR entry ? 'content'))"
+                " FROM agent_sessions"
+            ).fetchone()
+            assert referencing is not None and referencing[0] > 0  # windows there are
+            assert referencing[1:] == (0, 0)
     for k, projections in enumerate(per_shard):
         assert projections, f"shard {k} folded nothing"
         for sid in projections:

@@ -21,6 +21,7 @@ from click.testing import CliRunner, Result
 
 from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.cli.app import cli
+from ledger_cdc.client.read import projected_contexts
 from ledger_cdc.client.recovery import fold_all, load_events, load_memo
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
@@ -82,10 +83,8 @@ class ConsumerProcess:
 
 
 def stored_projections(conn: psycopg.Connection[Any]) -> dict[uuid.UUID, SessionContext]:
-    return {
-        sid: decode_context(text)
-        for sid, text in conn.execute("SELECT session_id, context::text FROM agent_sessions")
-    }
+    """Every projection, whole (as the documented readers get it)."""
+    return projected_contexts(conn)
 
 
 def valid_event_count(conn: psycopg.Connection[Any]) -> int:
@@ -192,8 +191,20 @@ class Writers:
 
 
 def turn_events(ledger: Ledger, sid: uuid.UUID, agent: str, rng: random.Random) -> None:
-    """One agent turn: a model call and its tool calls in one transaction, then the results."""
+    """One agent turn: now and then a new context window, a model call and its tool calls in one
+    transaction, then the results. Windows, replies and results are sometimes long enough to be
+    stored by reference to their events (fold.REFERENCE_MIN), sometimes short."""
     call = f"{agent}-{rng.getrandbits(40):x}"
+    if rng.random() < 0.25:
+        window = [
+            {"role": "system", "content": "be brief. " * rng.randint(5, 150)},
+            {"role": "user", "content": f"task {call}"},
+        ]
+        ledger.append(sid, agent, "context.loaded", {"messages": window})
+    reply = "ok" if rng.random() < 0.7 else f"reply {call} " * rng.randint(10, 80)
+    result: object = {"n": rng.randint(0, 9)}
+    if rng.random() < 0.4:
+        result = f"row {call};" * rng.randint(5, 200)
     with ledger.transaction() as tx:
         tx.append(
             sid, agent, "model.requested", {"request_id": call, "model": "m", "prompt_hash": "h"}
@@ -205,7 +216,7 @@ def turn_events(ledger: Ledger, sid: uuid.UUID, agent: str, rng: random.Random) 
             {
                 "request_id": call,
                 "model": "m",
-                "content": "ok",
+                "content": reply,
                 "usage": {"input_tokens": rng.randint(1, 500), "output_tokens": rng.randint(1, 50)},
             },
         )
@@ -217,9 +228,7 @@ def turn_events(ledger: Ledger, sid: uuid.UUID, agent: str, rng: random.Random) 
             idempotency_key=call,
         )
     if rng.random() < 0.8:
-        ledger.append(
-            sid, agent, "tool.observed", {"call_id": call, "result": {"n": rng.randint(0, 9)}}
-        )
+        ledger.append(sid, agent, "tool.observed", {"call_id": call, "result": result})
 
 
 def wait_streaming(dsn: str, slot: str = "agent_slot", timeout: float = 60.0) -> None:

@@ -24,9 +24,11 @@ from ledger_cdc.fold import (
     encode_snapshot,
     fold,
     reducer_version,
+    references,
     register_reducer,
     unregister_reducer,
 )
+from tests.support.refs import attach_from
 
 SID = uuid.UUID(int=7)
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
@@ -227,6 +229,17 @@ def test_a_snapshot_plus_its_completions_equals_the_fold(
     stored = decode_context(encode_snapshot(prefix))
     assert stored.memo_position == prefix.last_position
     assert stored.completed_tools == {} and stored.completed_models == {}
+    # the window's messages and the long ones taken from events are left in those events
+    at, positions = references(stored)
+    if at is not None:
+        loaded = next(e for e in log if e.position == at)
+        assert loaded.event_type == "context.loaded"
+        assert len(stored.messages) == len(prefix.messages) - len(loaded.payload.messages)
+    omitted = [s for s in stored.sources if s.omitted]
+    assert positions == [s.position for s in omitted]
+    base = prefix.window.length if at is not None and prefix.window is not None else 0
+    assert all(stored.messages[s.index - base].content == "" for s in omitted)
+    attach_from(stored, log)
     memo: dict[tuple[str, str], Any] = {}  # agent_memo: the latest completion of each call
     ctx = SessionContext(SID)
     for e in log[:cut]:

@@ -45,6 +45,7 @@ from ledger_cdc.fold import (
 )
 from ledger_cdc.pgoutput.messages import Column, Relation, ReplicaIdentity
 from ledger_cdc.stream.ledger import LedgerRowDecoder
+from tests.support.refs import attach_from
 
 _TYPES = [*sorted(EVENT_TYPES), "app.unknown", "x.y"]
 _SID = uuid.UUID("6b1f8c0e-2f6e-4d49-8a4b-3c1d2e0f9a77")
@@ -250,6 +251,7 @@ def _fold_and_check(events: list[LedgerEvent | Rejected], seed: int) -> SessionC
     for ev in events[:cut]:
         fold_one(part, ev)
     resumed = decode_context(encode_snapshot(part))
+    attach_from(resumed, events)  # what it references read back from the events
     resumed.completed_tools, resumed.completed_models, resumed.memo_position = (
         part.completed_tools,
         part.completed_models,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ledger_cdc.consumer import Consumer, ConsumerConfig
 from ledger_cdc.events import LedgerEvent
-from ledger_cdc.fold import SessionContext, encode_context, fold_one
+from ledger_cdc.fold import SessionContext, encode_stored, fold_one
 from ledger_cdc.sink.batch import Batch
 from ledger_cdc.sink.memory import MemorySink, MemoryStore
 from ledger_cdc.stream.route import Anomaly, LedgerStream
@@ -54,7 +54,9 @@ def assert_matches(store: MemoryStore, wal: Wal) -> None:
     want, dead = reference(wal)
     assert set(store.sessions) == set(want)
     for sid, ctx in want.items():
-        assert store.sessions[sid].data == encode_context(ctx), sid
+        # stored without its window's messages nor its completed calls; whole again once read
+        assert store.context(sid) == ctx, sid
+        assert store.sessions[sid].data == encode_stored(ctx), sid
     assert len(store.dead_letters) == dead
     assert store.checkpoint == wal.commits[-1]
 
@@ -74,9 +76,16 @@ def agent_work(wal: Wal, rng: random.Random, sessions: int, turns: int) -> None:
         rows: list[Row] = []
         for sid in rng.sample(sids, rng.randint(1, min(3, sessions))):
             call = f"c{t}"
+            if rng.random() < 0.3:  # a new context window, which projections reference
+                window = [{"role": "user", "content": f"turn {t} " * rng.randint(1, 9)}] * (
+                    t % 5 + 1
+                )
+                rows.append(wal.row(sid, "context.loaded", {"messages": window}))
             rows.append(wal.row(sid, "tool.invoked", {"call_id": call, "tool": "search"}))
             if rng.random() < 0.7:
-                rows.append(wal.row(sid, "tool.observed", {"call_id": call, "result": t}))
+                # a long string result is stored by reference to this event, a number copied
+                result = f"result {t} " * rng.randint(1, 60) if rng.random() < 0.5 else t
+                rows.append(wal.row(sid, "tool.observed", {"call_id": call, "result": result}))
         wal.transaction(rows)
 
 
