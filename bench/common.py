@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -127,3 +128,53 @@ def recvlogical(pg: Any, end: str, dbname: str = "postgres", slot: str = "twin")
         timeout=1800,
     )
     return time.monotonic() - t0
+
+
+def consume(dsn: str, extra: list[str] | None, log: Any) -> subprocess.Popen[bytes]:
+    """``ledger-cdc consume --dsn DSN`` as a process of its own, its output to ``log``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ledger_cdc.cli", "consume", "--dsn", dsn, "--log-format", "text"]
+        + (extra or []),
+        cwd=ROOT,
+        stdout=log,
+        stderr=log,
+    )
+
+
+def consume_until(
+    dsn: str, check_dsn: str, events: int, extra: list[str] | None = None
+) -> tuple[float, float, float, float]:
+    """Run ``ledger-cdc consume`` as its own process until ``events`` events are folded into
+    ``check_dsn``'s committed projections: (seconds from the process's start, seconds until it
+    was streaming the slot — imports, connections, START_REPLICATION —, CPU seconds, peak RSS
+    MB)."""
+    log = tempfile.NamedTemporaryFile(prefix="ledger-cdc-drain-", suffix=".log", delete=False)  # noqa: SIM115
+    proc = consume(dsn, extra, log)
+    t0 = time.monotonic()
+    cpu = rss = 0.0
+    started: list[float] = []
+    try:
+        with psycopg.connect(check_dsn, autocommit=True) as conn:
+
+            def done() -> bool:
+                nonlocal cpu, rss
+                if proc.poll() is not None:
+                    raise SystemExit(f"the consumer exited: {Path(log.name).read_text()[-3000:]}")
+                cpu, rss = proc_cpu_seconds(proc.pid), proc_peak_rss_mb(proc.pid)
+                if not started and "streaming slot" in Path(log.name).read_text():
+                    started.append(time.monotonic() - t0)
+                row = conn.execute(
+                    "SELECT coalesce(sum(event_count), 0) FROM agent_sessions"
+                ).fetchone()
+                return row is not None and int(row[0]) >= events
+
+            try:
+                wait_until(done, 1800, 0.02)
+            except TimeoutError:
+                print(Path(log.name).read_text()[-3000:])
+                raise
+        t = time.monotonic() - t0
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return t, (started[0] if started else 0.0), cpu, rss

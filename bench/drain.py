@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import psycopg
-from common import ROOT, proc_cpu_seconds, proc_peak_rss_mb, recvlogical, wait_until, write_backlog
+from common import consume_until, recvlogical, wait_until, write_backlog
 
 from ledger_cdc.admin.schema import create_slot, init
 from ledger_cdc.demo.embedded import EmbeddedPostgres
@@ -97,55 +97,9 @@ def main() -> None:
 def drain(
     args: argparse.Namespace, dsn: str, check_dsn: str, extra: list[str] | None = None
 ) -> tuple[float, float, float, float]:
-    """Run ``ledger-cdc consume`` until every event is folded into ``check_dsn``'s projections:
-    (seconds, seconds to start streaming, CPU seconds, peak RSS MB)."""
-    log = tempfile.NamedTemporaryFile(prefix="ledger-cdc-drain-", suffix=".log", delete=False)  # noqa: SIM115
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ledger_cdc.cli",
-            "consume",
-            "--dsn",
-            dsn,
-            "--log-format",
-            "text",
-            "--batch-size",
-            str(args.batch_size),
-            "--snapshot-every",
-            "100",
-            *(extra or []),
-        ],
-        cwd=ROOT,
-        stdout=log,
-        stderr=log,
-    )
-    t0 = time.monotonic()
-    cpu = rss = 0.0
-    started: list[float] = []
-    try:
-        with psycopg.connect(check_dsn, autocommit=True) as conn:
-
-            def done() -> bool:
-                nonlocal cpu, rss
-                cpu, rss = proc_cpu_seconds(proc.pid), proc_peak_rss_mb(proc.pid)
-                if not started and "streaming slot" in Path(log.name).read_text():
-                    started.append(time.monotonic() - t0)
-                row = conn.execute(
-                    "SELECT coalesce(sum(event_count), 0) FROM agent_sessions"
-                ).fetchone()
-                return row is not None and int(row[0]) >= args.events
-
-            try:
-                wait_until(done, 600, 0.02)
-            except TimeoutError:
-                print(Path(log.name).read_text()[-3000:])
-                raise
-        t = time.monotonic() - t0
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    return t, (started[0] if started else 0.0), cpu, rss
+    """``ledger-cdc consume`` until every event is folded into ``check_dsn``'s projections."""
+    opts = ["--batch-size", str(args.batch_size), "--snapshot-every", "100", *(extra or [])]
+    return consume_until(dsn, check_dsn, args.events, opts)
 
 
 class NatsProcess:

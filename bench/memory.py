@@ -11,14 +11,12 @@ small events over many sessions, and one event carrying a single large tool resu
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psycopg
-from common import ROOT, proc_peak_rss_mb, wait_until
+from common import consume, proc_peak_rss_mb, wait_until
 
 from ledger_cdc.admin.schema import init
 from ledger_cdc.demo.embedded import EmbeddedPostgres
@@ -51,25 +49,7 @@ def run(pg: EmbeddedPostgres, limit: int, query: str, params: dict[str, int], ev
     dsn = pg.dsn(dbname)
     init(dsn, slot=f"s_{dbname}")
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ledger_cdc.cli",
-                "consume",
-                "--dsn",
-                dsn,
-                "--slot",
-                f"s_{dbname}",
-                "--memory-limit-mb",
-                str(limit),
-                "--log-format",
-                "text",
-            ],
-            cwd=ROOT,
-            stdout=log,
-            stderr=log,
-        )
+        proc = consume(dsn, ["--slot", f"s_{dbname}", "--memory-limit-mb", str(limit)], log)
         try:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 wait_until(

@@ -390,7 +390,7 @@ class Consumer:
                 and not self._pending
                 and stream.wal_end > stream.confirmed
             ):
-                stream.confirm(stream.wal_end)
+                stream.confirm(stream.wal_end, force=False)
                 metrics.confirmed_lsn = stream.confirmed
             if stopping():
                 self._drain()
@@ -520,8 +520,9 @@ class Consumer:
         last_commit_ts: int | None,
         committed_at: float | None,
     ) -> None:
-        """What the sink committed is durable: confirm it to the server, count it."""
-        self.stream.confirm(end_lsn)
+        """What the sink committed is durable: confirm it to the server (within
+        FEEDBACK_EVERY), count it."""
+        self.stream.confirm(end_lsn, force=False)
         m = self.metrics
         m.confirmed_lsn = end_lsn
         m.skipped_transactions = self.assembler.skipped

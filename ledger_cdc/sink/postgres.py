@@ -251,8 +251,8 @@ _NOTIFY = "SELECT count(pg_notify(c, p)) FROM unnest(%s::text[], %s::text[]) AS 
 _CHECKPOINT = """
 INSERT INTO ledger_checkpoints AS c (slot_name, lsn, epoch, heartbeat_at, updated_at, folded_seq,
                                      publication, applied_commit_at)
-VALUES (%(slot)s, %(lsn)s::pg_lsn, coalesce(%(epoch)s, 0), to_timestamp(%(hb)s), now(),
-        coalesce(%(seq)s, 0), %(pub)s, %(commit_at)s::timestamptz)
+VALUES (%(slot)s, %(lsn)s::pg_lsn, coalesce(%(epoch)s, 0), to_timestamp(%(heartbeat_at)s), now(),
+        coalesce(%(folded_seq)s, 0), %(publication)s, %(applied_commit_at)s::timestamptz)
 ON CONFLICT (slot_name) DO UPDATE SET
     lsn = EXCLUDED.lsn, updated_at = now(),
     epoch = coalesce(%(epoch)s, c.epoch),
@@ -396,6 +396,10 @@ class PgSink:
         Publishers (JetStream) get the batch first: the checkpoint is only committed once every
         publish is acknowledged, so a crash in between republishes under the same message ids."""
         self._publish(batch)
+        if _small(batch):
+            self._apply(batch)
+            self._committed(batch)
+            return
         conn = self._staged_conn()
         with conn.transaction():
             with conn.cursor() as cur:
@@ -469,6 +473,17 @@ class PgSink:
         ]
         for pub in self.publishers:
             pub.publish(batch.published, sessions)
+
+    def _apply(self, batch: Batch) -> None:
+        """A small batch in one statement (ledger_apply_batch): no staging, one round trip."""
+        prev = None if self.checkpoint is None else format_lsn(self.checkpoint)
+        doc = _batch_doc(batch, self.by_reference, self._checkpoint_params(batch))
+        try:
+            self.conn.execute(_APPLY, (self.slot, prev, doc))
+        except psycopg.Error as e:
+            if e.sqlstate == _FENCED:
+                raise self._fenced(prev) from None
+            raise
 
     def _staged_conn(self) -> psycopg.Connection[Any]:
         conn = self.conn
@@ -560,34 +575,35 @@ class PgSink:
             cur.execute(_INSERT_DEAD, _dead_params(self.slot, batch.dead_letters))
 
     def _notices(self, cur: psycopg.Cursor[Any], batch: Batch) -> None:
-        notices = [(batch.channel, str(s)) for s in batch.notify]
-        notices += [(SESSIONS_CHANNEL, n) for n in batch.session_notices]
+        notices = _owed_notices(batch)
         if notices:
             # delivered by PostgreSQL only when this transaction commits
             cur.execute(_NOTIFY, ([c for c, _ in notices], [p for _, p in notices]))
 
+    def _checkpoint_params(self, batch: Batch) -> dict[str, Any]:
+        return {
+            "slot": self.slot,
+            "lsn": format_lsn(batch.end_lsn),
+            "heartbeat_at": batch.heartbeat_at,
+            "prev": None if self.checkpoint is None else format_lsn(self.checkpoint),
+            "epoch": batch.epoch,
+            "folded_seq": batch.max_seq,
+            "publication": self.publication,
+            "applied_commit_at": None
+            if not batch.last_commit_ts
+            else _PG_EPOCH + dt.timedelta(microseconds=batch.last_commit_ts),
+        }
+
     def _checkpoint(self, conn: psycopg.Connection[Any], batch: Batch) -> None:
-        prev = None if self.checkpoint is None else format_lsn(self.checkpoint)
-        row = conn.execute(
-            _CHECKPOINT,
-            {
-                "slot": self.slot,
-                "lsn": format_lsn(batch.end_lsn),
-                "hb": batch.heartbeat_at,
-                "prev": prev,
-                "epoch": batch.epoch,
-                "seq": batch.max_seq,
-                "pub": self.publication,
-                "commit_at": None
-                if not batch.last_commit_ts
-                else _PG_EPOCH + dt.timedelta(microseconds=batch.last_commit_ts),
-            },
-        ).fetchone()
-        if row is None:
-            raise FencedError(
-                f"checkpoint of slot {self.slot} is no longer {prev}: another consumer "
-                "advanced it; this batch is dropped unwritten and this consumer stands by"
-            )
+        params = self._checkpoint_params(batch)
+        if conn.execute(_CHECKPOINT, params).fetchone() is None:
+            raise self._fenced(params["prev"])
+
+    def _fenced(self, prev: str | None) -> FencedError:
+        return FencedError(
+            f"checkpoint of slot {self.slot} is no longer {prev}: another consumer "
+            "advanced it; this batch is dropped unwritten and this consumer stands by"
+        )
 
     def _committed(self, batch: Batch) -> None:
         self.checkpoint = batch.end_lsn
@@ -666,3 +682,94 @@ def _dead_params(slot: str, dead: Sequence[DeadLetter]) -> Sequence[Any]:
         [d.reason for d in dead],
         [None if d.row is None else msgspec.json.encode(d.row).decode() for d in dead],
     )
+
+
+def _owed_notices(batch: Batch) -> list[tuple[str, str]]:
+    """(channel, payload) of every notification the batch owes."""
+    notices = [(batch.channel, str(s)) for s in batch.notify]
+    notices += [(SESSIONS_CHANNEL, n) for n in batch.session_notices]
+    return notices
+
+
+# A batch goes in one statement (ledger_apply_batch) when it is this small: what an idle
+# consumer commits, one transaction at a time. Larger ones are staged by COPY.
+_SMALL_BYTES = 256 * 1024
+_SMALL_ROWS = 200
+_APPLY = "SELECT ledger_apply_batch(%s, %s::pg_lsn, %s::jsonb)"
+_FENCED = "LF001"
+_doc = msgspec.json.Encoder()
+
+
+def _small(batch: Batch) -> bool:
+    if batch.touched or len(batch.sessions) + len(batch.memo) + len(batch.snapshots) > _SMALL_ROWS:
+        return False
+    size = sum(len(data) for _, data, _, _ in batch.sessions.values())
+    size += sum(len(s.context) for s in batch.snapshots)
+    return size < _SMALL_BYTES
+
+
+def _hex(value: bytes | None) -> str | None:
+    return None if value is None else value.hex()
+
+
+def _batch_doc(batch: Batch, by_reference: bool, checkpoint: dict[str, Any]) -> str:
+    """The JSON document ledger_apply_batch reads: stored contexts and memo entries embedded as
+    the JSON they already are (msgspec.Raw: not encoded again)."""
+    sessions = []
+    for sid, (ctx, data, commit_lsn, head) in batch.sessions.items():
+        run = ctx.run
+        lease = run.lease if run is not None else None
+        sessions.append(
+            {
+                "session_id": sid,
+                "status": str(ctx.status),
+                "last_seq": ctx.last_seq,
+                "last_position": ctx.last_position,
+                "event_count": ctx.event_count,
+                "format_version": PROJECTION_FORMAT,
+                "context": msgspec.Raw(data),
+                "commit_lsn": format_lsn(commit_lsn),
+                "run_status": None if run is None else str(run.status),
+                "lease_worker": None if lease is None else lease.worker,
+                "lease_until": None if lease is None else lease.until,
+                "last_hash": _hex(head),
+            }
+        )
+    memo = []
+    for sid, position, done in batch.memo:
+        row = _memo_row(sid, position, done, by_reference)
+        keys = ("session_id", "kind", "call_id", "completed_seq", "completed_position")
+        entry = dict(zip(keys, row[:5], strict=True))
+        entry.update(idempotency_key=row[5], prompt_hash=row[6], entry=msgspec.Raw(row[7]))
+        memo.append(entry)
+    doc = {
+        "sessions": sessions,
+        "memo": memo,
+        "snapshots": [
+            {
+                "session_id": n.session_id,
+                "upto_seq": n.upto_seq,
+                "upto_position": n.upto_position,
+                "format_version": FORMAT_VERSION,
+                "reducer_version": n.reducer_version,
+                "content_hash": n.content_hash.hex(),
+                "data": n.context.decode(),
+                "upto_hash": _hex(n.upto_hash),
+            }
+            for n in batch.snapshots
+        ],
+        "dead": [
+            {
+                "seq": d.seq,
+                "session_id": d.session_id,
+                "lsn": format_lsn(d.lsn),
+                "kind": d.kind,
+                "reason": d.reason,
+                "row_data": d.row,
+            }
+            for d in batch.dead_letters
+        ],
+        "notify": [{"channel": c, "payload": p} for c, p in _owed_notices(batch)],
+        "checkpoint": {k: v for k, v in checkpoint.items() if k not in ("slot", "prev")},
+    }
+    return _doc.encode(doc).decode()

@@ -40,6 +40,7 @@ from ledger_cdc.errors import (
 )
 
 __all__ = [
+    "FEEDBACK_EVERY",
     "ReplicationStream",
     "SlotBusyError",
     "SlotError",
@@ -60,6 +61,10 @@ class XLogData(Protocol):
     data_start: int
     wal_end: int
     payload: bytes
+
+
+FEEDBACK_EVERY = 0.1
+"""Seconds between two status messages that confirm a position (unless one is forced)."""
 
 
 class Transport(Protocol):
@@ -122,6 +127,8 @@ class ReplicationStream:
         self._lock = threading.Lock()
         self.confirmed = 0
         self.server_version = 0
+        self._fed_at = 0.0  # when feedback was last sent (monotonic)
+        self._owed = False  # a confirmed LSN not sent yet
 
     # -- connection -----------------------------------------------------------------------------
 
@@ -226,6 +233,10 @@ class ReplicationStream:
 
     def close(self) -> None:
         if self._conn is not None:
+            if self._owed:  # the last confirmation, before the connection goes
+                self._owed = False
+                with contextlib.suppress(Exception):
+                    self._feedback(True)
             with contextlib.suppress(Exception):
                 self._conn.close()
         self._conn = self._cur = None
@@ -262,10 +273,16 @@ class ReplicationStream:
 
     def wait(self, timeout: float, *also: int) -> None:
         """Block until the socket (or one of the ``also`` descriptors) is readable, or
-        ``timeout`` passes."""
+        ``timeout`` passes (less if a confirmation is owed: it is sent on time)."""
         if self._conn is None:
             time.sleep(timeout)
             return
+        if self._owed:
+            due = self._fed_at + FEEDBACK_EVERY - time.monotonic()
+            if due <= 0:
+                self._feedback(True)
+            else:
+                timeout = min(timeout, due)
         try:
             select.select([self._conn, *also], [], [], timeout)
         except (OSError, ValueError) as e:
@@ -280,11 +297,17 @@ class ReplicationStream:
     # -- feedback -------------------------------------------------------------------------------
 
     def confirm(self, lsn: int, *, force: bool = True) -> None:
-        """Report ``lsn`` as written and flushed: its effects are durable on our side."""
+        """Report ``lsn`` as written and flushed: its effects are durable on our side. Sent at
+        once if ``force``, else at most every FEEDBACK_EVERY seconds (the rest by :meth:`wait`,
+        or on close): one status message per batch costs an idle consumer as much as its
+        batch's statement."""
         if lsn < self.confirmed:
             return
         self.confirmed = lsn
-        self._feedback(force)
+        if force or time.monotonic() - self._fed_at >= FEEDBACK_EVERY:
+            self._feedback(True)
+        else:
+            self._owed = True
 
     def _feedback(self, force: bool) -> None:
         if self._cur is None:
@@ -297,6 +320,7 @@ class ReplicationStream:
                     apply_lsn=self.confirmed,
                     force=force,
                 )
+            self._fed_at, self._owed = time.monotonic(), False
         except psycopg2.Error as e:
             self.close()
             raise TransportError(f"cannot send feedback: {first_line(e)}") from e
