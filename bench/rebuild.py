@@ -106,14 +106,16 @@ def without_memo(ctx: SessionContext) -> bytes:
 def breakdown(conn: psycopg.Connection[Any], sid: uuid.UUID, runs: int) -> dict[str, float]:
     """Where a rebuild at the head spends its time (medians, ms)."""
     from ledger_cdc.client.recovery import _SNAPSHOT
-    from ledger_cdc.fold import FORMAT_VERSION, decode_context, reducer_version
+    from ledger_cdc.fold import SNAPSHOT_FORMATS, decode_context, reducer_version
 
     out: dict[str, list[float]] = {"fetch": [], "sha256": [], "decode": []}
     for _ in range(runs):
         gc.collect()
         t0 = time.perf_counter()
         row = conn.execute(
-            _SNAPSHOT, (sid, FORMAT_VERSION, reducer_version(), 2**63 - 1, 2**63 - 1), binary=True
+            _SNAPSHOT,
+            (sid, list(SNAPSHOT_FORMATS), reducer_version(), 2**63 - 1, 2**63 - 1),
+            binary=True,
         ).fetchone()
         t1 = time.perf_counter()
         assert row is not None

@@ -5,7 +5,6 @@ passed to whoever folds), ``codec`` the canonical bytes of a context.
 """
 
 from ledger_cdc.fold.codec import (
-    REFERENCE_MIN,
     attach,
     comparable,
     content_hash,
@@ -23,6 +22,7 @@ from ledger_cdc.fold.context import (
     PROJECTION_FORMAT,
     PROJECTION_FORMATS,
     REDUCER_VERSION,
+    REFERENCE_MIN,
     RUN_PENDING,
     RUN_RUNNING,
     RUN_SUSPENDED,

@@ -20,6 +20,7 @@ import msgspec
 from ledger_cdc.errors import WindowMissingError
 from ledger_cdc.events import Message
 from ledger_cdc.fold.context import (
+    REFERENCE_MIN,
     CompletedModel,
     CompletedTool,
     ContextWindow,
@@ -28,7 +29,6 @@ from ledger_cdc.fold.context import (
 )
 
 __all__ = [
-    "REFERENCE_MIN",
     "attach",
     "comparable",
     "content_hash",
@@ -42,10 +42,6 @@ __all__ = [
     "references",
     "window_chars",
 ]
-
-REFERENCE_MIN = 256
-"""A context window, or a message taken from an event, is stored by reference from this many
-characters on (a shorter one costs less copied than read back)."""
 
 _encoder = msgspec.json.Encoder(order="deterministic")
 _decoder = msgspec.json.Decoder(SessionContext)
@@ -212,12 +208,19 @@ def attach(
 
 def encode_memo_entry(done: CompletedTool | CompletedModel, *, by_reference: bool = True) -> bytes:
     """An ``agent_memo`` row's entry: the call without a tool's ``result`` or a model's
-    ``content``, which stay in the completing event (SQL ``ledger_memo_entry`` reads them back);
-    the whole call if not ``by_reference``."""
+    ``content`` of REFERENCE_MIN characters or more, which stay in the completing event (SQL
+    ``ledger_memo_entry`` reads them back); the whole call if not ``by_reference``."""
     if not by_reference:
         return _encoder.encode(done)
+    if isinstance(done, CompletedTool):
+        key, value = "result", done.result
+        long = len(value) if isinstance(value, str) else len(_encoder.encode(value))
+    else:
+        key, long = "content", len(done.content)
+    if long < REFERENCE_MIN:
+        return _encoder.encode(done)
     entry = msgspec.to_builtins(done)
-    del entry["result" if isinstance(done, CompletedTool) else "content"]
+    del entry[key]
     return _encoder.encode(entry)
 
 

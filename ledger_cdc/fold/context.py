@@ -35,6 +35,7 @@ __all__ = [
     "PROJECTION_FORMAT",
     "PROJECTION_FORMATS",
     "REDUCER_VERSION",
+    "REFERENCE_MIN",
     "RUN_PENDING",
     "RUN_RUNNING",
     "RUN_SUSPENDED",
@@ -69,6 +70,9 @@ snapshot of format 4 (no completed calls: they are in ``agent_memo``; the contex
 referenced); 1: the whole context, every completed call and message copied."""
 PROJECTION_FORMATS = (1, 2)
 """Projection formats read."""
+REFERENCE_MIN = 256
+"""A context window, a message taken from an event or a call's result is stored by reference to
+its event from this many characters on (a shorter one costs less copied than read back)."""
 REDUCER_VERSION = "core-3"
 """Version of the built-in reducers' semantics (bump when a reducer changes its output)."""
 

@@ -51,6 +51,7 @@ from ledger_cdc.events import (
 from ledger_cdc.fold.codec import copy_context
 from ledger_cdc.fold.context import (
     REDUCER_VERSION,
+    REFERENCE_MIN,
     RUN_PENDING,
     RUN_RUNNING,
     RUN_SUSPENDED,
@@ -132,7 +133,8 @@ def _model_responded(ctx: SessionContext, ev: LedgerEvent) -> None:
     u.model_calls += 1
     if p.content:
         ctx.messages.append(Message("assistant", p.content))
-        ctx.sources.append(MessageSource(len(ctx.messages) - 1, ev.position, len(p.content)))
+        if len(p.content) >= REFERENCE_MIN:  # long enough to be stored by reference
+            ctx.sources.append(MessageSource(len(ctx.messages) - 1, ev.position, len(p.content)))
 
 
 def _tool_invoked(ctx: SessionContext, ev: LedgerEvent) -> None:
@@ -164,7 +166,8 @@ def _tool_observed(ctx: SessionContext, ev: LedgerEvent) -> None:
     )
     content = p.error if p.error is not None else _text(p.result)
     ctx.messages.append(Message("tool", content, tool_call_id=p.call_id))
-    if p.error is not None or isinstance(p.result, str):  # the event's own string
+    # the event's own string, long enough to be stored by reference
+    if (p.error is not None or isinstance(p.result, str)) and len(content) >= REFERENCE_MIN:
         ctx.sources.append(MessageSource(len(ctx.messages) - 1, ev.position, len(content)))
 
 
