@@ -20,6 +20,7 @@ import pytest
 from psycopg import sql
 
 from ledger_cdc.admin.verify import verify
+from ledger_cdc.client.read import projected_contexts
 from ledger_cdc.client.recovery import memoised_tool, rebuild_context
 from ledger_cdc.client.runs import signal, submit
 from ledger_cdc.client.writer import Ledger, OutboxItem
@@ -153,16 +154,26 @@ def test_no_role_but_the_ledgers_may_ask_the_key_function(roles: Roles) -> None:
 
 def test_reader_rebuilds_and_verifies_and_writes_nothing(roles: Roles) -> None:
     sid = uuid.uuid4()
+    window = [{"role": "system", "content": "rules " * 100}]  # long: stored by reference
     with InThread(roles.db.dsn), Ledger(roles.db.dsn) as ledger:
+        ledger.append(sid, "a", "context.loaded", {"messages": window})
         ledger.append(sid, "a", "tool.invoked", {"call_id": "c", "tool": "t"})
-        ledger.append(sid, "a", "tool.observed", {"call_id": "c", "result": 7})
+        ledger.append(sid, "a", "tool.observed", {"call_id": "c", "result": "row " * 100})
         wait_caught_up(roles.db.dsn)
     dsn = roles.dsn(roles.reader)
     with psycopg.connect(dsn, autocommit=True) as conn:
         ctx = rebuild_context(conn, sid)
-        assert ctx.last_position == 2
+        assert ctx.last_position == 3
         done = memoised_tool(conn, ctx, "c")
-        assert done is not None and done.result == 7
+        assert done is not None and done.result == "row " * 100
+        # the documented readers of the whole context, what the reader role may call
+        whole = projected_contexts(conn)[sid]
+        assert whole.messages[0].content == "rules " * 100
+        assert whole.completed_tools["c"].result == "row " * 100
+        (viewed,) = conn.execute(
+            "SELECT context FROM agent_session_contexts WHERE session_id = %s", (sid,)
+        ).fetchone()  # type: ignore[misc]
+        assert viewed["messages"][0]["content"] == "rules " * 100
     assert verify(dsn).ok
     for args in (["inspect", str(sid)], ["replay", str(sid)], ["verify", "--all"], ["runs"]):
         assert_clean_exit(run_cli(*args, "--dsn", dsn))
