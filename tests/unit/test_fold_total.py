@@ -33,6 +33,7 @@ from ledger_cdc.events import (
     LedgerEvent,
     Rejected,
     json_depth,
+    too_deep,
 )
 from ledger_cdc.fold import (
     SessionContext,
@@ -358,3 +359,14 @@ def test_json_depth_is_exact_and_needs_no_recursion() -> None:
         assert json_depth(json.dumps(value).encode()) == depth
     assert json_depth(_deep_text(READ_MAX_DEPTH + 1).encode()) == READ_MAX_DEPTH + 1
     assert msgspec.json.encode({"a": 1}) == b'{"a":1}'
+
+
+def test_too_deep_is_exact_at_the_limit_however_many_brackets() -> None:
+    """Many shallow objects (a long context window) are not deep; a chain one level over is,
+    and a bracket inside a string counts for nothing."""
+    shallow = json.dumps({"messages": [{"role": "u", "content": "x{[" * 3}] * 5000}).encode()
+    assert len(shallow) > 2 * READ_MAX_DEPTH and not too_deep(shallow, READ_MAX_DEPTH)
+    for depth in (READ_MAX_DEPTH, READ_MAX_DEPTH + 1):
+        text = json.dumps({"pad": "p" * 600, "v": _deep(depth - 1, 1)}).encode()
+        assert json_depth(text, READ_MAX_DEPTH) == depth
+        assert too_deep(text, READ_MAX_DEPTH) is (depth > READ_MAX_DEPTH)
