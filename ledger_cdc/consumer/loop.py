@@ -97,6 +97,7 @@ class Consumer:
         self.metrics = Metrics()
         self.on_batch = on_batch
         self._stop = threading.Event()
+        self._stopped_at = 0  # the position confirmed when the consumer stopped
         self._standalone = sink is not None or transport is not None
         if sink is None:
             pg = PgSink(
@@ -211,6 +212,26 @@ class Consumer:
             self._worker.close()
             self.stream.close()
             self.sink.shutdown()
+            self._await_confirmed()
+
+    def _await_confirmed(self, timeout: float = 5.0) -> None:
+        """After a stop: until the server shows the last confirmed position in the slot (the
+        walsender handles the final status message on its own time), so that a consumer that
+        exited 0 has confirmed everything it committed. Bounded; best effort."""
+        lsn = self._stopped_at
+        if self._standalone or not lsn:
+            return
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(Exception), connected(self.config.dsn, "ledger database") as c:
+            while time.monotonic() < deadline:
+                row = c.execute(
+                    "SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots "
+                    "WHERE slot_name = %s",
+                    (format_lsn(lsn), self.config.slot),
+                ).fetchone()
+                if row is None or row[0]:
+                    return
+                time.sleep(0.01)
 
     def _attempt(self) -> None:
         """Connect and stream until something stops it. Everything but a retryable error is
@@ -404,6 +425,8 @@ class Consumer:
             self._flush(wait=True)
             self._worker.wait()
             self._settle()
+        self.stream.confirm(self.stream.confirmed, force=True)  # the last position, now
+        self._stopped_at = self.stream.confirmed
 
     # -- what the stream stage hands over -------------------------------------------------------
 
