@@ -25,7 +25,8 @@ import psycopg
 from ledger_cdc.admin.partitions import archived_heads, check_archive
 from ledger_cdc.admin.timeline import field_differences
 from ledger_cdc.client.read import COLUMNS, row_event
-from ledger_cdc.client.recovery import REFERENCED, load_memo, snapshot_context
+from ledger_cdc.client.recovery import attach_steps, load_memo, snapshot_context
+from ledger_cdc.client.steps import run
 from ledger_cdc.connect import connect
 from ledger_cdc.errors import WindowMissingError
 from ledger_cdc.fold import (
@@ -33,14 +34,12 @@ from ledger_cdc.fold import (
     PROJECTION_FORMATS,
     SNAPSHOT_FORMATS,
     SessionContext,
-    attach,
     comparable,
     decode_context,
     encode_context,
     encode_stored,
     fold_one,
     reducer_version,
-    references,
 )
 
 __all__ = ["Difference", "VerifyReport", "verify"]
@@ -97,11 +96,7 @@ _PROJECTION = (
 
 
 def _attach(conn: psycopg.Connection[Any], ctx: SessionContext) -> None:
-    window, positions = references(ctx)
-    if window is not None or positions:
-        sid = ctx.session_id
-        row = conn.execute(REFERENCED, (sid, window, sid, positions)).fetchone()
-        attach(ctx, *(row if row is not None else (None, None)))
+    run(conn, attach_steps(ctx))  # what rebuild_context does with a snapshot
 
 
 def _check_projection(
