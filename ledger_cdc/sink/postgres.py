@@ -476,8 +476,9 @@ class PgSink:
 
     def _apply(self, batch: Batch) -> None:
         """A small batch in one statement (ledger_apply_batch): no staging, one round trip."""
-        prev = None if self.checkpoint is None else format_lsn(self.checkpoint)
-        doc = _batch_doc(batch, self.by_reference, self._checkpoint_params(batch))
+        params = self._checkpoint_params(batch)
+        prev = params["prev"]
+        doc = _batch_doc(batch, self.by_reference, params)
         try:
             self.conn.execute(_APPLY, (self.slot, prev, doc))
         except psycopg.Error as e:
