@@ -411,7 +411,7 @@ class Consumer:
                 and not self._pending
                 and stream.wal_end > stream.confirmed
             ):
-                stream.confirm(stream.wal_end, force=False)
+                stream.confirm(stream.wal_end)
                 metrics.confirmed_lsn = stream.confirmed
             if stopping():
                 self._drain()
@@ -545,7 +545,7 @@ class Consumer:
     ) -> None:
         """What the sink committed is durable: confirm it to the server (within
         FEEDBACK_EVERY), count it."""
-        self.stream.confirm(end_lsn, force=False)
+        self.stream.confirm(end_lsn)
         m = self.metrics
         m.confirmed_lsn = end_lsn
         m.skipped_transactions = self.assembler.skipped
