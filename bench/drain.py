@@ -6,11 +6,13 @@ not compete for the two cores). ``ledger-cdc consume`` runs as its own process, 
 until every event is folded into a committed projection; its CPU seconds and peak RSS are read
 from /proc. pg_recvlogical is timed from start until it reaches the WAL end (``--endpos``).
 
-With ``--fan-out`` the same backlog is drained a second time, from a third twin slot into a
-database of its own, with ``--sink postgres --sink nats://…`` (a local ``nats-server`` with
-JetStream): its time and CPU are printed beside the PostgreSQL-only drain.
+With ``--fan-out`` the same backlog is then drained ``--runs`` times each, alternately, by
+``--sink postgres`` alone and by ``--sink postgres --sink nats://…`` (a fresh local
+``nats-server`` with JetStream each time), every drain from a twin slot of its own into a
+database of its own: the medians of their times and CPU are printed side by side.
 
-    sh scripts/dev.sh bench drain [--events 100000] [--sessions 1000] [--pg-major 15] [--fan-out]
+    sh scripts/dev.sh bench drain [--events 100000] [--sessions 1000] [--pg-major 15]
+                                  [--fan-out [--runs 3]]
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +41,9 @@ def main() -> None:
     ap.add_argument("--pg-major", type=int, default=None)
     ap.add_argument("--batch-size", type=int, default=20000)
     ap.add_argument("--fan-out", action="store_true", help="also drain with a JetStream sink")
+    ap.add_argument(
+        "--runs", type=int, default=3, help="fan-out: drains of each kind (medians printed)"
+    )
     args = ap.parse_args()
     with EmbeddedPostgres(major=args.pg_major, fsync=True) as pg:
         dsn = pg.dsn()
@@ -45,11 +51,13 @@ def main() -> None:
         with psycopg.connect(dsn, autocommit=True) as conn:
             create_slot(conn, "agent_slot")
             create_slot(conn, "twin")
-            if args.fan_out:
-                create_slot(conn, "fanout")
-                conn.execute("CREATE DATABASE fanout")
-        if args.fan_out:
-            init(pg.dsn("fanout"))
+            for i in range(args.runs if args.fan_out else 0):
+                for kind in ("alone", "fanout"):
+                    create_slot(conn, f"{kind}{i}")
+                    conn.execute(f"CREATE DATABASE {kind}{i}")
+        for i in range(args.runs if args.fan_out else 0):
+            init(pg.dsn(f"alone{i}"))
+            init(pg.dsn(f"fanout{i}"))
         t0 = time.monotonic()
         write_backlog(dsn, args.events, args.sessions)
         print(
@@ -80,18 +88,44 @@ def main() -> None:
             f"  consumer CPU: {cpu / args.events * 1000:.3f} s per 1,000 events; peak RSS {rss:.0f} MB"
         )
         if args.fan_out:
-            with NatsProcess() as url:
-                extra = ["--slot", "fanout", "--target-dsn", pg.dsn("fanout")]
-                extra += ["--sink", "postgres", "--sink", url]
-                t_fan, _, cpu_fan, rss_fan = drain(args, dsn, pg.dsn("fanout"), extra)
-            print(
-                f"  + JetStream fan-out (--sink nats://…)       {args.events / t_fan:>9,.0f} txn/s  "
-                f"({t_fan:.2f}s)  {t_fan / t_ours:.2f}× the time of PostgreSQL alone"
-            )
-            print(
-                f"  fan-out consumer CPU: {cpu_fan / args.events * 1000:.3f} s per 1,000 events "
-                f"(PostgreSQL alone {cpu / args.events * 1000:.3f}); peak RSS {rss_fan:.0f} MB"
-            )
+            fan_out(args, pg, dsn)
+
+
+def fan_out(args: argparse.Namespace, pg: EmbeddedPostgres, dsn: str) -> None:
+    """The same backlog drained into a database of its own, by PostgreSQL alone and with the
+    JetStream sink (a fresh nats-server each time), alternately, ``--runs`` times each."""
+    alone: list[tuple[float, float, float]] = []
+    fan: list[tuple[float, float, float]] = []
+    for i in range(args.runs):
+        opts = ["--slot", f"alone{i}", "--target-dsn", pg.dsn(f"alone{i}"), "--sink", "postgres"]
+        t, start, cpu, _ = drain(args, dsn, pg.dsn(f"alone{i}"), opts)
+        alone.append((t, start, cpu))
+        with NatsProcess() as url:
+            opts = ["--slot", f"fanout{i}", "--target-dsn", pg.dsn(f"fanout{i}")]
+            opts += ["--sink", "postgres", "--sink", url]
+            t, start, cpu, _ = drain(args, dsn, pg.dsn(f"fanout{i}"), opts)
+        fan.append((t, start, cpu))
+        print(
+            f"  run {i + 1}: PostgreSQL alone {alone[-1][0]:.2f}s, with JetStream {t:.2f}s "
+            f"({t / alone[-1][0]:.2f}×)"
+        )
+    (ta, sa, ca), (tf, sf, cf) = (
+        tuple(statistics.median(r[k] for r in runs) for k in range(3)) for runs in (alone, fan)
+    )
+    n = args.events / 1000
+    print(f"  fan-out, medians of {args.runs} runs (each into a database of its own):")
+    print(
+        f"    --sink postgres                  {ta:.2f}s  (start-up {sa:.2f}s)  "
+        f"CPU {ca / n:.3f} s per 1,000 events"
+    )
+    print(
+        f"    --sink postgres --sink nats://…  {tf:.2f}s  (start-up {sf:.2f}s)  "
+        f"CPU {cf / n:.3f} s per 1,000 events"
+    )
+    print(
+        f"    fan-out ÷ PostgreSQL alone: {tf / ta:.2f}× the time end to end, "
+        f"{(tf - sf) / max(1e-6, ta - sa):.2f}× streaming alone (target ≤ 1.25×)"
+    )
 
 
 def drain(

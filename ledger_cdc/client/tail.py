@@ -20,7 +20,7 @@ from ledger_cdc.client.read import COLUMNS, row_event
 from ledger_cdc.errors import ConfigError, DatabaseUnavailable, InvalidEventError
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.names import SESSIONS_CHANNEL
-from ledger_cdc.sink.jetstream import JetStreamSettings
+from ledger_cdc.sink.jetstream import JetStreamSettings, WireEvent
 
 __all__ = ["follow_jetstream", "follow_postgres"]
 
@@ -52,16 +52,21 @@ async def follow_postgres(
 
 
 async def follow_jetstream(
-    settings: JetStreamSettings, session_id: uuid.UUID, *, after: int = 0
+    settings: JetStreamSettings,
+    session_id: uuid.UUID,
+    *,
+    after: int = 0,
+    dsn: str | None = None,
 ) -> AsyncIterator[LedgerEvent | Rejected]:
     """Events of the session from the JetStream stream (all of them, then live), by the URL's
     stream and subject prefix. A payload that does not fit its type comes as Rejected, by the
-    rule every reader shares."""
+    rule every reader shares. An event published without its payload (larger than the NATS
+    server takes) is read from ``agent_events`` through ``dsn``; without one it comes as
+    Rejected, saying so."""
     import nats
     from nats.js.errors import NotFoundError
 
     from ledger_cdc.events import admit_time, load_payload
-    from ledger_cdc.sink.jetstream import WireEvent
 
     try:
         nc = await nats.connect(
@@ -92,6 +97,9 @@ async def follow_jetstream(
             if w.position <= after:
                 continue
             after = w.position
+            if w.omitted:
+                yield await _omitted_event(dsn, w)
+                continue
             try:
                 created = admit_time(w.created_at)
                 payload = load_payload(w.event_type, msgspec.json.encode(w.payload))
@@ -110,3 +118,30 @@ async def follow_jetstream(
             )
     finally:
         await nc.close()
+
+
+_ONE = f"SELECT {COLUMNS} FROM agent_events WHERE session_id = %s AND position = %s"  # noqa: S608
+
+
+async def _omitted_event(dsn: str | None, w: WireEvent) -> LedgerEvent | Rejected:
+    why = f"published without its payload ({w.omitted:,} bytes, over the NATS server's max_payload)"
+    if dsn is not None:
+        try:
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                cur = await conn.execute(_ONE.encode(), (w.session_id, w.position))
+                row = await cur.fetchone()
+        except psycopg.Error as e:
+            return Rejected(
+                w.seq,
+                w.session_id,
+                w.position,
+                w.agent_id,
+                w.event_type,
+                f"{why}; cannot read it from agent_events: {str(e).strip().splitlines()[0]}",
+            )
+        if row is not None:
+            return row_event(row)
+        why += "; not in agent_events either (archived?)"
+    else:
+        why += ": give --dsn to read it from agent_events"
+    return Rejected(w.seq, w.session_id, w.position, w.agent_id, w.event_type, why)

@@ -16,7 +16,7 @@ import functools
 import struct
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import psycopg
@@ -284,6 +284,27 @@ def _translated(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
+class _Publishing(Protocol):
+    def wait(self) -> None: ...
+    def cancel(self) -> None: ...
+
+
+class _AllPublishing:
+    def __init__(self, parts: list[_Publishing]) -> None:
+        self.parts = parts
+
+    def wait(self) -> None:
+        for p in self.parts:
+            p.wait()
+
+    def cancel(self) -> None:
+        for p in self.parts:
+            p.cancel()
+
+
+_NOTHING = _AllPublishing([])
+
+
 class PgSink:
     """Projections in a PostgreSQL database (the source database, or ``--target-dsn``)."""
 
@@ -307,7 +328,7 @@ class PgSink:
         self._staged = False
         self.checkpoint: int | None = None
         self.epoch: int | None = None
-        self.publishers: list[Any] = []  # e.g. JetStreamPublisher: publish(events, sessions)
+        self.publishers: list[Any] = []  # e.g. JetStreamPublisher: begin(events, sessions)
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -395,23 +416,30 @@ class PgSink:
 
         Publishers (JetStream) get the batch first: the checkpoint is only committed once every
         publish is acknowledged, so a crash in between republishes under the same message ids."""
-        self._publish(batch)
-        if _small(batch):
-            self._apply(batch)
+        publishing = self._publish(batch)
+        try:
+            if _small(batch):
+                publishing.wait()
+                self._apply(batch)
+                self._committed(batch)
+                return
+            conn = self._staged_conn()
+            with conn.transaction():
+                with conn.cursor() as cur:
+                    self._stage(cur, batch)
+                    # Only now, with every row staged, take locks on shared rows: a consumer
+                    # frozen mid-COPY (its backend waiting for data, not idle) must not hold
+                    # them, or it would block the standby that took its slot; frozen between
+                    # the statements below, it is ended by idle_in_transaction_session_timeout.
+                    self._merge(cur, batch)
+                    self._notices(cur, batch)
+                self._checkpoint(conn, batch)
+                # the rows were written while JetStream stored the batch; the commit waits
+                # until it holds every message
+                publishing.wait()
             self._committed(batch)
-            return
-        conn = self._staged_conn()
-        with conn.transaction():
-            with conn.cursor() as cur:
-                self._stage(cur, batch)
-                # Only now, with every row staged, take locks on shared rows: a consumer frozen
-                # mid-COPY (its backend waiting for data, not idle) must not hold them, or it
-                # would block the standby that took its slot; frozen between the statements
-                # below, it is ended by idle_in_transaction_session_timeout.
-                self._merge(cur, batch)
-                self._notices(cur, batch)
-            self._checkpoint(conn, batch)
-        self._committed(batch)
+        finally:
+            publishing.cancel()  # unless waited for: the batch is given up
 
     @_translated
     def commit_chunked(
@@ -433,12 +461,12 @@ class PgSink:
         with conn.transaction():
             with conn.cursor() as cur:
                 for chunk in chunks:
-                    self._publish(chunk)
+                    self._publish(chunk).wait()
                     self._stage(cur, chunk)
                     self._merge(cur, chunk)
                     cur.execute(_CLEAR_STAGES)
                 final = finish(ChunkedTail(self, conn))
-                self._publish(final)
+                self._publish(final).wait()
                 self._stage(cur, final)
                 self._merge(cur, final)
                 self._notices(cur, final)
@@ -450,7 +478,7 @@ class PgSink:
         """Inside :meth:`commit_chunked` (called back from its chunks or its finish): write a
         part's rows now, on the connection and in the transaction of the commit under way
         (its events published first, like every chunk's)."""
-        self._publish(batch)
+        self._publish(batch).wait()
         with self.conn.cursor() as cur:
             self._stage(cur, batch)
             self._merge(cur, batch)
@@ -458,9 +486,11 @@ class PgSink:
 
     # -- the parts of a commit ------------------------------------------------------------------
 
-    def _publish(self, batch: Batch) -> None:
+    def _publish(self, batch: Batch) -> _Publishing:
+        """Starts publishing the batch to every publisher (JetStream); ``wait()`` before the
+        commit."""
         if not self.publishers:
-            return
+            return _NOTHING
         # a projection's LSN for the fan-out: the latest commit of its events in this batch
         # (0, unknown, for a bootstrap's or when none was published)
         lsn: dict[uuid.UUID, int] = {}
@@ -471,8 +501,7 @@ class PgSink:
             (sid, ctx.last_position, data, lsn.get(sid, 0))
             for sid, (ctx, data, _, _) in batch.sessions.items()
         ]
-        for pub in self.publishers:
-            pub.publish(batch.published, sessions)
+        return _AllPublishing([pub.begin(batch.published, sessions) for pub in self.publishers])
 
     def _apply(self, batch: Batch) -> None:
         """A small batch in one statement (ledger_apply_batch): no staging, one round trip."""

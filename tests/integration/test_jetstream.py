@@ -71,6 +71,103 @@ def test_publisher_waits_for_acks_and_the_server_drops_a_republished_batch(tmp_p
         srv.kill()
 
 
+def _tool_events(sid: uuid.UUID, results: list[str]) -> list[Any]:
+    import datetime as dt
+
+    from ledger_cdc.events import LedgerEvent, ToolObserved
+
+    now = dt.datetime.now(dt.timezone.utc)
+    return [
+        (LedgerEvent(i, sid, i, "a", "tool.observed", ToolObserved(f"c{i}", r), now), 0x1000 + i)
+        for i, r in enumerate(results, 1)
+    ]
+
+
+def test_a_message_over_the_servers_max_payload_goes_without_its_body(tmp_path: Path) -> None:
+    """An event (or projection) larger than the server's max_payload would make the server
+    close the connection at every retry, stopping the fan-out for good. It is published in
+    its place without its payload, marked, and the stream goes on; tail reads it from
+    agent_events, or says why it cannot."""
+    from ledger_cdc.client.tail import follow_jetstream
+    from ledger_cdc.events import LedgerEvent, Rejected
+
+    srv = NatsServer(tmp_path / "js", config="max_payload: 4096\n")
+    try:
+        wait_jetstream([srv.url])
+        settings = JetStreamSettings.from_url(srv.url)
+        pub = JetStreamPublisher(settings, "agent_slot")
+        sid = uuid.uuid4()
+        batch = _tool_events(sid, ["small", "x" * 10_000, "after"])
+        pub.publish(batch, [(sid, 3, b'{"big": "' + b"y" * 10_000 + b'"}')])
+        pub.publish(_tool_events(sid, ["a", "b", "c", "d"])[3:], [])  # the connection is fine
+        pub.close()
+        events = read_all([srv.url], "ledger.events.*")
+        bodies = [json.loads(m.data) for m in events]
+        assert [b["position"] for b in bodies] == [1, 2, 3, 4]
+        assert (
+            bodies[0]["payload"]["result"] == "small" and bodies[2]["payload"]["result"] == "after"
+        )
+        assert bodies[1]["payload"] is None and bodies[1]["omitted"] > 10_000
+        assert events[1].headers["Ledger-Omitted"] == str(bodies[1]["omitted"])
+        assert "Ledger-Omitted" not in (events[0].headers or {})
+        (ctx,) = read_all([srv.url], "ledger.sessions.*", durable="s")
+        assert ctx.data == b"{}" and int(ctx.headers["Ledger-Omitted"]) > 10_000
+
+        async def first_three() -> list[Any]:
+            got = []
+            async for ev in follow_jetstream(settings, sid):
+                got.append(ev)
+                if len(got) == 3:
+                    return got
+            return got
+
+        got = asyncio.run(asyncio.wait_for(first_three(), 60))
+        assert isinstance(got[0], LedgerEvent) and isinstance(got[2], LedgerEvent)
+        assert isinstance(got[1], Rejected) and "--dsn" in got[1].reason
+    finally:
+        srv.kill()
+
+
+def test_a_refused_publish_fails_the_batch_at_once_and_the_next_one_works(
+    tmp_path: Path,
+) -> None:
+    """The server answers a publish nobody stores (the stream was deleted) with a status, not
+    silence: the batch fails with that reason at once, not after ack_timeout, and the next
+    attempt creates the stream again."""
+    from ledger_cdc.errors import JetStreamError
+
+    srv = NatsServer(tmp_path / "js")
+    try:
+        wait_jetstream([srv.url])
+        pub = JetStreamPublisher(
+            JetStreamSettings.from_url(srv.url + "?ack_timeout=120"), "agent_slot"
+        )
+        sid = uuid.uuid4()
+        batch = _tool_events(sid, ["a", "b", "c"])
+        pub.publish(batch[:1], [])
+
+        async def delete() -> None:
+            import nats
+
+            nc = await nats.connect(srv.url)
+            await nc.jetstream().delete_stream("LEDGER")
+            await nc.close()
+
+        asyncio.run(delete())
+        began = time.monotonic()
+        with pytest.raises(JetStreamError, match="no JetStream stream"):
+            pub.publish(batch[1:2], [])
+        assert time.monotonic() - began < 60  # the answer, not the 120 s timeout
+        pub.publish(batch[1:], [])
+        pub.close()
+        assert [json.loads(m.data)["position"] for m in read_all([srv.url], "ledger.events.*")] == [
+            2,
+            3,
+        ]
+    finally:
+        srv.kill()
+
+
 def test_consumer_crash_republishes_without_duplicates(db: Database, tmp_path: Path) -> None:
     srv = NatsServer(tmp_path / "js")
     consumer = None

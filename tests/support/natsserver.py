@@ -32,7 +32,13 @@ def free_port() -> int:
 
 
 class NatsServer:
-    def __init__(self, store: Path, name: str = "n0", cluster: tuple[int, list[int]] | None = None):
+    def __init__(
+        self,
+        store: Path,
+        name: str = "n0",
+        cluster: tuple[int, list[int]] | None = None,
+        config: str | None = None,
+    ):
         self.port = free_port()
         self.name = name
         store.mkdir(parents=True, exist_ok=True)
@@ -58,6 +64,10 @@ class NatsServer:
                 "--routes",
                 ",".join(f"nats://127.0.0.1:{p}" for p in peers),
             ]
+        if config is not None:  # settings that have no command-line flag (max_payload, …)
+            conf = store.parent / f"{name}.conf"
+            conf.write_text(config)
+            argv += ["-c", str(conf)]
         self.log = store.parent / f"{name}.log"
         self.argv = argv
         self._start()
