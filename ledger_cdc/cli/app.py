@@ -360,6 +360,14 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "lives there) and nats://host:4222[,nats://…] (JetStream fan-out).",
 )
 @option(
+    "--publish-only",
+    is_flag=True,
+    envvar=_env("PUBLISH_ONLY"),
+    help="With --sink nats://…: publish the events to JetStream and keep only the checkpoint "
+    "in PostgreSQL; `ledger-cdc fold --from nats://… --partition K/N` workers build the "
+    "projections (the server decodes the WAL once, the folding scales with workers).",
+)
+@option(
     "--shard",
     type=int,
     default=None,
@@ -399,6 +407,7 @@ def consume(
     health_interval: float,
     log_format: str,
     sinks: tuple[str, ...],
+    publish_only: bool,
     shard: int | None,
     vacuum_interval: float,
     standby_poll: float,
@@ -417,7 +426,8 @@ def consume(
     use and takes over within about a second of the active one's death; a consumer that lost
     the slot is fenced (its checkpoint write is a compare-and-set) and cannot overwrite newer
     projections. --shard K streams shard K (agent_slot_sK / agent_pub_sK, see init --shards).
-    --sink nats://… also publishes every event and projection change to JetStream.
+    --sink nats://… also publishes every event and projection change to JetStream;
+    with --publish-only it publishes the events only, for `ledger-cdc fold` workers.
     """
     from ledger_cdc.admin.schema import shard_names, validate_publication_name, validate_slot_name
     from ledger_cdc.cli.runner import bootstrap_progress, run_consumer
@@ -433,6 +443,10 @@ def consume(
             raise click.BadParameter(
                 f"{u!r}: use postgres or nats://host:port", param_hint="--sink"
             )
+    if publish_only and not extra:
+        raise click.BadParameter(
+            "--publish-only needs a --sink nats://host:port to publish to", param_hint="--sink"
+        )
     config = ConsumerConfig(
         dsn=dsn,
         slot=slot,
@@ -448,12 +462,119 @@ def consume(
         health_interval=health_interval,
         progress=bootstrap_progress(state.console, log_format),
         sinks=extra,
+        fold=not publish_only,
         standby_poll=standby_poll,
         vacuum_interval=vacuum_interval,
     )
     consumer = Consumer(config)
     consumer.install_signal_handlers()
     run_consumer(consumer, state.console, log_format, metrics_port, metrics_host)
+
+
+# -- fold --------------------------------------------------------------------------------------
+
+
+@cli.command()
+@dsn_option
+@option(
+    "--from",
+    "source",
+    required=True,
+    envvar=_env("FOLD_FROM"),
+    help="The JetStream stream a `consume --publish-only --sink nats://…` fills: "
+    "nats://host:4222[,nats://…][?stream=LEDGER&prefix=ledger].",
+)
+@option(
+    "--partition",
+    default="0/1",
+    show_default=True,
+    envvar=_env("PARTITION"),
+    help="Fold partition K of N: the sessions whose id's last byte is K modulo N (as "
+    "init --shards splits them). Run one worker per K, on any machines.",
+)
+@option(
+    "--target-dsn",
+    default=None,
+    envvar=_env("TARGET_DSN"),
+    help="Database for the projections (default: the ledger database).",
+)
+@option(
+    "--fetch",
+    default=2000,
+    show_default=True,
+    type=click.IntRange(1, 100_000),
+    help="Messages asked of the stream at a time (a batch folds at most this many).",
+)
+@option(
+    "--snapshot-every",
+    default=100,
+    show_default=True,
+    type=click.IntRange(0),
+    envvar=_env("SNAPSHOT_EVERY"),
+    help="Snapshot a session every N events (and at task end); 0: only at task end.",
+)
+@option(
+    "--memory-limit-mb",
+    default=256,
+    show_default=True,
+    type=click.IntRange(1),
+    envvar=_env("MEMORY_LIMIT_MB"),
+    help="Memory for the session cache and the batch in hand.",
+)
+@log_format_option()
+@click.pass_obj
+@handles_errors
+def fold(
+    state: State,
+    dsn: str,
+    source: str,
+    partition: str,
+    target_dsn: str | None,
+    fetch: int,
+    snapshot_every: int,
+    memory_limit_mb: int,
+    log_format: str,
+) -> None:
+    """Fold one partition of the JetStream event stream into the projections, exactly once.
+
+    The scale-out path: one `consume --publish-only --sink nats://…` reads the slot (the server
+    decodes the WAL once) and N `fold --partition K/N` workers build the projections, snapshots
+    and memo rows a consumer builds, each for its share of the sessions. Each worker's
+    checkpoint (the stream sequence it folded up to, `nats:<stream>:K/N` in
+    ledger_checkpoints) commits with what it covers, so a worker killed at any point restarts
+    where it was. Runs until SIGINT or SIGTERM.
+    """
+    import signal
+
+    from ledger_cdc.cli.runner import setup_logging
+    from ledger_cdc.consumer.fold_nats import FoldConfig, FoldWorker, parse_partition
+
+    k, n = parse_partition(partition)
+    setup_logging(log_format)
+    worker = FoldWorker(
+        FoldConfig(
+            url=source,
+            dsn=dsn,
+            partition=k,
+            partitions=n,
+            target_dsn=target_dsn,
+            fetch=fetch,
+            snapshot_every=snapshot_every,
+            memory_limit=memory_limit_mb * 1024 * 1024,
+        )
+    )
+
+    def stop(signum: int, frame: Any) -> None:
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    worker.run()
+    click.echo(
+        f"fold {worker.name}: {worker.folded:,} events folded, stream sequence "
+        f"{worker.position:,} committed",
+        err=True,
+    )
 
 
 # -- lag ------------------------------------------------------------------------------------------

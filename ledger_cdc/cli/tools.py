@@ -941,7 +941,7 @@ def tail(
             from ledger_cdc.sink.jetstream import JetStreamSettings
 
             events: Any = follow_jetstream(
-                JetStreamSettings.from_url(nats_url), session, after=after, dsn=dsn
+                JetStreamSettings.from_url(nats_url, "--nats"), session, after=after, dsn=dsn
             )
         else:
             events = follow_postgres(dsn, session, after=after)

@@ -17,10 +17,10 @@ import msgspec
 import psycopg
 
 from ledger_cdc.client.read import COLUMNS, row_event
-from ledger_cdc.errors import ConfigError, DatabaseUnavailable, InvalidEventError
+from ledger_cdc.errors import ConfigError, DatabaseUnavailable
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.names import SESSIONS_CHANNEL
-from ledger_cdc.sink.jetstream import JetStreamSettings, WireEvent
+from ledger_cdc.sink.jetstream import JetStreamSettings, WireEvent, wire_event
 
 __all__ = ["follow_jetstream", "follow_postgres"]
 
@@ -66,8 +66,6 @@ async def follow_jetstream(
     import nats
     from nats.js.errors import NotFoundError
 
-    from ledger_cdc.events import admit_time, load_payload
-
     try:
         nc = await nats.connect(
             servers=settings.servers, connect_timeout=5, max_reconnect_attempts=3
@@ -97,25 +95,10 @@ async def follow_jetstream(
             if w.position <= after:
                 continue
             after = w.position
-            if w.omitted:
+            if w.omitted and w.rejected is None:
                 yield await _omitted_event(dsn, w)
                 continue
-            try:
-                created = admit_time(w.created_at)
-                payload = load_payload(w.event_type, msgspec.json.encode(w.payload))
-            except InvalidEventError as e:
-                yield Rejected(w.seq, w.session_id, w.position, w.agent_id, w.event_type, str(e))
-                continue
-            yield LedgerEvent(
-                w.seq,
-                w.session_id,
-                w.position,
-                w.agent_id,
-                w.event_type,
-                payload,
-                created,
-                w.idempotency_key,
-            )
+            yield wire_event(w, msgspec.json.encode(w.payload))
     finally:
         await nc.close()
 

@@ -45,6 +45,9 @@ class ConsumerConfig:
     standby_poll: float = 0.5  # seconds between tries for a slot another consumer holds
     sink_idle_timeout: float = 10.0  # server ends a sink transaction left idle this long
     sinks: tuple[str, ...] = ()  # extra sinks: nats://host:port[,…] (PostgreSQL is always on)
+    # False (consume --publish-only): events go to the sinks, PostgreSQL keeps only the
+    # checkpoint; `ledger-cdc fold --from nats://…` workers build the projections
+    fold: bool = True
     notify_sessions: bool = True  # NOTIFY ledger_sessions '<session>:<position>' per change
     thresholds: Thresholds = field(default_factory=Thresholds)
     progress: Callable[[int, int], None] | None = None  # bootstrap progress (done, total)

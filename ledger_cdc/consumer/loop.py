@@ -142,6 +142,7 @@ class Consumer:
             spill_dir=config.spill_dir,
             on_anomaly=self._on_anomaly,
             by_reference=bool(getattr(self.sink, "by_reference", False)),
+            folds=config.fold,
         )
         self.flush_policy = FlushPolicy(config.batch_size, self._budget, config.max_delay)
         self._worker = SinkWorker(self.sink)

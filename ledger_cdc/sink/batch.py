@@ -294,8 +294,13 @@ class BatchBuilder:
         spill_dir: str | None = None,
         on_anomaly: Callable[[Anomaly], None] | None = None,
         by_reference: bool = True,
+        folds: bool = True,
     ) -> None:
         self.load_contexts = load
+        # False: a relay (consume --publish-only) that only hands the events on to the
+        # publishers, in commit order, quarantined ones included; fold workers build the
+        # projections from the stream
+        self.folds = folds
         # stored contexts reference the ledger's events instead of copying them (the sink reads
         # them back: see fold.encode_stored)
         self.by_reference = by_reference
@@ -323,7 +328,7 @@ class BatchBuilder:
             before: dict[uuid.UUID, tuple[int, str]] = {}
             items = txn.items
             assert isinstance(items, list)
-            if i >= loaded_upto:
+            if i >= loaded_upto and self.folds:
                 loaded_upto = self._load_for(txns, i)
             f.used += self._loaded_bytes
             self._loaded_bytes = 0
@@ -383,6 +388,8 @@ class BatchBuilder:
         kind = type(it)
         if kind is Base:
             assert isinstance(it, Base)
+            if not self.folds:
+                return  # a bootstrap's folded start: the fold workers have its events
             base: SessionContext = it.ctx
             self.cache.put(base.session_id, base, 0)
             f.changed[base.session_id] = (base, txn.commit_lsn, None)
@@ -409,6 +416,12 @@ class BatchBuilder:
             )
             return
         ev: LedgerEvent | Rejected = it if kind is LedgerEvent else it.rejected  # type: ignore[assignment,union-attr]
+        if not self.folds:
+            f.batch.events += 1
+            if ev.seq > f.max_seq:
+                f.max_seq = ev.seq
+            f.batch.published.append((ev, txn.commit_lsn if txn.xid else 0))
+            return
         sid = ev.session_id
         ctx = self.cache.get(sid)
         if ctx is None:  # evicted since it was loaded: its projection has what it had
@@ -573,6 +586,8 @@ class BatchBuilder:
         return f
 
     def _load_missing(self, ahead: list[tuple[Item, int]]) -> None:
+        if not self.folds:
+            return
         cache = self.cache
         wanted = dict.fromkeys(map(session_of, (it for it, _ in ahead)))
         self._load([s for s in wanted if s is not None and s not in cache])

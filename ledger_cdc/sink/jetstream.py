@@ -36,14 +36,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from ledger_cdc.errors import ConfigError, JetStreamError
-from ledger_cdc.events import LedgerEvent
+from ledger_cdc.errors import ConfigError, InvalidEventError, JetStreamError
+from ledger_cdc.events import LedgerEvent, Rejected, admit_time, load_payload
 
 __all__ = ["JetStreamError", "JetStreamPublisher", "JetStreamSettings", "WireEvent"]
 
@@ -58,13 +58,13 @@ class JetStreamSettings:
     ack_timeout: float = 10.0
 
     @classmethod
-    def from_url(cls, url: str) -> JetStreamSettings:
+    def from_url(cls, url: str, option: str = "--sink") -> JetStreamSettings:
         """``nats://h1:4222[,nats://h2:4222…][?stream=LEDGER&replicas=3&duplicate_window=120]``"""
         base, _, query = url.partition("?")
         servers = [u.strip() for u in base.split(",") if u.strip()]
         bad = [s for s in servers if not s.startswith(("nats://", "tls://"))]
         if not servers or bad:
-            raise ConfigError(f"--sink {url!r}: expected nats://host:port[,nats://host:port…]")
+            raise ConfigError(f"{option} {url!r}: expected nats://host:port[,nats://host:port…]")
         kw: dict[str, Any] = {}
         types = {
             "stream": str,
@@ -77,13 +77,13 @@ class JetStreamSettings:
             key, _, value = item.partition("=")
             if key not in types:
                 raise ConfigError(
-                    f"--sink {url!r}: unknown option {key!r} (use {', '.join(types)})"
+                    f"{option} {url!r}: unknown option {key!r} (use {', '.join(types)})"
                 )
             try:
                 kw[key] = types[key](value)
             except ValueError:
                 raise ConfigError(
-                    f"--sink {url!r}: {key}={value!r} is not a {types[key].__name__}"
+                    f"{option} {url!r}: {key}={value!r} is not a {types[key].__name__}"
                 ) from None
         return cls(servers, **kw)
 
@@ -103,6 +103,39 @@ class WireEvent(msgspec.Struct):
     # > 0: the payload (this many bytes of message) did not fit the server's max_payload and
     # was left out (payload null); the event is in agent_events at (session_id, position)
     omitted: int = 0
+    # set: a row no reader can fold (consume --publish-only publishes it so that the fold
+    # workers quarantine it): why; payload is null and created_at is not the row's
+    rejected: str | None = None
+
+
+def wire_event(w: WireEvent, payload: bytes) -> LedgerEvent | Rejected:
+    """The event a ``ledger.events.*`` message carries (``payload``: its payload as JSON), by
+    the rule every reader shares: Rejected when it was published as such, or its payload or
+    time does not fit. A message whose payload was left out (``omitted``) is the caller's to
+    read from agent_events."""
+
+    def rejected(why: str) -> Rejected:
+        return Rejected(
+            w.seq, w.session_id, w.position, w.agent_id, w.event_type, why, None, w.idempotency_key
+        )
+
+    if w.rejected is not None:
+        return rejected(w.rejected)
+    try:
+        created = admit_time(w.created_at)
+        loaded = load_payload(w.event_type, payload)
+    except InvalidEventError as e:
+        return rejected(str(e))
+    return LedgerEvent(
+        w.seq,
+        w.session_id,
+        w.position,
+        w.agent_id,
+        w.event_type,
+        loaded,
+        created,
+        w.idempotency_key,
+    )
 
 
 _encode = msgspec.json.Encoder().encode
@@ -123,6 +156,7 @@ log = logging.getLogger("ledger_cdc.jetstream")
 
 
 _wire = msgspec.json.Decoder(WireEvent)
+_NO_TIME = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)  # a rejected row's, on the wire
 
 
 def _omitted(subject: str, data: bytes) -> bytes:
@@ -149,6 +183,38 @@ def _omitted(subject: str, data: bytes) -> bytes:
             omitted=len(data),
         )
     )
+
+
+RawHandler = Callable[[bytes, bytes, bytes, bytes], None]  # (subject, reply, data, headers)
+
+
+async def subscribe_raw(nc: Any, subject: str, handler: RawHandler, pending: int = 65536) -> None:
+    """Subscribe ``handler`` to ``subject``: each message is handed over straight from the
+    connection's parser, as bytes (nats-py otherwise builds a message object and passes it
+    through a queue and a task, which costs more than what most handlers do). Where the client
+    lacks that hook, the subscription's callback gives the same bytes. Returns once the
+    server knows the subscription."""
+
+    async def cb(msg: Any) -> None:
+        status = (msg.headers or {}).get("Status", "")
+        headers = f"NATS/1.0 {status}\r\n".encode() if status else b""
+        handler(msg.subject.encode(), (msg.reply or "").encode(), msg.data, headers)
+
+    sub = await nc.subscribe(subject, cb=cb, pending_msgs_limit=pending)
+    sid = getattr(sub, "_id", None)
+    process = getattr(nc, "_process_msg", None)
+    if sid is not None and process is not None:
+
+        async def _process_msg(
+            msg_sid: int, subj: bytes, reply: bytes, data: bytes, headers: bytes
+        ) -> None:
+            if msg_sid == sid:
+                handler(subj, reply, data, headers)
+            else:
+                await process(msg_sid, subj, reply, data, headers)
+
+        nc._process_msg = _process_msg
+    await nc.flush()
 
 
 def _first_line(e: BaseException) -> str:
@@ -368,32 +434,15 @@ class JetStreamPublisher:
     async def _acks(self) -> None:
         """The connection's one reply subscription: every publish asks for its acknowledgement
         on ``<inbox>.<n>``, counted as it arrives (no future, no message object per publish)."""
-        nc = self._nc
-        self._reply = nc.new_inbox()
-        sub = await nc.subscribe(
-            self._reply + ".*", cb=self._on_ack, pending_msgs_limit=4 * _WINDOW + 1000
+        self._reply = self._nc.new_inbox()
+        await subscribe_raw(
+            self._nc,
+            self._reply + ".*",
+            lambda subject, reply, data, headers: self._ack(
+                subject.rpartition(b".")[2], data, headers
+            ),
+            pending=4 * _WINDOW + 1000,
         )
-        # nats-py builds a message object and hands it to a task for each reply; acknowledgements
-        # are counted straight from the parser instead (the subscription's callback stays as the
-        # path for any client that lacks this hook)
-        sid = getattr(sub, "_id", None)
-        process = getattr(nc, "_process_msg", None)
-        if sid is not None and process is not None:
-
-            async def _process_msg(
-                msg_sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
-            ) -> None:
-                if msg_sid == sid:
-                    self._ack(subject.rpartition(b".")[2], data, headers)
-                else:
-                    await process(msg_sid, subject, reply, data, headers)
-
-            nc._process_msg = _process_msg
-        await nc.flush()  # the subscription is known to the server before any publish
-
-    async def _on_ack(self, msg: Any) -> None:
-        status = (msg.headers or {}).get("Status", "")
-        self._ack(msg.subject.rpartition(".")[2].encode(), msg.data, status.encode())
 
     def _ack(self, n: bytes, data: bytes, headers: bytes) -> None:
         if not n.isdigit() or int(n) < self._base:
@@ -511,7 +560,7 @@ class JetStreamPublisher:
 
     def publish(
         self,
-        events: Sequence[tuple[LedgerEvent, int]],
+        events: Sequence[tuple[LedgerEvent | Rejected, int]],
         sessions: Sequence[tuple[Any, ...]],
     ) -> None:
         """Publish (event, commit LSN) pairs, then (session, last position, context JSON[,
@@ -520,7 +569,7 @@ class JetStreamPublisher:
 
     def begin(
         self,
-        events: Sequence[tuple[LedgerEvent, int]],
+        events: Sequence[tuple[LedgerEvent | Rejected, int]],
         sessions: Sequence[tuple[Any, ...]],
     ) -> Publishing:
         """Start publishing what :meth:`publish` takes and return at once: the caller does its
@@ -538,16 +587,18 @@ class JetStreamPublisher:
             if named is None:
                 text = str(sid)
                 named = names[sid] = (f"{p}.events.{text}", f"{slot}:ev:{text}:")
+            good = type(ev) is LedgerEvent
             body = WireEvent(
                 ev.seq,
                 sid,
                 ev.position,
                 ev.agent_id,
                 ev.event_type,
-                ev.payload,
-                ev.created_at,
+                ev.payload if good else None,  # type: ignore[union-attr]
+                ev.created_at if good else _NO_TIME,  # type: ignore[arg-type]
                 ev.idempotency_key,
                 format_lsn(lsn) if lsn else None,
+                rejected=None if good else ev.reason,  # type: ignore[union-attr]
             )
             msgs.append((named[0], _encode(body), f"{named[1]}{ev.position}", ev.position, lsn))
         msgs += [

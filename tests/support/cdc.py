@@ -32,11 +32,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class ConsumerProcess:
-    """``ledger-cdc consume`` as a child process (so it can be SIGKILLed for real)."""
+    """``ledger-cdc consume`` (or ``command``) as a child process (so it can be SIGKILLed for
+    real)."""
 
-    def __init__(self, dsn: str, *args: str, log: Path | None = None) -> None:
+    def __init__(
+        self, dsn: str, *args: str, log: Path | None = None, command: str = "consume"
+    ) -> None:
         self.dsn = dsn
         self.args = args
+        self.command = command
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -47,7 +51,7 @@ class ConsumerProcess:
                 sys.executable,
                 "-m",
                 "ledger_cdc.cli",
-                "consume",
+                self.command,
                 "--dsn",
                 self.dsn,
                 "--log-format",

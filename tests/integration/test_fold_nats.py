@@ -1,0 +1,135 @@
+"""The scale-out path: one `consume --publish-only` reads the slot and publishes to JetStream,
+`fold --from nats://… --partition K/N` workers build the projections. Real processes (a
+nats-server, the relay, the workers), SIGKILLed mid-stream."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from ledger_cdc.lsn import parse_lsn
+from tests.support.cdc import (
+    ROOT,
+    ConsumerProcess,
+    Writers,
+    assert_projections_equal_refold,
+    until,
+    wait_caught_up,
+)
+from tests.support.harness import Database
+from tests.support.natsserver import NatsServer, wait_jetstream
+
+
+def fold_process(dsn: str, url: str, partition: str, log: Path) -> ConsumerProcess:
+    """``ledger-cdc fold`` as a child process; many small fetches, so that kills land between
+    and inside them."""
+    args = ("--from", url, "--partition", partition, "--fetch", "50")
+    return ConsumerProcess(dsn, *args, log=log, command="fold").start()
+
+
+def _checkpoints(dsn: str) -> dict[str, int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return {
+            name: parse_lsn(lsn)
+            for name, lsn in conn.execute("SELECT slot_name, lsn::text FROM ledger_checkpoints")
+        }
+
+
+def test_fold_workers_build_the_full_fold_exactly_once_through_kills(
+    db: Database, tmp_path: Path
+) -> None:
+    if db.server.major < 18:
+        pytest.skip("the stream's path is the same on every PostgreSQL: run once, on 18")
+    srv = NatsServer(tmp_path / "js")
+    relay = None
+    workers: list[ConsumerProcess] = []
+    try:
+        wait_jetstream([srv.url])
+        args = ("--create-slot", "--publish-only", "--sink", srv.url, "--max-delay-ms", "5")
+        relay = ConsumerProcess(db.dsn, *args, log=tmp_path / "relay.log").start()
+        writers = Writers(db.dsn, n=3, sessions=24, pace=0.003).start()
+        try:
+            until(lambda: writers.turns > 20, timeout=60)
+            # the relay moves its slot's checkpoint and writes no projection
+            until(lambda: _checkpoints(db.dsn).get("agent_slot", 0) > 0, timeout=60)
+            with db.connect() as conn:
+                assert conn.execute("SELECT count(*) FROM agent_sessions").fetchone() == (0,)
+            workers = [
+                fold_process(db.dsn, srv.url, f"{k}/2", tmp_path / f"fold{k}.log") for k in range(2)
+            ]
+            for round_ in range(3):  # SIGKILL a worker mid-stream, then the relay once
+                time.sleep(1.0)
+                k = round_ % 2
+                workers[k].kill()
+                workers[k] = fold_process(db.dsn, srv.url, f"{k}/2", tmp_path / f"fold{k}.log")
+            relay.kill()
+            relay = ConsumerProcess(db.dsn, *args, log=tmp_path / "relay.log").start()
+            # a row past the writer's validation (what SQL writers can do): relayed as rejected,
+            # quarantined by its partition's worker as the consumer would
+            bad = uuid.uuid4()
+            with db.connect() as conn:
+                conn.execute(
+                    "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                    "VALUES (%s, 'raw', 'tool.invoked', '{\"call_id\": 5}'::jsonb)",
+                    (bad,),
+                )
+            time.sleep(1.0)
+        finally:
+            writers.stop()
+        assert not writers.errors
+        wait_caught_up(db.dsn, timeout=120)
+        events = assert_projections_equal_refold(db.dsn)  # projections, snapshots, memo
+        assert events > 100
+        with db.connect() as conn:
+            counted = conn.execute("SELECT sum(event_count) FROM agent_sessions").fetchone()
+            stored = conn.execute("SELECT count(*) FROM agent_events").fetchone()
+            assert counted is not None and stored is not None
+            assert counted[0] + 1 == stored[0]  # each event folded once; the bad row quarantined
+        with db.connect() as conn:
+            dead = conn.execute(
+                "SELECT kind FROM ledger_dead_letters WHERE session_id = %s", (bad,)
+            ).fetchall()
+            assert dead == [("quarantined",)]
+        names = set(_checkpoints(db.dsn))
+        assert names == {"agent_slot", "nats:LEDGER:0/2", "nats:LEDGER:1/2"}
+        for w in workers:
+            assert w.terminate() == 0
+        log = (tmp_path / "fold0.log").read_text()
+        assert "events folded" in log
+    finally:
+        for w in workers:
+            if w.alive():
+                w.kill()
+        if relay is not None:
+            relay.kill()
+        srv.kill()
+
+
+def test_fold_refuses_a_bad_partition_in_one_line(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ledger_cdc.cli",
+            "fold",
+            "--dsn",
+            "postgresql://127.0.0.1:1/none",
+            "--from",
+            "nats://127.0.0.1:1",
+            "--partition",
+            "4/4",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert "0 <= K < N" in out.stderr + out.stdout
+    assert "Traceback" not in out.stderr
