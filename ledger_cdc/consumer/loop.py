@@ -301,8 +301,9 @@ class Consumer:
             if not self.config.create_slot:
                 raise
             log.info(
-                "slot %s does not exist: creating it and folding the ledger's history",
+                "slot %s does not exist: creating it and %s the ledger's history",
                 self.config.slot,
+                "folding" if self.config.fold else "publishing",
             )
             self._bootstrap(drop=False)
             return
@@ -358,10 +359,11 @@ class Consumer:
         self.stream.start(consistent, reuse=True)
         self._confirmed(consistent, 0, events, dead, None, None)
         log.info(
-            "slot %s created at %s; %d events folded from the table",
+            "slot %s created at %s; %d events %s from the table",
             cfg.slot,
             format_lsn(consistent),
             history.folded,
+            "folded" if cfg.fold else "published",
         )
 
     def _stream_loop(self) -> None:
