@@ -556,7 +556,12 @@ class JetStreamPublisher:
         if not nc.is_connected or transport is None:
             raise JetStreamError("NATS connection lost while publishing")
         transport.writelines(frames)
-        await transport.drain()
+        try:  # a hung server stops reading: its socket fills, and no acknowledgement comes
+            await asyncio.wait_for(transport.drain(), self.settings.ack_timeout)
+        except asyncio.TimeoutError:
+            raise JetStreamError(
+                f"JetStream took no data for {self.settings.ack_timeout:.0f}s"
+            ) from None
 
     def publish(
         self,
