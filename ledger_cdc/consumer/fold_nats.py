@@ -168,10 +168,12 @@ class FoldWorker:
             connect_timeout=5,
             ping_interval=2,
             max_outstanding_pings=2,
-            max_reconnect_attempts=3,
+            # a lost connection ends the attempt at once: the pull under way (and, after a
+            # server restart, the consumer) is gone; the next attempt starts from the checkpoint
+            allow_reconnect=False,
             name=f"ledger-cdc:{self.name}",
             error_cb=_quiet,
-            disconnected_cb=_quiet_none,
+            disconnected_cb=self._disconnected,
         )
         try:
             js = nc.jetstream(timeout=s.ack_timeout)
@@ -242,6 +244,10 @@ class FoldWorker:
         finally:
             with contextlib.suppress(Exception):  # closing anyway
                 await asyncio.wait_for(nc.close(), 5)
+
+    async def _disconnected(self) -> None:
+        self._pull_error = self._pull_error or "the connection to NATS was lost"
+        self._done.set()
 
     def _settle(self) -> None:
         """What the sink thread committed (re-raising its error)."""
@@ -396,10 +402,6 @@ def _micros(t: dt.datetime) -> int:
 
 async def _quiet(e: Exception) -> None:
     log.warning("NATS: %s", _first_line(e))
-
-
-async def _quiet_none() -> None:
-    log.info("NATS: disconnected")
 
 
 def _first_line(e: BaseException) -> str:
