@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import logging
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -36,6 +34,7 @@ from ledger_cdc.errors import ConfigError, FencedError, LedgerError
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.fold import default_reducers
 from ledger_cdc.lsn import parse_lsn
+from ledger_cdc.pgoutput.messages import pg_micros
 from ledger_cdc.retry import Backoff
 from ledger_cdc.sink.batch import Batch, BatchBuilder, SessionCache, SnapshotPolicy
 from ledger_cdc.sink.jetstream import JetStreamSettings, WireEvent, subscribe_raw, wire_event
@@ -48,7 +47,6 @@ __all__ = ["FoldConfig", "FoldWorker", "parse_partition"]
 
 log = logging.getLogger("ledger_cdc.fold")
 
-_PG_EPOCH = dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)
 # a message read: (stream sequence, its event — None when another partition's —, commit LSN,
 # bytes)
 _Row = tuple[int, "LedgerEvent | Rejected | None", int, int]
@@ -85,11 +83,6 @@ class FoldConfig:
     reconnect_base: float = 0.1
     reconnect_cap: float = 5.0
 
-    @property
-    def name(self) -> str:
-        stream = JetStreamSettings.from_url(self.url, "--from").stream
-        return f"nats:{stream}:{self.partition}/{self.partitions}"
-
 
 class FoldWorker:
     def __init__(self, config: FoldConfig) -> None:
@@ -101,7 +94,8 @@ class FoldWorker:
             ) from e
         self.config = config
         self.settings = JetStreamSettings.from_url(config.url, "--from")
-        self.name = config.name
+        # its checkpoint's row in ledger_checkpoints
+        self.name = f"nats:{self.settings.stream}:{config.partition}/{config.partitions}"
         self.sink = PgSink(
             config.target_dsn or config.dsn, self.name, by_reference=not config.target_dsn
         )
@@ -115,6 +109,9 @@ class FoldWorker:
             by_reference=self.sink.by_reference,
         )
         self._stop = threading.Event()
+        self._backoff = Backoff(
+            base=config.reconnect_base, cap=config.reconnect_cap, healthy_after=30.0
+        )
         self._dec = msgspec.json.Decoder(_RawWire)
         self._got: list[tuple[int, bytes | None]] = []  # the pull under way: (seq, data|None)
         self._done = asyncio.Event()
@@ -125,9 +122,7 @@ class FoldWorker:
         self._carry: list[_Row] = []  # read, held back for the next fetch
         self._uncommitted = 0  # the last stream sequence read and folded, not yet committed
         self.folded = 0  # events of this partition folded
-        self.seen = 0  # messages read
         self.position = 0  # the stream sequence committed
-        self.garbage = 0  # messages skipped: not events
 
     def stop(self) -> None:
         self._stop.set()
@@ -135,9 +130,7 @@ class FoldWorker:
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> None:
-        self._backoff = backoff = Backoff(
-            base=self.config.reconnect_base, cap=self.config.reconnect_cap, healthy_after=30.0
-        )
+        backoff = self._backoff
         while not self._stop.is_set():
             try:
                 asyncio.run(self._attempt())
@@ -146,10 +139,7 @@ class FoldWorker:
                 self.sink.close()
             except ConfigError:
                 raise
-            except (LedgerError, OSError, TimeoutError, ConnectionError) as e:
-                log.warning("fold %s: %s; reconnecting", self.name, _first_line(e))
-                self.sink.close()
-            except Exception as e:  # nats-py's own errors
+            except Exception as e:  # connection, server, sink; nats-py's own errors
                 log.warning("fold %s: %s; reconnecting", self.name, _first_line(e))
                 self.sink.close()
             else:
@@ -206,7 +196,7 @@ class FoldWorker:
             log.info(
                 "fold %s: reading stream %s after sequence %d", self.name, s.stream, self.position
             )
-            self._backoff_ok()
+            self._backoff.succeeded()
             request = f"$JS.API.CONSUMER.MSG.NEXT.{s.stream}.{consumer}"
             ask = msgspec.json.encode({"batch": self.config.fetch, "expires": 1_000_000_000})
             worker = self._worker = SinkWorker(self.sink)
@@ -294,7 +284,6 @@ class FoldWorker:
         for seq, data in got:
             if seq <= max(self.position, self._uncommitted) or (rows and seq <= rows[-1][0]):
                 continue  # a redelivery
-            self.seen += 1
             read = None if data is None else self._read(seq, data)
             if read is None:
                 rows.append((seq, None, 0, 0))  # not ours: only its sequence counts
@@ -331,7 +320,7 @@ class FoldWorker:
                 t.end_lsn = seq
                 t.size += size
                 continue
-            ts = _micros(ev.created_at) if type(ev) is LedgerEvent else 0
+            ts = pg_micros(ev.created_at) if type(ev) is LedgerEvent else 0
             txns.append(Transaction(1, lsn, seq, ts, [item], size=size))
         self._uncommitted = end
         if not txns and end - self.position < 10 * self.config.fetch:
@@ -348,12 +337,7 @@ class FoldWorker:
             batch, txns = self.builder.fold(txns)
             if not txns:
                 batch.end_lsn = end  # the last part covers the others' messages after it
-            self._submit(batch)
-
-    def _backoff_ok(self) -> None:
-        b = getattr(self, "_backoff", None)
-        if b is not None:
-            b.succeeded()
+            self._worker.submit(batch)
 
     def _commit_idle(self) -> None:
         """Nothing came: fold what was held back (its transaction is whole by now) and move
@@ -371,7 +355,6 @@ class FoldWorker:
         try:
             ev, lsn = self._event(data)
         except msgspec.DecodeError as e:
-            self.garbage += 1
             log.warning(
                 "fold %s: stream message %d is not an event, skipped: %s", self.name, seq, e
             )
@@ -396,10 +379,6 @@ class FoldWorker:
         return wire_event(w, bytes(w.payload)), lsn
 
 
-def _micros(t: dt.datetime) -> int:
-    return int((t - _PG_EPOCH).total_seconds() * 1_000_000)
-
-
 async def _quiet(e: Exception) -> None:
     log.warning("NATS: %s", _first_line(e))
 
@@ -407,13 +386,3 @@ async def _quiet(e: Exception) -> None:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
-def wait_position(worker: FoldWorker, seq: int, timeout: float) -> bool:
-    """Until the worker has committed up to stream sequence ``seq`` (for tests and benches)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if worker.position >= seq:
-            return True
-        time.sleep(0.02)
-    return False

@@ -198,6 +198,11 @@ def pg_timestamp(us: int) -> dt.datetime:
     return _EPOCH + dt.timedelta(microseconds=us)
 
 
+def pg_micros(t: dt.datetime) -> int:
+    """An aware datetime → microseconds since 2000-01-01 UTC (the inverse of pg_timestamp)."""
+    return (t - _EPOCH) // dt.timedelta(microseconds=1)
+
+
 class Begin(msgspec.Struct, frozen=True, gc=False, tag="begin"):
     final_lsn: int
     commit_ts: int

@@ -286,3 +286,14 @@ def test_grammar_refuses_trailing_bytes() -> None:
     raw = build_message(b"E", {})
     with pytest.raises(construct.TerminatedError):
         MESSAGE.parse(raw + b"\x00", in_stream=False, parallel=False)
+
+
+def test_pg_micros_is_the_inverse_of_pg_timestamp_to_the_microsecond() -> None:
+    import datetime as dt
+
+    from ledger_cdc.pgoutput.messages import pg_micros, pg_timestamp
+
+    for us in (0, 1, -1, 815_000_123_456_789, 2**53 + 7):
+        assert pg_micros(pg_timestamp(us)) == us
+    later = dt.datetime(2026, 12, 3, 19, 33, 0, 123456, tzinfo=dt.timezone(dt.timedelta(hours=2)))
+    assert pg_timestamp(pg_micros(later)) == later
