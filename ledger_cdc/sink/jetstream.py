@@ -656,7 +656,7 @@ class Publishing:
         """Gives the batch up (its connection is dropped; a retry publishes it again)."""
         fut, self._fut = self._fut, None
         if fut is not None and not fut.done():
+            # the task is cancelled on the publisher's loop (its connection dropped there);
+            # marked broken too, for a task cancelled before it ever ran
             fut.cancel()
             self._pub._broken = True
-            with contextlib.suppress(Exception):
-                fut.exception(5)

@@ -414,8 +414,10 @@ class PgSink:
     def commit(self, batch: Batch) -> None:
         """Write the batch in one transaction; raises FencedError if the checkpoint moved.
 
-        Publishers (JetStream) get the batch first: the checkpoint is only committed once every
-        publish is acknowledged, so a crash in between republishes under the same message ids."""
+        Publishers (JetStream) get the batch first and store it while its rows are written; the
+        commit waits until every publish is acknowledged, so the checkpoint never covers a
+        message JetStream lacks, and a crash in between republishes under the same message
+        ids."""
         publishing = self._publish(batch)
         try:
             if _small(batch):
