@@ -1,4 +1,4 @@
-"""The core commands: ``init``, ``demo``, ``consume``, ``lag`` and ``slot``."""
+"""The core commands: ``init``, ``demo``, ``consume``, ``fold``, ``lag`` and ``slot``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,22 @@ from ledger_cdc.cli.base import (
     print_records,
 )
 from ledger_cdc.errors import LedgerError
+
+# options that consume and fold share
+target_dsn_option = option(
+    "--target-dsn",
+    default=None,
+    envvar=_env("TARGET_DSN"),
+    help="Database for the projections (default: the ledger database).",
+)
+snapshot_every_option = option(
+    "--snapshot-every",
+    default=100,
+    show_default=True,
+    type=click.IntRange(0),
+    envvar=_env("SNAPSHOT_EVERY"),
+    help="Snapshot a session every N events (and at task end); 0: only at task end.",
+)
 
 
 @cli.command()
@@ -262,12 +278,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     envvar=_env("PUBLICATION"),
     help="Publication of the ledger.",
 )
-@option(
-    "--target-dsn",
-    default=None,
-    envvar=_env("TARGET_DSN"),
-    help="Database for the projections (default: the ledger database).",
-)
+@target_dsn_option
 @option(
     "--create-slot",
     is_flag=True,
@@ -290,14 +301,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     envvar=_env("MAX_DELAY_MS"),
     help="Flush at the latest this long after a batch's first transaction.",
 )
-@option(
-    "--snapshot-every",
-    default=100,
-    show_default=True,
-    type=click.IntRange(0),
-    envvar=_env("SNAPSHOT_EVERY"),
-    help="Snapshot a session every N events (and at task end); 0: only at task end.",
-)
+@snapshot_every_option
 @option(
     "--heartbeat-interval",
     default=0.0,
@@ -492,12 +496,7 @@ def consume(
     help="Fold partition K of N: the sessions whose id's last byte is K modulo N (as "
     "init --shards splits them). Run one worker per K, on any machines.",
 )
-@option(
-    "--target-dsn",
-    default=None,
-    envvar=_env("TARGET_DSN"),
-    help="Database for the projections (default: the ledger database).",
-)
+@target_dsn_option
 @option(
     "--fetch",
     default=2000,
@@ -505,14 +504,7 @@ def consume(
     type=click.IntRange(1, 100_000),
     help="Messages asked of the stream at a time (a batch folds at most this many).",
 )
-@option(
-    "--snapshot-every",
-    default=100,
-    show_default=True,
-    type=click.IntRange(0),
-    envvar=_env("SNAPSHOT_EVERY"),
-    help="Snapshot a session every N events (and at task end); 0: only at task end.",
-)
+@snapshot_every_option
 @option(
     "--memory-limit-mb",
     default=256,
