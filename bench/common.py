@@ -45,6 +45,20 @@ def write_backlog(dsn: str, n: int, sessions: int) -> None:
             done += step
 
 
+def timed_backlog(pg: Any, dsn: str, n: int, sessions: int) -> str:
+    """:func:`write_backlog`, timed and printed; returns the WAL end after it (text LSN)."""
+    t0 = time.monotonic()
+    write_backlog(dsn, n, sessions)
+    print(
+        f"PostgreSQL {pg.major}: backlog of {n:,} single-event transactions over "
+        f"{sessions:,} sessions written in {time.monotonic() - t0:.1f}s"
+    )
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
 def proc_cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")

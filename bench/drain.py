@@ -24,11 +24,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import psycopg
-from common import consume_until, recvlogical, wait_until, write_backlog
+from common import consume_until, recvlogical, timed_backlog, wait_until
 
 from ledger_cdc.admin.schema import create_slot, init
 from ledger_cdc.demo.embedded import EmbeddedPostgres
@@ -58,14 +57,7 @@ def main() -> None:
         for i in range(args.runs if args.fan_out else 0):
             init(pg.dsn(f"alone{i}"))
             init(pg.dsn(f"fanout{i}"))
-        t0 = time.monotonic()
-        write_backlog(dsn, args.events, args.sessions)
-        print(
-            f"PostgreSQL {pg.major}: backlog of {args.events:,} single-event transactions over "
-            f"{args.sessions:,} sessions written in {time.monotonic() - t0:.1f}s"
-        )
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            (end,) = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()  # type: ignore[misc]
+        end = timed_backlog(pg, dsn, args.events, args.sessions)
 
         t_ref = recvlogical(pg, end)
         r_ref = args.events / t_ref

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import psycopg
-from common import ROOT, consume, proc_cpu_seconds, wait_until, write_backlog
+from common import ROOT, consume, proc_cpu_seconds, timed_backlog, wait_until
 from drain import NatsProcess
 
 from ledger_cdc.admin.schema import create_slot, init
@@ -46,14 +46,7 @@ def main() -> None:
                 conn.execute(f"CREATE DATABASE {name}")
         for name in ("fold1", "fold2", "fold4", "shards"):
             init(pg.dsn(name))
-        t0 = time.monotonic()
-        write_backlog(dsn, args.events, args.sessions)
-        print(
-            f"PostgreSQL {pg.major}: {args.events:,} single-event transactions over "
-            f"{args.sessions:,} sessions written in {time.monotonic() - t0:.1f}s"
-        )
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            (end,) = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()  # type: ignore[misc]
+        end = timed_backlog(pg, dsn, args.events, args.sessions)
 
         # the relay: one slot, decoded once, published
         log = tempfile.NamedTemporaryFile(prefix="ledger-cdc-relay-", delete=False)  # noqa: SIM115

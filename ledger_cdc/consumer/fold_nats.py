@@ -37,7 +37,13 @@ from ledger_cdc.lsn import parse_lsn
 from ledger_cdc.pgoutput.messages import pg_micros
 from ledger_cdc.retry import Backoff
 from ledger_cdc.sink.batch import Batch, BatchBuilder, SessionCache, SnapshotPolicy
-from ledger_cdc.sink.jetstream import JetStreamSettings, WireEvent, subscribe_raw, wire_event
+from ledger_cdc.sink.jetstream import (
+    JetStreamSettings,
+    WireEvent,
+    require_nats,
+    subscribe_raw,
+    wire_event,
+)
 from ledger_cdc.sink.postgres import PgSink
 from ledger_cdc.sink.worker import SinkWorker
 from ledger_cdc.stream.assemble import Transaction
@@ -86,12 +92,7 @@ class FoldConfig:
 
 class FoldWorker:
     def __init__(self, config: FoldConfig) -> None:
-        try:
-            import nats  # noqa: F401
-        except ImportError as e:  # pragma: no cover - depends on the install
-            raise ConfigError(
-                "fold --from nats needs nats-py: pip install 'ledger-cdc[nats]'"
-            ) from e
+        require_nats("fold --from nats://…")
         self.config = config
         self.settings = JetStreamSettings.from_url(config.url, "--from")
         # its checkpoint's row in ledger_checkpoints

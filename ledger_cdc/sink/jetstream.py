@@ -217,6 +217,14 @@ async def subscribe_raw(nc: Any, subject: str, handler: RawHandler, pending: int
     await nc.flush()
 
 
+def require_nats(what: str) -> None:
+    """ConfigError, saying how to install it, when nats-py is missing."""
+    try:
+        import nats  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ConfigError(f"{what} needs nats-py: pip install 'ledger-cdc[nats]'") from e
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
@@ -226,12 +234,7 @@ class JetStreamPublisher:
     """Publishes batches to one JetStream stream; :meth:`publish` blocks until all are acked."""
 
     def __init__(self, settings: JetStreamSettings, slot: str) -> None:
-        try:
-            import nats  # noqa: F401
-        except ImportError as e:  # pragma: no cover - depends on the install
-            raise ConfigError(
-                "the JetStream sink needs nats-py: pip install 'ledger-cdc[nats]'"
-            ) from e
+        require_nats("the JetStream sink")
         self.settings = settings
         self.slot = slot
         self._loop = asyncio.new_event_loop()
