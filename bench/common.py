@@ -144,10 +144,13 @@ def recvlogical(pg: Any, end: str, dbname: str = "postgres", slot: str = "twin")
     return time.monotonic() - t0
 
 
-def consume(dsn: str, extra: list[str] | None, log: Any) -> subprocess.Popen[bytes]:
-    """``ledger-cdc consume --dsn DSN`` as a process of its own, its output to ``log``."""
+def consume(
+    dsn: str, extra: list[str] | None, log: Any, command: str = "consume"
+) -> subprocess.Popen[bytes]:
+    """``ledger-cdc consume --dsn DSN`` (or ``command``) as a process of its own, its output to
+    ``log``."""
     return subprocess.Popen(
-        [sys.executable, "-m", "ledger_cdc.cli", "consume", "--dsn", dsn, "--log-format", "text"]
+        [sys.executable, "-m", "ledger_cdc.cli", command, "--dsn", dsn, "--log-format", "text"]
         + (extra or []),
         cwd=ROOT,
         stdout=log,

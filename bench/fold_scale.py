@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import psycopg
-from common import ROOT, consume, proc_cpu_seconds, timed_backlog, wait_until
+from common import consume, proc_cpu_seconds, timed_backlog, wait_until
 from drain import NatsProcess
 
 from ledger_cdc.admin.schema import create_slot, init
@@ -111,29 +111,9 @@ def main() -> None:
 def fold_process(
     dsn: str, target: str, url: str, part: str, log: object
 ) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ledger_cdc.cli",
-            "fold",
-            "--dsn",
-            dsn,
-            "--target-dsn",
-            target,
-            "--from",
-            url,
-            "--partition",
-            part,
-            "--fetch",
-            "20000",  # as the consumers' --batch-size below
-            "--log-format",
-            "text",
-        ],
-        cwd=ROOT,
-        stdout=log,  # type: ignore[arg-type]
-        stderr=log,  # type: ignore[arg-type]
-    )
+    # --fetch as the consumers' --batch-size below
+    opts = ["--target-dsn", target, "--from", url, "--partition", part, "--fetch", "20000"]
+    return consume(dsn, opts, log, command="fold")
 
 
 def folded(dsn: str) -> int:
