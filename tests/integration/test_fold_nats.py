@@ -19,6 +19,7 @@ from tests.support.cdc import (
     ConsumerProcess,
     Writers,
     assert_projections_equal_refold,
+    assert_verify_exact,
     until,
     wait_caught_up,
 )
@@ -86,6 +87,7 @@ def test_fold_workers_build_the_full_fold_exactly_once_through_kills(
         wait_caught_up(db.dsn, timeout=120)
         events = assert_projections_equal_refold(db.dsn)  # projections, snapshots, memo
         assert events > 100
+        assert_verify_exact(db.dsn)  # verify --all passes, and fails on a real edit
         with db.connect() as conn:
             counted = conn.execute("SELECT sum(event_count) FROM agent_sessions").fetchone()
             stored = conn.execute("SELECT count(*) FROM agent_events").fetchone()
@@ -138,6 +140,7 @@ def test_relay_and_fold_worker_go_on_after_the_nats_server_is_killed_and_restart
         assert not writers.errors
         wait_caught_up(db.dsn, timeout=180)
         assert_projections_equal_refold(db.dsn)
+        assert_verify_exact(db.dsn)
         with db.connect() as conn:
             counted = conn.execute("SELECT sum(event_count) FROM agent_sessions").fetchone()
             stored = conn.execute("SELECT count(*) FROM agent_events").fetchone()
