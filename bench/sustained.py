@@ -7,10 +7,15 @@ Writers are pgbench clients inserting single-event transactions (each client its
   phase 1: ledger-cdc (its own process) + the 1 s poller, concurrently
   phase 2: ledger-cdc + a LISTEN/NOTIFY tail (an AFTER INSERT trigger calling pg_notify)
 
-Latency of ledger-cdc = when the sink transaction holding the event committed − the event's
-commit timestamp in the WAL. Poller / NOTIFY latency = when the row reached the reader − its
-``created_at``. The poller's missed events are rows it never returned (their seq was below its
-cursor when they committed). After the writers stop, the time for the consumer to drain to zero.
+Every latency counts from the same instant, the writer's commit timestamp (the server runs with
+``track_commit_timestamp``): ledger-cdc's ends when the sink transaction holding the event
+committed (its commit timestamp as the WAL carries it); the poller's and NOTIFY's when the row (or
+its notification) reached the reader (``pg_xact_commit_timestamp(xmin)`` of the row). The
+poller's missed events are rows it never returned (their seq was below its cursor when they
+committed). After the writers stop: the time for the consumer to drain to zero, and a check that
+every projection holds all its session's events up to its last position (no loss, order kept).
+Consumer CPU is what its process used from the writers' start until it drained (its start-up
+is not spread over the events).
 
     sh scripts/dev.sh bench sustained [--seconds 10] [--pg-major 15]
 """
@@ -30,7 +35,7 @@ import time
 from pathlib import Path
 
 import psycopg
-from common import PGBENCH_SCRIPT, ROOT, percentile, pgbench_argv, wait_until
+from common import PGBENCH_SCRIPT, ROOT, percentile, pgbench_argv, proc_cpu_seconds, wait_until
 
 from ledger_cdc.admin.schema import create_slot, init
 from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
@@ -77,7 +82,8 @@ class Poller(threading.Thread):
             (last,) = conn.execute("SELECT coalesce(max(seq), 0) FROM agent_events").fetchone()  # type: ignore[misc]
             while not self.stop.wait(1.0):
                 rows = conn.execute(
-                    "SELECT seq, extract(epoch FROM created_at) FROM agent_events WHERE seq > %s ORDER BY seq",
+                    "SELECT seq, extract(epoch FROM pg_xact_commit_timestamp(xmin)) "
+                    "FROM agent_events WHERE seq > %s ORDER BY seq",
                     (last,),
                 ).fetchall()
                 now = time.time()
@@ -123,6 +129,7 @@ def one_phase(
         argv = pgbench_argv(pg, script, clients, seconds)
         if rate:
             argv[1:1] = ["-R", str(rate)]
+        cpu_before = proc_cpu_seconds(cons.pid)
         res = subprocess.run(argv, capture_output=True, text=True, check=True)
         tps = next((line for line in res.stdout.splitlines() if line.startswith("tps")), "tps = ?")
         t_stop = time.monotonic()
@@ -137,13 +144,22 @@ def one_phase(
 
             wait_until(drained, 300, 0.01)
             drain = time.monotonic() - t_stop
+            cpu = proc_cpu_seconds(cons.pid) - cpu_before
+            (complete,) = conn.execute(
+                "SELECT count(*) = 0 FROM agent_sessions s JOIN ("
+                " SELECT session_id, count(*) n, max(position) p FROM agent_events"
+                " GROUP BY session_id) e USING (session_id)"
+                " WHERE s.event_count <> e.n OR s.last_position <> e.p"
+                "    OR e.n <> e.p"  # positions 1..n: none missing, none twice
+            ).fetchone()  # type: ignore[misc]
             time.sleep(1.5)
             side.stop.set()
             side.join(5)
             if isinstance(side, Listener):
                 created = dict(
                     conn.execute(
-                        "SELECT seq, extract(epoch FROM created_at)::float8 FROM agent_events WHERE seq > %s",
+                        "SELECT seq, extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8 "
+                        "FROM agent_events WHERE seq > %s",
                         (before,),
                     ).fetchall()
                 )
@@ -168,7 +184,9 @@ def one_phase(
         "p50": percentile(lat, 50) * 1000,
         "p99": percentile(lat, 99) * 1000,
         "drain": drain,
-        "cpu_per_1000": c["cpu"] / max(1, c["events"]) * 1000,
+        "complete": complete,
+        "cpu_per_1000": cpu / max(1, c["events"]) * 1000,
+        "cpu_total_per_1000": c["cpu"] / max(1, c["events"]) * 1000,
         "rss": c["maxrss_mb"],
         "side_p50": percentile(side_lat, 50) * 1000,
         "side_p99": percentile(side_lat, 99) * 1000,
@@ -187,7 +205,9 @@ def main() -> None:
     if args.role == "consumer":
         consumer_role(args.dsn, args.out)
         return
-    with EmbeddedPostgres(major=args.pg_major, fsync=True) as pg:
+    with EmbeddedPostgres(
+        major=args.pg_major, fsync=True, settings={"track_commit_timestamp": "on"}
+    ) as pg:
         dsn = pg.dsn()
         init(dsn)
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -203,7 +223,16 @@ def main() -> None:
             print(f"{label}: writers {a['tps']} (with the NOTIFY trigger: {b['tps']})")
             print(
                 f"  ledger-cdc       p50 {a['p50']:7.1f} ms  p99 {a['p99']:7.1f} ms  drain after stop "
-                f"{a['drain']:.2f}s  CPU {a['cpu_per_1000']:.3f} s/1000 events  peak RSS {a['rss']:.0f} MB"
+                f"{a['drain']:.2f}s  CPU {a['cpu_per_1000']:.3f} s/1000 events "
+                f"({a['cpu_total_per_1000']:.3f} with its start-up)  peak RSS {a['rss']:.0f} MB"
+            )
+            print(
+                "  projections: "
+                + (
+                    "every event folded once, in position order"
+                    if a["complete"] and b["complete"]
+                    else "EVENTS MISSING OR OUT OF ORDER"
+                )
             )
             print(
                 f"  1 s poller       p50 {a['side_p50']:7.1f} ms  p99 {a['side_p99']:7.1f} ms  "

@@ -403,7 +403,7 @@ class Consumer:
             # nothing ready: hand what we have to the sink (if it is free), confirm an idle
             # position, then wait for the socket or for the sink to finish
             if (self._pending or self._idle_lsn is not None) and not worker.busy:
-                self._flush()
+                self._flush(inline=True)
             metrics.server_wal_end = max(metrics.server_wal_end, stream.wal_end)
             # (only when every batch handed to the sink has been settled as committed: the
             # WAL end must never pass a batch whose commit failed or is still unknown)
@@ -414,7 +414,7 @@ class Consumer:
                 and not self._pending
                 and stream.wal_end > stream.confirmed
             ):
-                stream.confirm(stream.wal_end)
+                stream.confirm(stream.wal_end, force=False)
                 metrics.confirmed_lsn = stream.confirmed
             if stopping():
                 self._drain()
@@ -487,9 +487,10 @@ class Consumer:
 
     # -- flushing -------------------------------------------------------------------------------
 
-    def _flush(self, *, wait: bool = False) -> None:
+    def _flush(self, *, wait: bool = False, inline: bool = False) -> None:
         """Fold the pending transactions (as many as fit a batch) and hand the batch to the
-        sink worker."""
+        sink worker; with ``inline``, a small batch is committed here and now instead
+        (:meth:`FlushPolicy.inline`)."""
         worker = self._worker
         if worker.busy:
             if not wait:
@@ -511,6 +512,11 @@ class Consumer:
             return
         batch.heartbeat_at = hb_at
         self._submitted_lsn = batch.end_lsn
+        if inline and self.flush_policy.inline(batch.transactions, _stored_size(batch)):
+            self.sink.commit(batch)
+            batch.committed_at = time.time()
+            self._settled(batch)
+            return
         worker.submit(batch)
 
     def _drain_pending(self) -> None:
@@ -524,8 +530,10 @@ class Consumer:
     def _settle(self) -> None:
         """If the sink finished a batch: confirm its LSN (raise what it raised)."""
         batch = self._worker.take()
-        if batch is None:
-            return
+        if batch is not None:
+            self._settled(batch)
+
+    def _settled(self, batch: Batch) -> None:
         self._confirmed(
             batch.end_lsn,
             batch.transactions,
@@ -548,7 +556,7 @@ class Consumer:
     ) -> None:
         """What the sink committed is durable: confirm it to the server (within
         FEEDBACK_EVERY), count it."""
-        self.stream.confirm(end_lsn)
+        self.stream.confirm(end_lsn, force=False)
         m = self.metrics
         m.confirmed_lsn = end_lsn
         m.skipped_transactions = self.assembler.skipped
@@ -598,3 +606,9 @@ class Consumer:
                 level=logging.WARNING,
                 failure="could not create the upcoming partitions",
             ).start()
+
+
+def _stored_size(batch: Batch) -> int:
+    return sum(len(data) for _, data, _, _ in batch.sessions.values()) + sum(
+        len(s.context) for s in batch.snapshots
+    )

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 __all__ = ["FlushPolicy"]
 
 IDLE_WAIT = 0.1  # seconds to wait on the socket with nothing in hand
+INLINE_TRANSACTIONS = 4  # a batch of at most this many …
+INLINE_BYTES = 64 * 1024  # … and this many bytes of projections is committed by the loop itself
 
 
 @dataclass
@@ -48,6 +50,14 @@ class FlushPolicy:
         """A batch went to the sink; ``events`` and ``size`` are what is left in hand."""
         self.events, self.size = events, size
         self.since = self.clock() if events or size else None
+
+    @staticmethod
+    def inline(transactions: int, size: int) -> bool:
+        """Whether the loop commits a batch itself instead of handing it to the sink's thread:
+        a trickle of small transactions (an idle or lightly loaded system) pays for the
+        hand-over (two thread wake-ups and a pipe) more than it gains from the overlap, which
+        only a batch that takes a while to write has."""
+        return transactions <= INLINE_TRANSACTIONS and size <= INLINE_BYTES
 
     def wait_timeout(self) -> float:
         """How long the loop may wait on the socket before looking again."""

@@ -6,6 +6,7 @@ state, and hostile rows and messages: each run ends where a fold from zero ends.
 from __future__ import annotations
 
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -273,4 +274,37 @@ def test_hostile_rows_and_messages_never_stop_the_loop(
     with running(c) as thread:
         until(lambda: store.checkpoint == wal.commits[-1] or not thread.is_alive())
         assert thread.is_alive()
+    assert_matches(store, wal)
+
+
+class _ThreadRecordingSink(MemorySink):
+    """Remembers which thread committed each batch."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        super().__init__(store)
+        self.threads: list[str] = []
+
+    def commit(self, batch: Batch) -> None:
+        self.threads.append(threading.current_thread().name)
+        super().commit(batch)
+
+
+def test_a_trickle_is_committed_by_the_loop_itself_and_a_backlog_by_the_sink_thread() -> None:
+    """An idle consumer commits a lone small transaction on its own thread (no hand-over to
+    the sink's thread and back); a backlog still goes to the sink's thread, which writes one
+    batch while the loop folds the next."""
+    wal = Wal()
+    sid = uuid.uuid4()
+    store = MemoryStore()
+    sink = _ThreadRecordingSink(store)
+    c = Consumer(config(), sink=sink, transport=FakeSlot(wal).transport())
+    with running(c) as loop_thread:
+        for t in range(3):  # one at a time, each committed before the next is written
+            wal.transaction([wal.row(sid, "tool.invoked", {"call_id": f"c{t}", "tool": "x"})])
+            until(lambda: store.checkpoint == wal.commits[-1])
+        assert sink.threads == [loop_thread.name] * 3
+        for t in range(3, 200):  # a burst, in hand at once
+            wal.transaction([wal.row(sid, "tool.invoked", {"call_id": f"c{t}", "tool": "x"})])
+        until(lambda: store.checkpoint == wal.commits[-1])
+    assert "ledger-cdc-sink" in sink.threads[3:]
     assert_matches(store, wal)
