@@ -391,6 +391,17 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     show_default=True,
     help="Seconds between tries for a slot another consumer holds (hot standby).",
 )
+@option(
+    "--sink-commit",
+    type=click.Choice(["async", "sync"]),
+    default="async",
+    show_default=True,
+    envvar=_env("SINK_COMMIT"),
+    help="async: projection transactions commit without waiting for their WAL flush (visible "
+    "sooner, no fsync per batch) and the slot is confirmed only past what the server has "
+    "flushed; after a server crash the consumer re-applies what was lost. sync: each commit "
+    "waits for its flush (and for synchronous standbys, if the server has them).",
+)
 @click.pass_obj
 @handles_errors
 def consume(
@@ -415,6 +426,7 @@ def consume(
     shard: int | None,
     vacuum_interval: float,
     standby_poll: float,
+    sink_commit: str,
 ) -> None:
     """Stream the slot into per-session projections, exactly once, in commit order.
 
@@ -469,6 +481,7 @@ def consume(
         fold=not publish_only,
         standby_poll=standby_poll,
         vacuum_interval=vacuum_interval,
+        sink_commit=sink_commit,
     )
     consumer = Consumer(config)
     consumer.install_signal_handlers()

@@ -44,6 +44,9 @@ class ConsumerConfig:
     partitions_ahead: int = 3
     standby_poll: float = 0.5  # seconds between tries for a slot another consumer holds
     sink_idle_timeout: float = 10.0  # server ends a sink transaction left idle this long
+    # "async": sink transactions commit without waiting for their WAL flush (visible sooner,
+    # no fsync per batch); the slot is confirmed only past what is flushed. "sync": each waits.
+    sink_commit: str = "async"
     sinks: tuple[str, ...] = ()  # extra sinks: nats://host:port[,…] (PostgreSQL is always on)
     # False (consume --publish-only): events go to the sinks, PostgreSQL keeps only the
     # checkpoint; `ledger-cdc fold --from nats://…` workers build the projections

@@ -75,6 +75,7 @@ log = logging.getLogger("ledger_cdc.consumer")
 
 _PG_EPOCH = 946684800.0  # 2000-01-01 in Unix seconds
 _HEALTHY_AFTER = 30.0  # seconds of streaming after which a failure starts the backoff over
+PROBE_EVERY = 0.05  # seconds between looks at the sink's WAL flush while batches await it
 
 
 class Consumer:
@@ -107,6 +108,7 @@ class Consumer:
                 publication=config.publication,
                 # another database than the ledger's cannot read its events: copy them
                 by_reference=not config.target_dsn,
+                durable_commits=config.sink_commit == "sync",
             )
             for url in config.sinks:
                 from ledger_cdc.sink.jetstream import JetStreamPublisher, JetStreamSettings
@@ -152,6 +154,7 @@ class Consumer:
         )
         self._standing_by = False
         self._nonce = os.urandom(12).hex()  # marks this process's heartbeats
+        self._probed_at = 0.0
         self._reset_stream_state(0)
 
     # -- control --------------------------------------------------------------------------------
@@ -357,7 +360,7 @@ class Consumer:
         history.done()
         self._submitted_lsn = consistent
         self.stream.start(consistent, reuse=True)
-        self._confirmed(consistent, 0, events, dead, None, None)
+        self._confirmed(0, events, dead, None, None)
         log.info(
             "slot %s created at %s; %d events %s from the table",
             cfg.slot,
@@ -405,6 +408,14 @@ class Consumer:
             if (self._pending or self._idle_lsn is not None) and not worker.busy:
                 self._flush(inline=True)
             metrics.server_wal_end = max(metrics.server_wal_end, stream.wal_end)
+            if self.sink.pending and not worker.busy:
+                # committed batches not known to be on disk yet: look (no write, no wait) at
+                # most every PROBE_EVERY; they are confirmed once they are
+                now = time.monotonic()
+                if now - self._probed_at >= PROBE_EVERY:
+                    self._probed_at = now
+                    self.sink.probe()
+                    self._confirm_durable()
             # (only when every batch handed to the sink has been settled as committed: the
             # WAL end must never pass a batch whose commit failed or is still unknown)
             if (
@@ -419,7 +430,10 @@ class Consumer:
             if stopping():
                 self._drain()
                 return
-            stream.wait(policy.wait_timeout(), worker.wakeup_fd)
+            timeout = policy.wait_timeout()
+            if self.sink.pending:
+                timeout = min(timeout, PROBE_EVERY)
+            stream.wait(timeout, worker.wakeup_fd)
 
     def _drain(self) -> None:
         self._worker.wait()
@@ -428,6 +442,8 @@ class Consumer:
             self._flush(wait=True)
             self._worker.wait()
             self._settle()
+        self.sink.flush()  # every batch committed on disk: all of it may be confirmed
+        self._confirm_durable()
         self.stream.confirm(self.stream.confirmed, force=True)  # the last position, now
         self._stopped_at = self.stream.confirmed
 
@@ -464,7 +480,7 @@ class Consumer:
         # a few changes need no sorting by session: they are one window of loads anyway
         events, dead = self._apply_big(txn, sized, epoch=None, grouped=len(items) <= LOAD_AT_ONCE)
         self._submitted_lsn = max(self._submitted_lsn, txn.end_lsn)
-        self._confirmed(txn.end_lsn, 1, events, dead, txn.commit_ts, time.time())
+        self._confirmed(1, events, dead, txn.commit_ts, time.time())
 
     def _apply_big(
         self,
@@ -535,7 +551,6 @@ class Consumer:
 
     def _settled(self, batch: Batch) -> None:
         self._confirmed(
-            batch.end_lsn,
             batch.transactions,
             batch.events,
             len(batch.dead_letters),
@@ -547,18 +562,17 @@ class Consumer:
 
     def _confirmed(
         self,
-        end_lsn: int,
         transactions: int,
         events: int,
         dead: int,
         last_commit_ts: int | None,
         committed_at: float | None,
     ) -> None:
-        """What the sink committed is durable: confirm it to the server (within
-        FEEDBACK_EVERY), count it."""
-        self.stream.confirm(end_lsn, force=False)
+        """What the sink committed: count it; confirm to the server (within FEEDBACK_EVERY) as
+        much of it as is durable (all of it, unless the sink commits without waiting for its
+        disk: then what a later look found flushed)."""
+        self._confirm_durable()
         m = self.metrics
-        m.confirmed_lsn = end_lsn
         m.skipped_transactions = self.assembler.skipped
         m.spills = self.assembler.spills
         m.batches += 1
@@ -568,6 +582,12 @@ class Consumer:
         if last_commit_ts:
             m.last_commit_ts = _PG_EPOCH + last_commit_ts / 1e6
             m.last_applied_at = committed_at
+
+    def _confirm_durable(self) -> None:
+        lsn = self.sink.durable()
+        if lsn > self.stream.confirmed:
+            self.stream.confirm(lsn, force=False)
+            self.metrics.confirmed_lsn = lsn
 
     # -- periodic tasks -------------------------------------------------------------------------
 

@@ -61,6 +61,24 @@ class Sink(Protocol):
         """Inside :meth:`commit_chunked`: write a part now, in the commit under way."""
         ...
 
+    def durable(self) -> int:
+        """The highest end LSN of a committed batch known to be durable: the most the slot may
+        be confirmed to (a sink that commits without waiting for its disk learns it later)."""
+        ...
+
+    @property
+    def pending(self) -> bool:
+        """Whether a committed batch is not known durable yet (:meth:`probe` may tell)."""
+        ...
+
+    def probe(self) -> None:
+        """Learn, without waiting, what became durable since the last commit."""
+        ...
+
+    def flush(self) -> None:
+        """Wait until every committed batch is durable (before a stop)."""
+        ...
+
     def close(self) -> None:
         """Forget the connection (after a failure); the next call opens another."""
         ...

@@ -225,6 +225,21 @@ class MemorySink:
                 out[sid] = (ctx, context_size(ctx, p.data))
         return out
 
+    # -- durability: every commit is durable at once ---------------------------------------------
+
+    def durable(self) -> int:
+        return self.checkpoint or 0
+
+    @property
+    def pending(self) -> bool:
+        return False
+
+    def probe(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
     # -- writes --------------------------------------------------------------------------------
 
     def mark_bootstrap(self) -> None:

@@ -36,6 +36,7 @@ from ledger_cdc.fold import (
 from ledger_cdc.names import SESSIONS_CHANNEL
 from ledger_cdc.sink.base import BOOTSTRAPPING
 from ledger_cdc.sink.batch import Batch, DeadLetter, SnapshotRow, context_size
+from ledger_cdc.sink.durable import DurableTracker
 
 __all__ = [
     "BOOTSTRAPPING",
@@ -316,8 +317,13 @@ class PgSink:
         idle_timeout: float = 10.0,
         publication: str | None = None,
         by_reference: bool = True,
+        durable_commits: bool = True,
     ) -> None:
         self.dsn = dsn
+        # False: commits do not wait for their WAL flush (synchronous_commit = off); what is
+        # durable is learnt from the server's WAL positions afterwards (see sink.durable)
+        self.durable_commits = durable_commits
+        self.tracker = DurableTracker()
         # False when this database is not the ledger's (--target-dsn): what stored contexts and
         # memo rows would reference of the ledger's events is copied instead
         self.by_reference = by_reference
@@ -340,13 +346,15 @@ class PgSink:
             # such a session after this long idle inside a transaction (ours never idle: every
             # statement is a round trip of its own, and rows are staged before any lock).
             self._conn.execute(
-                "SELECT set_config('idle_in_transaction_session_timeout', %s, false)",
-                (f"{int(self.idle_timeout * 1000)}ms",),
+                "SELECT set_config('idle_in_transaction_session_timeout', %s, false), "
+                "set_config('synchronous_commit', %s, false)",
+                (f"{int(self.idle_timeout * 1000)}ms", "on" if self.durable_commits else "off"),
             )
             self._staged = False
         return self._conn
 
     def close(self) -> None:
+        self.tracker.forget()
         if self._conn is not None:
             self._conn.close()
             self._conn = self._cur = None
@@ -363,6 +371,11 @@ class PgSink:
         ).fetchone()
         self.checkpoint = parse_lsn(row[0]) if row else None
         self.epoch = int(row[1]) if row else None
+        if not self.durable_commits:
+            # what was read may be a commit not flushed yet (this consumer's, before a lost
+            # connection): on disk before anything is confirmed on top of it
+            self._flush_wal()
+        self.tracker.durable = max(self.tracker.durable, self.checkpoint or 0)
         return self.checkpoint
 
     @_translated
@@ -370,6 +383,7 @@ class PgSink:
         """Record that the slot is being (re)built from the table (see BOOTSTRAPPING)."""
         self.commit(Batch(end_lsn=0, epoch=BOOTSTRAPPING))
         self.epoch = BOOTSTRAPPING
+        self.flush()  # on disk before the slot is dropped and rebuilt
 
     @_translated
     def unmark_bootstrap(self) -> None:
@@ -429,6 +443,7 @@ class PgSink:
             conn = self._staged_conn()
             with conn.transaction():
                 with conn.cursor() as cur:
+                    self._observe(cur)
                     self._stage(cur, batch)
                     # Only now, with every row staged, take locks on shared rows: a consumer
                     # frozen mid-COPY (its backend waiting for data, not idle) must not hold
@@ -463,6 +478,7 @@ class PgSink:
         conn = self._staged_conn()
         with conn.transaction():
             with conn.cursor() as cur:
+                self._observe(cur)
                 for chunk in chunks:
                     self._publish(chunk).wait()
                     self._stage(cur, chunk)
@@ -513,11 +529,55 @@ class PgSink:
         doc = _batch_doc(batch, self.by_reference, params)
         cur = self._cursor()
         try:
-            cur.execute(_APPLY, (self.slot, prev, doc), prepare=True)
+            if self.durable_commits:
+                cur.execute(_APPLY, (self.slot, prev, doc), prepare=True)
+            else:
+                cur.execute(_APPLY_OBSERVED, (self.slot, prev, doc), prepare=True)
+                self._observed(cur.fetchone())
         except psycopg.Error as e:
             if e.sqlstate == _FENCED:
                 raise self._fenced(prev) from None
             raise
+
+    # -- durability (durable_commits=False) -----------------------------------------------------
+
+    def durable(self) -> int:
+        """The highest end LSN of a committed batch known to be on disk."""
+        return self.tracker.durable
+
+    @property
+    def pending(self) -> bool:
+        """Whether a committed batch is not known to be on disk yet."""
+        return self.tracker.pending
+
+    @_translated
+    def probe(self) -> None:
+        """Read the server's WAL positions (no write, no wait): what came durable since."""
+        if self.tracker.pending:
+            self._observe(self._cursor())
+
+    @_translated
+    def flush(self) -> None:
+        """Until every committed batch is on disk (one synchronous commit)."""
+        if self.tracker.pending:
+            self._flush_wal()
+            self.tracker.flushed()
+
+    def _flush_wal(self) -> None:
+        # a transaction with an xid commits with a WAL record; committed synchronously, it is
+        # flushed, and with it every record before it
+        conn = self.conn
+        with conn.transaction():
+            conn.execute("SET LOCAL synchronous_commit = on")
+            conn.execute("SELECT pg_current_xact_id()")
+
+    def _observe(self, cur: psycopg.Cursor[Any]) -> None:
+        if not self.durable_commits:
+            self._observed(cur.execute(_WAL_POSITIONS).fetchone())
+
+    def _observed(self, row: tuple[Any, ...] | None) -> None:
+        if row is not None:
+            self.tracker.observed(parse_lsn(row[0]), parse_lsn(row[1]))
 
     def _cursor(self) -> psycopg.Cursor[Any]:
         """The connection's own cursor, kept: a cursor made per statement costs as much as
@@ -648,6 +708,9 @@ class PgSink:
         )
 
     def _committed(self, batch: Batch) -> None:
+        self.tracker.committed(batch.end_lsn)
+        if self.durable_commits:
+            self.tracker.flushed()
         self.checkpoint = batch.end_lsn
         if batch.epoch is not None:
             self.epoch = batch.epoch
@@ -738,6 +801,12 @@ def _owed_notices(batch: Batch) -> list[tuple[str, str]]:
 _SMALL_BYTES = 256 * 1024
 _SMALL_ROWS = 200
 _APPLY = "SELECT ledger_apply_batch(%s, %s::pg_lsn, %s::jsonb)"
+# the WAL positions as this statement starts: after every earlier commit of this connection
+_WAL_POSITIONS = "SELECT pg_current_wal_insert_lsn()::text, pg_current_wal_flush_lsn()::text"
+_APPLY_OBSERVED = (
+    "SELECT pg_current_wal_insert_lsn()::text, pg_current_wal_flush_lsn()::text, "
+    "ledger_apply_batch(%s, %s::pg_lsn, %s::jsonb)"
+)
 _FENCED = "LF001"
 _doc = msgspec.json.Encoder()
 

@@ -1,0 +1,126 @@
+"""Projection transactions committed without waiting for their WAL flush (``--sink-commit
+async``, the default): the sink knows a batch durable only once the server's flush position
+passes its commit, the slot is confirmed past it only then — and, idle or stopping, it is."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import psycopg
+import pytest
+
+from ledger_cdc.admin.schema import create_slot
+from ledger_cdc.client.writer import Ledger
+from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+from ledger_cdc.errors import parse_lsn
+from ledger_cdc.sink.batch import Batch
+from ledger_cdc.sink.postgres import PgSink
+from tests.support.cdc import until, wait_streaming
+from tests.support.harness import Database
+
+pytestmark = pytest.mark.server
+
+
+def _slot_confirmed(conn: psycopg.Connection[tuple[object, ...]], slot: str) -> int:
+    row = conn.execute(
+        "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+    ).fetchone()
+    assert row is not None
+    return parse_lsn(str(row[0]))
+
+
+def test_an_asynchronous_commit_is_durable_only_once_a_later_look_finds_it_flushed(
+    db: Database,
+) -> None:
+    sink = PgSink(db.dsn, "s_async", durable_commits=False)
+    try:
+        assert sink.load_checkpoint() is None
+        with db.connect() as conn:
+            (sync,) = conn.execute(
+                "SELECT setting FROM pg_settings WHERE name = 'synchronous_commit'"
+            ).fetchone()  # type: ignore[misc]
+            sink.commit(Batch(end_lsn=0x1000))
+            # the sink's own session commits without waiting, whatever the server's default
+            (mine,) = sink.conn.execute("SHOW synchronous_commit").fetchone()  # type: ignore[misc]
+            assert (mine, sync) == ("off", "on")
+            # committed and visible, but nothing was read after it: not known durable
+            assert sink.durable() < 0x1000 and sink.pending
+            # any synchronous commit flushes the WAL before it, ours included
+            conn.execute("SELECT pg_current_xact_id()")
+        # a look reads the insert position (past the commit) and the flush position; once a
+        # look finds the flush past the insert position of an earlier look, the batch is durable
+        until(lambda: sink.probe() is None and sink.durable() == 0x1000, timeout=30)
+        assert not sink.pending
+        sink.commit(Batch(end_lsn=0x2000))
+        assert sink.durable() == 0x1000
+        sink.flush()  # waits for the flush itself
+        assert sink.durable() == 0x2000 and not sink.pending
+    finally:
+        sink.shutdown()
+
+
+def test_a_synchronous_sink_is_durable_at_each_commit(db: Database) -> None:
+    sink = PgSink(db.dsn, "s_sync", durable_commits=True)
+    try:
+        sink.load_checkpoint()
+        sink.commit(Batch(end_lsn=0x1000))
+        (mine,) = sink.conn.execute("SHOW synchronous_commit").fetchone()  # type: ignore[misc]
+        assert mine == "on"
+        assert sink.durable() == 0x1000 and not sink.pending
+    finally:
+        sink.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_an_idle_consumer_confirms_everything_it_committed(db: Database, mode: str) -> None:
+    """Nothing written after the last event: the slot still reaches its checkpoint (the idle
+    loop looks at the flush position), and a stop leaves it confirmed to the last batch."""
+    slot = f"agent_slot_{mode}"
+    with db.connect() as conn:
+        create_slot(conn, slot)
+    consumer = Consumer(
+        ConsumerConfig(
+            dsn=db.dsn,
+            slot=slot,
+            sink_commit=mode,
+            max_delay=0.001,
+            vacuum_interval=0,
+            lease_watch_interval=0,
+            health_interval=0,
+        )
+    )
+    thread = threading.Thread(target=consumer.run, daemon=True)
+    thread.start()
+    try:
+        wait_streaming(db.dsn, slot)
+        sid = uuid.uuid4()
+        with Ledger(db.dsn) as ledger, db.connect() as conn:
+            for i in range(3):
+                ledger.append(sid, "a", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
+
+            def checkpoint() -> int:
+                row = conn.execute(
+                    "SELECT lsn::text, folded_seq FROM ledger_checkpoints WHERE slot_name = %s",
+                    (slot,),
+                ).fetchone()
+                return 0 if row is None or not row[1] else parse_lsn(str(row[0]))
+
+            until(
+                lambda: (
+                    conn.execute(
+                        "SELECT event_count FROM agent_sessions WHERE session_id = %s", (sid,)
+                    ).fetchone()
+                    == (3,)
+                )
+            )
+            until(lambda: checkpoint() > 0 and _slot_confirmed(conn, slot) >= checkpoint())
+    finally:
+        consumer.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    with db.connect() as conn:
+        (stored,) = conn.execute(
+            "SELECT lsn::text FROM ledger_checkpoints WHERE slot_name = %s", (slot,)
+        ).fetchone()  # type: ignore[misc]
+        assert _slot_confirmed(conn, slot) >= parse_lsn(str(stored))
