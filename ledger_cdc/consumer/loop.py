@@ -416,11 +416,13 @@ class Consumer:
                     self._probed_at = now
                     self.sink.probe()
                     self._confirm_durable()
-            # (only when every batch handed to the sink has been settled as committed: the
-            # WAL end must never pass a batch whose commit failed or is still unknown)
+            # (only when every batch handed to the sink has been settled as committed and is
+            # known durable: the WAL end must never pass a batch whose commit failed, is still
+            # unknown or may yet be lost)
             if (
                 not worker.busy
                 and self._submitted_lsn <= stream.confirmed
+                and not self.sink.pending
                 and not self.assembler.in_flight
                 and not self._pending
                 and stream.wal_end > stream.confirmed

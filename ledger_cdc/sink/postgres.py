@@ -371,11 +371,12 @@ class PgSink:
         ).fetchone()
         self.checkpoint = parse_lsn(row[0]) if row else None
         self.epoch = int(row[1]) if row else None
-        if not self.durable_commits:
-            # what was read may be a commit not flushed yet (this consumer's, before a lost
-            # connection): on disk before anything is confirmed on top of it
-            self._flush_wal()
-        self.tracker.durable = max(self.tracker.durable, self.checkpoint or 0)
+        if self.checkpoint:
+            # what was read may be a commit not on disk yet (this consumer's or another's,
+            # asynchronous, before a lost connection): known durable only once a look at the
+            # server's WAL positions, or a commit of ours, shows it; nothing is confirmed on top
+            # of it before
+            self.tracker.committed(self.checkpoint)
         return self.checkpoint
 
     @_translated
@@ -554,7 +555,7 @@ class PgSink:
     def probe(self) -> None:
         """Read the server's WAL positions (no write, no wait): what came durable since."""
         if self.tracker.pending:
-            self._observe(self._cursor())
+            self._observed(self._cursor().execute(_WAL_POSITIONS).fetchone())
 
     @_translated
     def flush(self) -> None:

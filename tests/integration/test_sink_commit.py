@@ -60,6 +60,30 @@ def test_an_asynchronous_commit_is_durable_only_once_a_later_look_finds_it_flush
         sink.shutdown()
 
 
+def test_a_checkpoint_read_back_counts_as_durable_only_once_a_look_shows_it(
+    db: Database,
+) -> None:
+    """A consumer that lost its connection right after an asynchronous commit reads that
+    checkpoint back on its next start: it must not confirm anything on top of it before the
+    server has it on disk."""
+    first = PgSink(db.dsn, "s_back", durable_commits=False)
+    try:
+        first.load_checkpoint()
+        first.commit(Batch(end_lsn=0x3000))
+    finally:
+        first.shutdown()
+    again = PgSink(db.dsn, "s_back", durable_commits=False)
+    try:
+        assert again.load_checkpoint() == 0x3000
+        assert again.pending and again.durable() < 0x3000
+        with db.connect() as conn:
+            conn.execute("SELECT pg_current_xact_id()")  # a synchronous commit: WAL flushed
+        until(lambda: again.probe() is None and again.durable() == 0x3000, timeout=30)
+        assert not again.pending
+    finally:
+        again.shutdown()
+
+
 def test_a_synchronous_sink_is_durable_at_each_commit(db: Database) -> None:
     sink = PgSink(db.dsn, "s_sync", durable_commits=True)
     try:
