@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import struct
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
@@ -324,6 +325,7 @@ class PgSink:
         # durable is learnt from the server's WAL positions afterwards (see sink.durable)
         self.durable_commits = durable_commits
         self.tracker = DurableTracker()
+        self._observed_at = 0.0  # when the server's WAL positions were last read
         # False when this database is not the ledger's (--target-dsn): what stored contexts and
         # memo rows would reference of the ledger's events is copied instead
         self.by_reference = by_reference
@@ -530,9 +532,10 @@ class PgSink:
         doc = _batch_doc(batch, self.by_reference, params)
         cur = self._cursor()
         try:
-            if self.durable_commits:
+            now = time.monotonic()
+            if self.durable_commits or now - self._observed_at < OBSERVE_EVERY:
                 cur.execute(_APPLY, (self.slot, prev, doc), prepare=True)
-            else:
+            else:  # (the slot hears of it at most every 0.1 s anyway: no need to look more)
                 cur.execute(_APPLY_OBSERVED, (self.slot, prev, doc), prepare=True)
                 self._observed(cur.fetchone())
         except psycopg.Error as e:
@@ -577,6 +580,7 @@ class PgSink:
             self._observed(cur.execute(_WAL_POSITIONS).fetchone())
 
     def _observed(self, row: tuple[Any, ...] | None) -> None:
+        self._observed_at = time.monotonic()
         if row is not None:
             self.tracker.observed(parse_lsn(row[0]), parse_lsn(row[1]))
 
@@ -802,6 +806,7 @@ def _owed_notices(batch: Batch) -> list[tuple[str, str]]:
 _SMALL_BYTES = 256 * 1024
 _SMALL_ROWS = 200
 _APPLY = "SELECT ledger_apply_batch(%s, %s::pg_lsn, %s::jsonb)"
+OBSERVE_EVERY = 0.1  # seconds: a small batch reads the WAL positions at most this often
 # the WAL positions as this statement starts: after every earlier commit of this connection
 _WAL_POSITIONS = "SELECT pg_current_wal_insert_lsn()::text, pg_current_wal_flush_lsn()::text"
 _APPLY_OBSERVED = (
