@@ -382,8 +382,9 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     default=2.0,
     show_default=True,
     type=click.FloatRange(0),
-    help="Seconds between VACUUMs of agent_sessions, which every batch rewrites (0: leave it "
-    "to autovacuum, whose one-minute naptime lets a busy table grow several times its data).",
+    help="Seconds between VACUUMs of agent_sessions, which every batch rewrites, while batches "
+    "are written (sooner after 200 rewritten rows; none while idle). 0: leave it to "
+    "autovacuum, whose one-minute naptime lets a busy table grow several times its data.",
 )
 @option(
     "--standby-poll",

@@ -38,6 +38,7 @@ from ledger_cdc.consumer.metrics import Metrics
 from ledger_cdc.consumer.policy import FlushPolicy
 from ledger_cdc.consumer.resync import History, connected, count_unfolded, preflight
 from ledger_cdc.consumer.tasks import (
+    VACUUM_TICK,
     Periodic,
     SlotGuard,
     heartbeat,
@@ -360,7 +361,7 @@ class Consumer:
         history.done()
         self._submitted_lsn = consistent
         self.stream.start(consistent, reuse=True)
-        self._confirmed(0, events, dead, None, None)
+        self._confirmed(0, events, dead, None, None, rows=events)
         log.info(
             "slot %s created at %s; %d events %s from the table",
             cfg.slot,
@@ -482,7 +483,9 @@ class Consumer:
         # a few changes need no sorting by session: they are one window of loads anyway
         events, dead = self._apply_big(txn, sized, epoch=None, grouped=len(items) <= LOAD_AT_ONCE)
         self._submitted_lsn = max(self._submitted_lsn, txn.end_lsn)
-        self._confirmed(1, events, dead, txn.commit_ts, time.time())
+        # (its sessions' rows are written once per chunk that touches them: at most once per
+        # event)
+        self._confirmed(1, events, dead, txn.commit_ts, time.time(), rows=events)
 
     def _apply_big(
         self,
@@ -558,6 +561,7 @@ class Consumer:
             len(batch.dead_letters),
             batch.last_commit_ts,
             batch.committed_at,
+            rows=len(batch.sessions),
         )
         if self.on_batch is not None:
             self.on_batch(batch, self.metrics)
@@ -569,6 +573,8 @@ class Consumer:
         dead: int,
         last_commit_ts: int | None,
         committed_at: float | None,
+        *,
+        rows: int,
     ) -> None:
         """What the sink committed: count it; confirm to the server (within FEEDBACK_EVERY) as
         much of it as is durable (all of it, unless the sink commits without waiting for its
@@ -581,6 +587,7 @@ class Consumer:
         m.transactions += transactions
         m.events += events
         m.dead_letters += dead
+        m.session_rows += rows
         if last_commit_ts:
             m.last_commit_ts = _PG_EPOCH + last_commit_ts / 1e6
             m.last_applied_at = committed_at
@@ -613,7 +620,11 @@ class Consumer:
             ).start()
         if cfg.vacuum_interval:
             Periodic(
-                "vacuum", cfg.vacuum_interval, cfg.target_dsn or cfg.dsn, vacuum(), stop
+                "vacuum",
+                VACUUM_TICK,
+                cfg.target_dsn or cfg.dsn,
+                vacuum(lambda: self.metrics.session_rows, cfg.vacuum_interval),
+                stop,
             ).start()
         if cfg.partition_ensure_interval:
             Periodic(

@@ -35,6 +35,7 @@ class Metrics:
     skipped_transactions: int = 0
     reconnects: int = 0
     spills: int = 0
+    session_rows: int = 0  # agent_sessions row versions written (each is a dead one to vacuum)
     confirmed_lsn: int = 0
     server_wal_end: int = 0
     last_commit_ts: float | None = None  # Unix seconds of the last applied transaction's commit

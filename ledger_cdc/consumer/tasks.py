@@ -145,20 +145,34 @@ def partition_keeper(ahead: int) -> Step:
     return keep
 
 
-def vacuum() -> Step:
+VACUUM_TICK = 0.5  # seconds between looks of the vacuum task (and the least between VACUUMs)
+VACUUM_ROWS = 200  # row versions written that call for a VACUUM before the interval is up
+
+
+def vacuum(written: Callable[[], int], every: float) -> Step:
     """VACUUM the projections: every batch rewrites each touched session's row (and its TOASTed
-    context), so dead versions accumulate by the megabyte between autovacuum's visits; vacuumed
-    often, their space is reused instead of growing the table. SKIP_LOCKED: never waits."""
+    context), so dead versions accumulate between autovacuum's visits; vacuumed often, their
+    space is reused instead of growing the table. Driven by what was written: after
+    VACUUM_ROWS row versions (a busy consumer, whose batches come fast), else ``every``
+    seconds if anything was written at all; never when nothing was (an idle consumer costs the
+    server nothing). ``written()`` counts the row versions written so far. SKIP_LOCKED: never
+    waits."""
 
     refused: list[str] = []
     listening: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
+    last = [written(), time.monotonic()]  # rows written, and when, at the last VACUUM
 
-    def step(conn: psycopg.Connection[Any]) -> bool:
+    def step(conn: psycopg.Connection[Any]) -> bool | None:
+        rows, now = written(), time.monotonic()
+        since = rows - last[0]
+        if since <= 0 or (since < VACUUM_ROWS and now - last[1] < every):
+            return None
         if conn not in listening:  # one handler per connection (a reconnect makes a new one)
             conn.add_notice_handler(lambda d: refused.append(d.message_primary or ""))
             listening.add(conn)
         refused.clear()
         conn.execute("VACUUM (SKIP_LOCKED) agent_sessions")
+        last[:] = [rows, now]
         if any("skipping" in m for m in refused):  # not the owner (nor pg_maintain, 17+)
             log.info("the projections are left to autovacuum: this role may not VACUUM them")
             return False

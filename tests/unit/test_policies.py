@@ -122,3 +122,48 @@ def test_backoff_starts_over_only_after_a_healthy_while() -> None:
     plain.failed()
     plain.succeeded()
     assert plain.failed() == 1.0
+
+
+class _Conn:
+    """Records the statements a task step sends (its decisions are what is tested)."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def add_notice_handler(self, handler: object) -> None:
+        pass
+
+    def execute(self, query: str) -> None:
+        self.sent.append(query)
+
+
+def test_the_projections_are_vacuumed_after_enough_writes_or_time_and_never_when_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ledger_cdc.consumer import tasks
+
+    clock = [100.0]
+    monkeypatch.setattr(tasks.time, "monotonic", lambda: clock[0])
+    written = [0]
+    step = tasks.vacuum(lambda: written[0], every=2.0)
+    conn = _Conn()
+    for _ in range(20):  # idle for a long while: no VACUUM at all
+        clock[0] += 1.0
+        step(conn)  # type: ignore[arg-type]
+    assert conn.sent == []
+    written[0] += 5  # a few rows after a long quiet: the interval is long up, vacuumed now
+    clock[0] += tasks.VACUUM_TICK
+    step(conn)  # type: ignore[arg-type]
+    assert len(conn.sent) == 1
+    written[0] += 5  # a few more: not before the interval is up again
+    clock[0] += 1.0
+    step(conn)  # type: ignore[arg-type]
+    assert len(conn.sent) == 1
+    clock[0] += 1.1
+    step(conn)  # type: ignore[arg-type]
+    assert len(conn.sent) == 2
+    written[0] += tasks.VACUUM_ROWS  # a busy consumer: vacuumed at the next look
+    clock[0] += tasks.VACUUM_TICK
+    step(conn)  # type: ignore[arg-type]
+    assert len(conn.sent) == 3
+    assert all(q.startswith("VACUUM (SKIP_LOCKED) agent_sessions") for q in conn.sent)
