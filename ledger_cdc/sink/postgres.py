@@ -375,10 +375,11 @@ class PgSink:
         self.epoch = int(row[1]) if row else None
         if self.checkpoint:
             # what was read may be a commit not on disk yet (this consumer's or another's,
-            # asynchronous, before a lost connection): known durable only once a look at the
-            # server's WAL positions, or a commit of ours, shows it; nothing is confirmed on top
-            # of it before
-            self.tracker.committed(self.checkpoint)
+            # asynchronous, before a lost connection). On disk before streaming starts from it:
+            # the replication driver itself confirms keepalive positions past the start point
+            # until the first change arrives.
+            self._await_flush()
+            self.tracker.durable = max(self.tracker.durable, self.checkpoint)
         return self.checkpoint
 
     @_translated
@@ -566,6 +567,25 @@ class PgSink:
         if self.tracker.pending:
             self._flush_wal()
             self.tracker.flushed()
+
+    def _await_flush(self, patience: float = 2.0) -> None:
+        """Until everything committed so far is on disk: the flush position passing the insert
+        position read now (the WAL writer or any synchronous commit gets it there, usually at
+        once); after ``patience`` seconds, by a synchronous commit of our own. No transaction id
+        is used up in the usual case (a standby starts every 0.5 s)."""
+        cur = self._cursor()
+        row = cur.execute(_WAL_POSITIONS).fetchone()
+        if row is None:
+            return
+        target = parse_lsn(row[0])
+        flushed = parse_lsn(row[1])
+        deadline = time.monotonic() + patience
+        while flushed < target and time.monotonic() < deadline:
+            time.sleep(0.01)
+            row = cur.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()
+            flushed = parse_lsn(row[0]) if row is not None else flushed
+        if flushed < target:
+            self._flush_wal()
 
     def _flush_wal(self) -> None:
         # a transaction with an xid commits with a WAL record; committed synchronously, it is

@@ -126,6 +126,10 @@ class ReplicationStream:
         self._cur: Any = None
         self._lock = threading.Lock()
         self.confirmed = 0
+        # what status messages report: only what confirm() was given on this connection (the
+        # position streaming started from is where the caller stands, not yet something it
+        # vouches for: its sink may still have it only in memory); 0 reports nothing new
+        self._reported = 0
         self.server_version = 0
         self._fed_at = 0.0  # when feedback was last sent (monotonic)
         self._owed = False  # a confirmed LSN not sent yet
@@ -230,6 +234,7 @@ class ReplicationStream:
         self._conn, self._cur = conn, cur
         self.server_version = conn.server_version
         self.confirmed = start_lsn
+        self._reported = 0
 
     def close(self) -> None:
         if self._conn is not None:
@@ -303,7 +308,7 @@ class ReplicationStream:
         batch's statement."""
         if lsn < self.confirmed:
             return
-        self.confirmed = lsn
+        self.confirmed = self._reported = lsn
         if force or time.monotonic() - self._fed_at >= FEEDBACK_EVERY:
             self._feedback(True)
         else:
@@ -315,9 +320,9 @@ class ReplicationStream:
         try:
             with self._lock:
                 self._cur.send_feedback(
-                    write_lsn=self.confirmed,
-                    flush_lsn=self.confirmed,
-                    apply_lsn=self.confirmed,
+                    write_lsn=self._reported,
+                    flush_lsn=self._reported,
+                    apply_lsn=self._reported,
                     force=force,
                 )
             self._fed_at, self._owed = time.monotonic(), False

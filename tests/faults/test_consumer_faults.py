@@ -95,8 +95,8 @@ def test_server_crashes_while_projections_commit_without_waiting_for_their_flush
 ) -> None:
     """Writers and the consumer (its default --sink-commit async) busy while the server is
     crashed three times: projection commits made visible but not yet written are lost with the
-    crash; the consumer starts again from the checkpoint that survived (not confirmed on until
-    it is known on disk) and the stream sends the rest again — nothing missing, nothing
+    crash; the consumer starts again from the checkpoint that survived (on disk before
+    streaming resumes from it) and the stream sends the rest again — nothing missing, nothing
     twice. (That the slot is never confirmed past a commit not yet flushed is shown where it
     can be forced: tests/unit/test_durable.py and tests/integration/test_sink_commit.py.)"""
     stop = threading.Event()
