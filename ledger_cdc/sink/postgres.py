@@ -387,7 +387,10 @@ class PgSink:
         """Record that the slot is being (re)built from the table (see BOOTSTRAPPING)."""
         self.commit(Batch(end_lsn=0, epoch=BOOTSTRAPPING))
         self.epoch = BOOTSTRAPPING
-        self.flush()  # on disk before the slot is dropped and rebuilt
+        if not self.durable_commits:
+            # on disk before the slot is dropped and rebuilt (its end LSN is 0: the tracker,
+            # which follows LSNs, cannot tell it from nothing)
+            self._flush_wal()
 
     @_translated
     def unmark_bootstrap(self) -> None:
@@ -588,12 +591,16 @@ class PgSink:
             self._flush_wal()
 
     def _flush_wal(self) -> None:
-        # a transaction with an xid commits with a WAL record; committed synchronously, it is
-        # flushed, and with it every record before it
+        # a transaction that wrote WAL, committed synchronously, is flushed and with it every
+        # record before it (one that only took an xid is not: PostgreSQL commits it
+        # asynchronously). Rewriting our checkpoint row unchanged is the write: nothing else
+        # reads a difference, and no logical slot of this database sees it.
         conn = self.conn
         with conn.transaction():
             conn.execute("SET LOCAL synchronous_commit = on")
-            conn.execute("SELECT pg_current_xact_id()")
+            conn.execute(
+                "UPDATE ledger_checkpoints SET lsn = lsn WHERE slot_name = %s", (self.slot,)
+            )
 
     def _observe(self, cur: psycopg.Cursor[Any]) -> None:
         if not self.durable_commits:

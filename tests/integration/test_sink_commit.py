@@ -83,6 +83,35 @@ def test_a_checkpoint_read_back_is_on_disk_before_it_is_used(db: Database) -> No
         again.shutdown()
 
 
+def test_the_bootstrap_mark_is_on_disk_before_the_slot_is_dropped(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Marking a bootstrap (before the slot is dropped and rebuilt) must not wait on the WAL
+    writer: a crash after the drop would lose the mark, and the next start would not redo the
+    bootstrap."""
+    sink = PgSink(db.dsn, "s_boot", durable_commits=False)
+    marked_upto: list[int] = []
+    flush_wal = sink._flush_wal
+
+    def watched() -> None:  # the mark is committed by now: where its WAL ends, at most
+        with db.connect() as conn:
+            (ins,) = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()  # type: ignore[misc]
+        marked_upto.append(parse_lsn(str(ins)))
+        flush_wal()
+
+    monkeypatch.setattr(sink, "_flush_wal", watched)
+    try:
+        sink.load_checkpoint()
+        marked_upto.clear()
+        sink.mark_bootstrap()
+        assert marked_upto, "the mark was left to the WAL writer"
+        with db.connect() as conn:
+            (fl,) = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()  # type: ignore[misc]
+        assert parse_lsn(str(fl)) >= marked_upto[0]
+    finally:
+        sink.shutdown()
+
+
 def test_a_synchronous_sink_is_durable_at_each_commit(db: Database) -> None:
     sink = PgSink(db.dsn, "s_sync", durable_commits=True)
     try:
