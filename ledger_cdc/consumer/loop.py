@@ -533,7 +533,7 @@ class Consumer:
             return
         batch.heartbeat_at = hb_at
         self._submitted_lsn = batch.end_lsn
-        if inline and self.flush_policy.inline(batch.transactions, _stored_size(batch)):
+        if inline and self.flush_policy.inline(batch.transactions, batch.stored_size()):
             self.sink.commit(batch)
             batch.committed_at = time.time()
             self._settled(batch)
@@ -639,9 +639,3 @@ class Consumer:
                 level=logging.WARNING,
                 failure="could not create the upcoming partitions",
             ).start()
-
-
-def _stored_size(batch: Batch) -> int:
-    return sum(len(data) for _, data, _, _ in batch.sessions.values()) + sum(
-        len(s.context) for s in batch.snapshots
-    )

@@ -113,6 +113,12 @@ class Batch:
     touched: list[tuple[uuid.UUID, int, str, str | None, int | None]] = field(default_factory=list)
     published: list[tuple[Any, int]] = field(default_factory=list)  # (event, commit LSN) to fan out
 
+    def stored_size(self) -> int:
+        """Bytes of the stored JSON this batch writes: its projections and snapshots."""
+        return sum(len(data) for _, data, _, _ in self.sessions.values()) + sum(
+            len(s.context) for s in self.snapshots
+        )
+
 
 class Tail(Protocol):
     """What the last part of a big transaction reads, inside the sink's transaction."""

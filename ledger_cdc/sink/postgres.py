@@ -585,8 +585,8 @@ class PgSink:
         deadline = time.monotonic() + patience
         while flushed < target and time.monotonic() < deadline:
             time.sleep(0.01)
-            row = cur.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()
-            flushed = parse_lsn(row[0]) if row is not None else flushed
+            row = cur.execute(_WAL_POSITIONS).fetchone()
+            flushed = parse_lsn(row[1]) if row is not None else flushed
         if flushed < target:
             self._flush_wal()
 
@@ -847,9 +847,7 @@ _doc = msgspec.json.Encoder()
 def _small(batch: Batch) -> bool:
     if batch.touched or len(batch.sessions) + len(batch.memo) + len(batch.snapshots) > _SMALL_ROWS:
         return False
-    size = sum(len(data) for _, data, _, _ in batch.sessions.values())
-    size += sum(len(s.context) for s in batch.snapshots)
-    return size < _SMALL_BYTES
+    return batch.stored_size() < _SMALL_BYTES
 
 
 def _hex(value: bytes | None) -> str | None:
