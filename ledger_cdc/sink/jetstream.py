@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import logging
+import math
 import threading
 import time
 import uuid
@@ -54,6 +55,53 @@ from ledger_cdc.events import LedgerEvent, Rejected, admit_time, load_payload
 __all__ = ["JetStreamError", "JetStreamPublisher", "JetStreamSettings", "WireEvent"]
 
 
+def _flag(value: str) -> bool:
+    low = value.strip().lower()
+    if low in ("true", "1", "on", "yes"):
+        return True
+    if low in ("false", "0", "off", "no"):
+        return False
+    raise ValueError(value)
+
+
+def _seconds(value: str) -> float:
+    v = float(value)
+    if not (math.isfinite(v) and 0 < v <= 86_400 * 365):
+        raise ValueError(value)
+    return v
+
+
+def _replicas(value: str) -> int:
+    v = int(value)
+    if not 1 <= v <= 5:  # JetStream's own bounds
+        raise ValueError(value)
+    return v
+
+
+def _stream_name(value: str) -> str:
+    if not value or len(value) > 255 or any(c in value for c in " \t\r\n.*>/\\"):
+        raise ValueError(value)
+    return value
+
+
+def _subject_prefix(value: str) -> str:
+    tokens = value.split(".")
+    if any(not t or any(c in t for c in " \t\r\n*>") for t in tokens) or len(value) > 200:
+        raise ValueError(value)
+    return value
+
+
+# URL option → (parser, what it must be)
+_OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
+    "stream": (_stream_name, "a stream name (no spaces, dots, wildcards or slashes)"),
+    "prefix": (_subject_prefix, "a subject prefix (dot-separated tokens, no wildcards)"),
+    "replicas": (_replicas, "a whole number from 1 to 5"),
+    "duplicate_window": (_seconds, "a positive number of seconds"),
+    "ack_timeout": (_seconds, "a positive number of seconds"),
+    "batched": (_flag, "true or false"),
+}
+
+
 @dataclass(frozen=True)
 class JetStreamSettings:
     servers: list[str]
@@ -62,6 +110,9 @@ class JetStreamSettings:
     replicas: int = 1
     duplicate_window: float = 120.0
     ack_timeout: float = 10.0
+    # fast-ingest batches for batches of _FAST_MIN messages or more (the stream is given
+    # allow_batched); false: every message acknowledged on its own, the stream left as it is
+    batched: bool = True
 
     @classmethod
     def from_url(cls, url: str, option: str = "--sink") -> JetStreamSettings:
@@ -72,25 +123,17 @@ class JetStreamSettings:
         if not servers or bad:
             raise ConfigError(f"{option} {url!r}: expected nats://host:port[,nats://host:port…]")
         kw: dict[str, Any] = {}
-        types = {
-            "stream": str,
-            "prefix": str,
-            "replicas": int,
-            "duplicate_window": float,
-            "ack_timeout": float,
-        }
         for item in filter(None, query.split("&")):
             key, _, value = item.partition("=")
-            if key not in types:
+            if key not in _OPTIONS:
                 raise ConfigError(
-                    f"{option} {url!r}: unknown option {key!r} (use {', '.join(types)})"
+                    f"{option} {url!r}: unknown option {key!r} (use {', '.join(_OPTIONS)})"
                 )
+            parse, what = _OPTIONS[key]
             try:
-                kw[key] = types[key](value)
+                kw[key] = parse(value)
             except ValueError:
-                raise ConfigError(
-                    f"{option} {url!r}: {key}={value!r} is not a {types[key].__name__}"
-                ) from None
+                raise ConfigError(f"{option} {url!r}: {key}={value!r} is not {what}") from None
         return cls(servers, **kw)
 
 
@@ -355,7 +398,7 @@ class JetStreamPublisher:
                     subjects=subjects,
                     num_replicas=s.replicas,
                     duplicate_window=s.duplicate_window,
-                    allow_batched=True,
+                    allow_batched=s.batched or None,
                 )
             )
         else:
@@ -381,11 +424,14 @@ class JetStreamPublisher:
         return int(value) if value.isdigit() else None
 
     async def _batching(self, info: Any) -> bool:
-        """Whether the stream takes fast-ingest batches; an existing stream that does not is
-        asked to (a server before 2.14 knows no such setting: its answer leaves it out, and
-        every batch is then published message by message)."""
+        """Whether batches go as fast-ingest batches: the URL wants them (``batched``, true by
+        default) and the stream takes them. An existing stream that does not is asked to (a
+        server before 2.14 knows no such setting: its answer leaves it out, and every batch is
+        then published message by message); with ``batched=false`` it is left as it is."""
         if getattr(info.config, "allow_batched", None):
-            return True
+            return self.settings.batched
+        if not self.settings.batched:
+            return False
         try:
             info = await self._js.update_stream(
                 dataclasses.replace(info.config, allow_batched=True)

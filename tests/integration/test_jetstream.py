@@ -530,6 +530,25 @@ def test_a_stream_made_without_batching_is_given_it_and_one_that_loses_it_still_
         srv.kill()
 
 
+def test_batched_false_publishes_message_by_message_and_leaves_the_stream_as_it_is(
+    tmp_path: Path,
+) -> None:
+    srv = NatsServer(tmp_path / "js")
+    try:
+        wait_jetstream([srv.url])
+        pub = JetStreamPublisher(
+            JetStreamSettings.from_url(srv.url + "?batched=false"), "agent_slot"
+        )
+        sid = uuid.uuid4()
+        pub.publish(_events(sid, 1, 300), [])
+        assert pub.fast_batches == 0 and pub.published == 300
+        pub.close()
+        assert _stream_config(srv.url) == {"allow_batched": False}
+        assert _positions([srv.url], "a") == list(range(1, 301))
+    finally:
+        srv.kill()
+
+
 def test_a_fast_batch_holding_messages_the_stream_has_is_stored_once_and_succeeds(
     tmp_path: Path,
 ) -> None:
