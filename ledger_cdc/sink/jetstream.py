@@ -572,15 +572,17 @@ class JetStreamPublisher:
                 st.flow = max(1, min(_FAST_FLOW, int(answer["msgs"])))
             elif kind == "gap":
                 st.fail(
-                    f"JetStream lost messages {answer.get('last_seq')}–"
-                    f"{int(answer.get('seq', 0)) - 1} of a batch"
+                    f"JetStream expected message {answer.get('last_seq')} of a batch and got "
+                    f"{answer.get('seq')}: the batch ends there"
                 )
             elif kind == "err" or isinstance(error, dict):
                 err = error if isinstance(error, dict) else {}
-                if err.get("err_code") == _FAST_DISABLED and not st.started:
-                    st.started = st.disabled = True  # nothing was stored
-                    return
                 what = f"{err.get('description', '?')} (code {err.get('err_code', '?')})"
+                if not st.started:  # the start refused: nothing of the batch was stored
+                    st.started = True
+                    st.refused = what
+                    st.disabled = err.get("err_code") == _FAST_DISABLED
+                    return
                 st.fail(f"JetStream refused a message of a batch: {what}")
             else:
                 st.final = int(answer["count"])
@@ -666,8 +668,6 @@ class JetStreamPublisher:
         except BaseException:
             await self._reset()
             raise
-        finally:
-            self._fast = None
         for subject, _, _, position, _ in msgs:  # all acknowledged: the stream holds them now
             if position > heads.get(subject, 0):
                 heads[subject] = position
@@ -703,9 +703,18 @@ class JetStreamPublisher:
         """One fast-ingest batch (ADR-50): the server acknowledges every few hundred messages
         instead of each, stores the batch in order and ends it at the first gap or refusal;
         its final acknowledgement counts what it stored (duplicates it dropped included).
-        False when the stream refused batching at the first message (nothing was stored)."""
-        n = len(todo)  # at least 2 (_FAST_MIN)
+        False when the server refused the batch's start (nothing was stored): batching turned
+        off on the stream (then for as long as the connection lasts), too many batches in
+        flight, …"""
         st = self._fast = _FastBatch(uuid.uuid4().hex.encode())
+        try:
+            return await self._fast_batch(todo, st)
+        finally:
+            if self._fast is st:  # (not a later batch's: a cancelled one ends here at once)
+                self._fast = None
+
+    async def _fast_batch(self, todo: list[tuple[bytes, bytes, bytes]], st: _FastBatch) -> bool:
+        n = len(todo)  # at least 2 (_FAST_MIN)
         prefix = b"%b.%b.%d.fail." % (self._fast_inbox, st.bid, _FAST_FLOW)
         frame = b"HPUB %b " + prefix.replace(b"%", b"%%") + b"%d.%d.$FI %d %d\r\n%b%b\r\n"
 
@@ -719,21 +728,26 @@ class JetStreamPublisher:
         # the server's first answer: batching is on, and how often it acknowledges
         await self._write(frames(1, 2, 0))
         await self._wait(lambda: st.started or st.error is not None, lambda: "a batch's start")
-        if st.disabled:
-            log.info(
-                "JetStream stream %s no longer takes batched publishes: every message is "
-                "acknowledged on its own",
-                self.settings.stream,
-            )
-            self._batched = False
+        if st.refused is not None:
+            if st.disabled:
+                log.info(
+                    "JetStream stream %s no longer takes batched publishes: every message is "
+                    "acknowledged on its own",
+                    self.settings.stream,
+                )
+                self._batched = False
+            else:  # (e.g. too many batches in flight on the stream): this one goes without
+                log.info("JetStream refused a batch's start (%s): sent one by one", st.refused)
             return False
         st.check()
-        for i in range(2, n, st.flow):  # messages 2 … n-1, st.flow at a time (the server's)
-            end = min(n, i + st.flow)  # the last message goes alone: it commits the batch
+        i = 2
+        while i < n:  # messages 2 … n-1, as many at a time as the server acknowledges at once
+            end = min(n, i + st.flow)  # (its flow changes as other batches come and go)
             st.sent = end - 1
             await self._wait(st.room, lambda: f"{st.sent - st.acked} of {n} messages")
             st.check()
             await self._write(frames(i, end, 1))
+            i = end
         st.sent = n
         await self._wait(st.room, lambda: f"{st.sent - st.acked} of {n} messages")
         st.check()
@@ -850,7 +864,8 @@ class _FastBatch:
     def __init__(self, bid: bytes) -> None:
         self.bid = bid
         self.started = False  # the server answered the first message
-        self.disabled = False  # … that the stream takes no batches
+        self.refused: str | None = None  # … by refusing it: why (nothing was stored)
+        self.disabled = False  # … because the stream takes no batches
         self.flow = 1  # the server acknowledges every this many messages
         self.acked = 0  # every message up to this one is stored
         self.final: int | None = None  # messages stored, from the final acknowledgement

@@ -530,6 +530,62 @@ def test_a_stream_made_without_batching_is_given_it_and_one_that_loses_it_still_
         srv.kill()
 
 
+def test_fast_batches_sharing_the_stream_follow_the_servers_changing_ack_interval(
+    tmp_path: Path,
+) -> None:
+    """The server starts a fast batch at an ack interval of 1 while another is open on the
+    stream, doubles it as acknowledgements go, and halves it for each batch more: publishers
+    (shards) sharing a stream, or one retrying beside a batch the server has not yet abandoned,
+    send as much as the interval of the moment allows, never a range twice or a gap."""
+    import nats
+
+    srv = NatsServer(tmp_path / "js")
+    try:
+        wait_jetstream([srv.url])
+        pubs = [
+            JetStreamPublisher(JetStreamSettings.from_url(srv.url), f"slot{k}") for k in range(3)
+        ]
+        sids = [uuid.uuid4() for _ in pubs]
+        pubs[0].publish(_events(sids[0], 1, 100), [])  # the stream exists, with batching
+
+        async def open_a_batch() -> None:  # a batch left open (as by a crashed publisher)
+            nc = await nats.connect(srv.url)
+            inbox = nc.new_inbox()
+            await nc.subscribe(inbox + ".>")
+            await nc.publish("ledger.sessions.x", b"{}", reply=f"{inbox}.b1.500.fail.1.0.$FI")
+            await nc.flush()
+            await nc.close()
+
+        asyncio.run(open_a_batch())
+        errors: list[BaseException] = []
+
+        def run(k: int) -> None:
+            try:
+                for b in range(4):  # batches of 2,000 at once from three publishers
+                    pubs[k].publish(_events(sids[k], 101 + 2000 * b, 2100 + 2000 * b), [])
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert all(p.fast_batches >= 4 for p in pubs)
+        for p in pubs:
+            p.close()
+        got: dict[str, list[int]] = defaultdict(list)
+        for m in read_all([srv.url], "ledger.events.*"):
+            body = json.loads(m.data)
+            got[body["session_id"]].append(body["position"])
+        assert dict(got) == {
+            str(sid): list(range(1 if k == 0 else 101, 8101)) for k, sid in enumerate(sids)
+        }
+    finally:
+        srv.kill()
+
+
 def test_batched_false_publishes_message_by_message_and_leaves_the_stream_as_it_is(
     tmp_path: Path,
 ) -> None:
