@@ -283,6 +283,11 @@ def require_nats(what: str) -> None:
         raise ConfigError(f"{what} needs nats-py: pip install 'ledger-cdc[nats]'") from e
 
 
+def _api_error(err: dict[str, Any]) -> str:
+    """A JetStream API error (``{"code", "err_code", "description"}``) in one line."""
+    return f"{err.get('description', '?')} (code {err.get('err_code', '?')})"
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
@@ -558,7 +563,7 @@ class JetStreamPublisher:
         self._last_ack = time.monotonic()
         self._progress.set()
         if headers and b"503" in headers[:16]:
-            st.fail(f"no JetStream stream takes the subjects under {self.settings.prefix!r}")
+            st.fail(self._no_stream())
             return
         try:
             answer = msgspec.json.decode(data)
@@ -577,7 +582,7 @@ class JetStreamPublisher:
                 )
             elif kind == "err" or isinstance(error, dict):
                 err = error if isinstance(error, dict) else {}
-                what = f"{err.get('description', '?')} (code {err.get('err_code', '?')})"
+                what = _api_error(err)
                 if not st.started:  # the start refused: nothing of the batch was stored
                     st.started = True
                     st.refused = what
@@ -590,20 +595,23 @@ class JetStreamPublisher:
         except (msgspec.DecodeError, TypeError, KeyError, ValueError):
             st.fail(f"JetStream answered a batch with {data[:200]!r}")
 
+    def _no_stream(self) -> str:
+        """Why a publish was answered 503 (no responders)."""
+        return (
+            f"no JetStream stream takes the subjects under {self.settings.prefix!r} "
+            "(503 no responders)"
+        )
+
     def _ack(self, n: bytes, data: bytes, headers: bytes) -> None:
         if not n.isdigit() or int(n) < self._base:
             return  # a reply to an earlier (failed) batch
         self._acked += 1
         self._last_ack = time.monotonic()
         if headers and b"503" in headers[:16]:
-            self._ack_error = self._ack_error or (
-                f"no JetStream stream takes the subjects under {self.settings.prefix!r} "
-                "(503 no responders)"
-            )
+            self._ack_error = self._ack_error or self._no_stream()
         elif b'"error"' in data[:64]:
             try:
-                err = msgspec.json.decode(data).get("error", {})
-                what = f"{err.get('description', '?')} (code {err.get('err_code', '?')})"
+                what = _api_error(msgspec.json.decode(data).get("error", {}))
             except (msgspec.DecodeError, AttributeError):
                 what = repr(data[:200])
             self._ack_error = self._ack_error or f"JetStream refused a message: {what}"
@@ -718,15 +726,21 @@ class JetStreamPublisher:
         prefix = b"%b.%b.%d.fail." % (self._fast_inbox, st.bid, _FAST_FLOW)
         frame = b"HPUB %b " + prefix.replace(b"%", b"%%") + b"%d.%d.$FI %d %d\r\n%b%b\r\n"
 
-        def frames(first: int, end: int, op: int) -> list[bytes]:
-            # op 0 starts the batch, 1 appends to it, 2 stores the last message and commits
-            return [
-                frame % (subject, i, op, len(h), len(h) + len(d), h, d)
-                for i, (subject, h, d) in enumerate(todo[first - 1 : end - 1], first)
-            ]
+        async def send(first: int, end: int, op: int) -> None:
+            """Messages first … end-1, once few enough acknowledgements are outstanding. op 0
+            starts the batch, 1 appends to it, 2 stores the last message and commits."""
+            st.sent = end - 1
+            await self._wait(st.room, lambda: f"{st.sent - st.acked} of {n} messages")
+            st.check()
+            await self._write(
+                [
+                    frame % (subject, i, op, len(h), len(h) + len(d), h, d)
+                    for i, (subject, h, d) in enumerate(todo[first - 1 : end - 1], first)
+                ]
+            )
 
         # the server's first answer: batching is on, and how often it acknowledges
-        await self._write(frames(1, 2, 0))
+        await send(1, 2, 0)
         await self._wait(lambda: st.started or st.error is not None, lambda: "a batch's start")
         if st.refused is not None:
             if st.disabled:
@@ -743,15 +757,9 @@ class JetStreamPublisher:
         i = 2
         while i < n:  # messages 2 … n-1, as many at a time as the server acknowledges at once
             end = min(n, i + st.flow)  # (its flow changes as other batches come and go)
-            st.sent = end - 1
-            await self._wait(st.room, lambda: f"{st.sent - st.acked} of {n} messages")
-            st.check()
-            await self._write(frames(i, end, 1))
+            await send(i, end, 1)
             i = end
-        st.sent = n
-        await self._wait(st.room, lambda: f"{st.sent - st.acked} of {n} messages")
-        st.check()
-        await self._write(frames(n, n + 1, 2))
+        await send(n, n + 1, 2)  # the last alone: it commits the batch
         await self._wait(
             lambda: st.final is not None or st.error is not None,
             lambda: f"the end of a batch of {n} messages, {st.acked} acknowledged",
