@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -436,6 +437,17 @@ def test_the_publisher_recovers_from_a_server_killed_mid_batch(tmp_path: Path, n
             n.kill()
 
 
+@pytest.fixture
+def srv(tmp_path: Path) -> Iterator[NatsServer]:
+    """A nats-server with JetStream, answering, killed after the test."""
+    srv = NatsServer(tmp_path / "js")
+    try:
+        wait_jetstream([srv.url])
+        yield srv
+    finally:
+        srv.kill()
+
+
 def _events(sid: uuid.UUID, first: int, last: int) -> list[Any]:
     import datetime as dt
 
@@ -473,29 +485,24 @@ def _stream_config(url: str, **change: Any) -> dict[str, Any]:
 
 
 def test_a_large_batch_goes_as_one_fast_ingest_batch_and_a_small_one_message_by_message(
-    tmp_path: Path,
+    srv: NatsServer,
 ) -> None:
     """A batch of hundreds of messages is one fast-ingest batch (the server acknowledges every
     few hundred, not each); a batch of a few messages is acknowledged message by message (no
     round trip more). Both land in order, once."""
-    srv = NatsServer(tmp_path / "js")
-    try:
-        wait_jetstream([srv.url])
-        pub = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
-        sid = uuid.uuid4()
-        pub.publish(_events(sid, 1, 1500), [(sid, 1500, b"{}", 1600)])
-        assert (pub.fast_batches, pub.fast_published, pub.published) == (1, 1501, 1501)
-        pub.publish(_events(sid, 1501, 1503), [])
-        assert (pub.fast_batches, pub.published) == (1, 1504)
-        pub.close()
-        assert _stream_config(srv.url) == {"allow_batched": True}
-        assert _positions([srv.url], "a") == list(range(1, 1504))
-    finally:
-        srv.kill()
+    pub = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
+    sid = uuid.uuid4()
+    pub.publish(_events(sid, 1, 1500), [(sid, 1500, b"{}", 1600)])
+    assert (pub.fast_batches, pub.fast_published, pub.published) == (1, 1501, 1501)
+    pub.publish(_events(sid, 1501, 1503), [])
+    assert (pub.fast_batches, pub.published) == (1, 1504)
+    pub.close()
+    assert _stream_config(srv.url) == {"allow_batched": True}
+    assert _positions([srv.url], "a") == list(range(1, 1504))
 
 
 def test_a_stream_made_without_batching_is_given_it_and_one_that_loses_it_still_gets_all(
-    tmp_path: Path,
+    srv: NatsServer,
 ) -> None:
     """A stream made by an older release (no allow_batched) is updated to take fast-ingest
     batches. A stream whose batching is turned off under a running publisher refuses the first
@@ -503,35 +510,29 @@ def test_a_stream_made_without_batching_is_given_it_and_one_that_loses_it_still_
     import nats
     from nats.js.api import StreamConfig
 
-    srv = NatsServer(tmp_path / "js")
-    try:
-        wait_jetstream([srv.url])
+    async def make() -> None:
+        nc = await nats.connect(srv.url)
+        await nc.jetstream().add_stream(
+            StreamConfig(name="LEDGER", subjects=["ledger.events.*", "ledger.sessions.*"])
+        )
+        await nc.close()
 
-        async def make() -> None:
-            nc = await nats.connect(srv.url)
-            await nc.jetstream().add_stream(
-                StreamConfig(name="LEDGER", subjects=["ledger.events.*", "ledger.sessions.*"])
-            )
-            await nc.close()
-
-        asyncio.run(make())
-        assert _stream_config(srv.url) == {"allow_batched": False}
-        pub = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
-        sid = uuid.uuid4()
-        pub.publish(_events(sid, 1, 300), [])
-        assert pub.fast_batches == 1 and _stream_config(srv.url) == {"allow_batched": True}
-        _stream_config(srv.url, allow_batched=False)
-        pub.publish(_events(sid, 301, 600), [])
-        pub.publish(_events(sid, 601, 900), [])
-        assert pub.fast_batches == 1 and pub.published == 900
-        pub.close()
-        assert _positions([srv.url], "a") == list(range(1, 901))
-    finally:
-        srv.kill()
+    asyncio.run(make())
+    assert _stream_config(srv.url) == {"allow_batched": False}
+    pub = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
+    sid = uuid.uuid4()
+    pub.publish(_events(sid, 1, 300), [])
+    assert pub.fast_batches == 1 and _stream_config(srv.url) == {"allow_batched": True}
+    _stream_config(srv.url, allow_batched=False)
+    pub.publish(_events(sid, 301, 600), [])
+    pub.publish(_events(sid, 601, 900), [])
+    assert pub.fast_batches == 1 and pub.published == 900
+    pub.close()
+    assert _positions([srv.url], "a") == list(range(1, 901))
 
 
 def test_fast_batches_sharing_the_stream_follow_the_servers_changing_ack_interval(
-    tmp_path: Path,
+    srv: NatsServer,
 ) -> None:
     """The server starts a fast batch at an ack interval of 1 while another is open on the
     stream, doubles it as acknowledgements go, and halves it for each batch more: publishers
@@ -539,96 +540,77 @@ def test_fast_batches_sharing_the_stream_follow_the_servers_changing_ack_interva
     send as much as the interval of the moment allows, never a range twice or a gap."""
     import nats
 
-    srv = NatsServer(tmp_path / "js")
-    try:
-        wait_jetstream([srv.url])
-        pubs = [
-            JetStreamPublisher(JetStreamSettings.from_url(srv.url), f"slot{k}") for k in range(3)
-        ]
-        sids = [uuid.uuid4() for _ in pubs]
-        pubs[0].publish(_events(sids[0], 1, 100), [])  # the stream exists, with batching
+    pubs = [JetStreamPublisher(JetStreamSettings.from_url(srv.url), f"slot{k}") for k in range(3)]
+    sids = [uuid.uuid4() for _ in pubs]
+    pubs[0].publish(_events(sids[0], 1, 100), [])  # the stream exists, with batching
 
-        async def open_a_batch() -> None:  # a batch left open (as by a crashed publisher)
-            nc = await nats.connect(srv.url)
-            inbox = nc.new_inbox()
-            await nc.subscribe(inbox + ".>")
-            await nc.publish("ledger.sessions.x", b"{}", reply=f"{inbox}.b1.500.fail.1.0.$FI")
-            await nc.flush()
-            await nc.close()
+    async def open_a_batch() -> None:  # a batch left open (as by a crashed publisher)
+        nc = await nats.connect(srv.url)
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox + ".>")
+        await nc.publish("ledger.sessions.x", b"{}", reply=f"{inbox}.b1.500.fail.1.0.$FI")
+        await nc.flush()
+        await nc.close()
 
-        asyncio.run(open_a_batch())
-        errors: list[BaseException] = []
+    asyncio.run(open_a_batch())
+    errors: list[BaseException] = []
 
-        def run(k: int) -> None:
-            try:
-                for b in range(4):  # batches of 2,000 at once from three publishers
-                    pubs[k].publish(_events(sids[k], 101 + 2000 * b, 2100 + 2000 * b), [])
-            except BaseException as e:
-                errors.append(e)
+    def run(k: int) -> None:
+        try:
+            for b in range(4):  # batches of 2,000 at once from three publishers
+                pubs[k].publish(_events(sids[k], 101 + 2000 * b, 2100 + 2000 * b), [])
+        except BaseException as e:
+            errors.append(e)
 
-        threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
-        assert all(p.fast_batches >= 4 for p in pubs)
-        for p in pubs:
-            p.close()
-        got: dict[str, list[int]] = defaultdict(list)
-        for m in read_all([srv.url], "ledger.events.*"):
-            body = json.loads(m.data)
-            got[body["session_id"]].append(body["position"])
-        assert dict(got) == {
-            str(sid): list(range(1 if k == 0 else 101, 8101)) for k, sid in enumerate(sids)
-        }
-    finally:
-        srv.kill()
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert all(p.fast_batches >= 4 for p in pubs)
+    for p in pubs:
+        p.close()
+    got: dict[str, list[int]] = defaultdict(list)
+    for m in read_all([srv.url], "ledger.events.*"):
+        body = json.loads(m.data)
+        got[body["session_id"]].append(body["position"])
+    assert dict(got) == {
+        str(sid): list(range(1 if k == 0 else 101, 8101)) for k, sid in enumerate(sids)
+    }
 
 
 def test_batched_false_publishes_message_by_message_and_leaves_the_stream_as_it_is(
-    tmp_path: Path,
+    srv: NatsServer,
 ) -> None:
-    srv = NatsServer(tmp_path / "js")
-    try:
-        wait_jetstream([srv.url])
-        pub = JetStreamPublisher(
-            JetStreamSettings.from_url(srv.url + "?batched=false"), "agent_slot"
-        )
-        sid = uuid.uuid4()
-        pub.publish(_events(sid, 1, 300), [])
-        assert pub.fast_batches == 0 and pub.published == 300
-        pub.close()
-        assert _stream_config(srv.url) == {"allow_batched": False}
-        assert _positions([srv.url], "a") == list(range(1, 301))
-    finally:
-        srv.kill()
+    pub = JetStreamPublisher(JetStreamSettings.from_url(srv.url + "?batched=false"), "agent_slot")
+    sid = uuid.uuid4()
+    pub.publish(_events(sid, 1, 300), [])
+    assert pub.fast_batches == 0 and pub.published == 300
+    pub.close()
+    assert _stream_config(srv.url) == {"allow_batched": False}
+    assert _positions([srv.url], "a") == list(range(1, 301))
 
 
 def test_a_fast_batch_holding_messages_the_stream_has_is_stored_once_and_succeeds(
-    tmp_path: Path,
+    srv: NatsServer,
 ) -> None:
     """The server drops a message of a fast-ingest batch whose Nats-Msg-Id it has seen and
     still counts it in the batch (the publisher checks that count): a republished batch that
     overlaps what the stream holds succeeds, and nothing is stored twice."""
-    srv = NatsServer(tmp_path / "js")
-    try:
-        wait_jetstream([srv.url])
-        sid = uuid.uuid4()
-        first = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
-        first.publish(_events(sid, 1, 200), [])
-        first.close()
-        again = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
-        again.connect()
-        # as if the stream's high-water mark were unknown to be past these: no subject is
-        # looked up, the whole batch is sent, and the server's duplicate window drops 1 … 200
-        again._high = 0
-        again.publish(_events(sid, 1, 400), [])
-        assert again.fast_batches == 1 and again.published == 400 and again.skipped == 0
-        again.close()
-        assert _positions([srv.url], "a") == list(range(1, 401))
-    finally:
-        srv.kill()
+    sid = uuid.uuid4()
+    first = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
+    first.publish(_events(sid, 1, 200), [])
+    first.close()
+    again = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
+    again.connect()
+    # as if the stream's high-water mark were unknown to be past these: no subject is
+    # looked up, the whole batch is sent, and the server's duplicate window drops 1 … 200
+    again._high = 0
+    again.publish(_events(sid, 1, 400), [])
+    assert again.fast_batches == 1 and again.published == 400 and again.skipped == 0
+    again.close()
+    assert _positions([srv.url], "a") == list(range(1, 401))
 
 
 def _republish(pub: JetStreamPublisher, batch: list[Any]) -> bool:
