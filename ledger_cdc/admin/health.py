@@ -151,7 +151,9 @@ def _unfolded(
         if publication:
             row = conn.execute(
                 "SELECT rowfilter FROM pg_publication_tables "
-                "WHERE pubname = %s AND tablename = 'agent_events'",
+                "WHERE pubname = %s AND tablename = 'agent_events' AND schemaname = "
+                "(SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE c.oid = to_regclass('agent_events'))",
                 (publication,),
             ).fetchone()
             if row is not None and row[0]:

@@ -238,11 +238,14 @@ def create_publication(
 
 def _update_columns(conn: psycopg.Connection[Any], name: str) -> None:
     """An existing publication of the ledger that lacks a column of STREAMED_COLUMNS (made by an
-    earlier version) gets the current column list, its row filter kept."""
+    earlier version) gets the current column list, its row filter kept. The ledger is the table
+    the role's search_path finds (a publication may hold another schema's of the same name)."""
     row = conn.execute(
         "SELECT attnames, rowfilter FROM pg_publication_tables "
-        "WHERE pubname = %s AND tablename = %s",
-        (name, LEDGER_TABLE),
+        "WHERE pubname = %s AND tablename = %s AND schemaname = "
+        "(SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        " WHERE c.oid = to_regclass(quote_ident(%s)))",
+        (name, LEDGER_TABLE, LEDGER_TABLE),
     ).fetchone()
     if row is None or not set(STREAMED_COLUMNS) - set(row[0] or ()):
         return

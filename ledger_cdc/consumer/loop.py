@@ -155,6 +155,7 @@ class Consumer:
         )
         self._standing_by = False
         self._nonce = os.urandom(12).hex()  # marks this process's heartbeats
+        self._schema: str | None = None  # the ledger table's schema (None: not looked up)
         self._probed_at = 0.0
         self._reset_stream_state(0)
 
@@ -177,6 +178,7 @@ class Consumer:
             memory_limit=self.config.memory_limit * 35 // 100,
             spill_dir=self.config.spill_dir,
             table=self.config.table,
+            schema=self._schema,
             nonce=self._nonce,
             on_heartbeat=self._on_heartbeat,
             on_count=self.metrics.count,
@@ -200,7 +202,9 @@ class Consumer:
             if not self._standalone:
                 while not self._stop.is_set():  # permanent problems stop here, within seconds
                     try:
-                        preflight(cfg.dsn, cfg.publication, cfg.target_dsn)
+                        self._schema = preflight(
+                            cfg.dsn, cfg.publication, cfg.target_dsn, cfg.table
+                        )
                         break
                     except RetryableError as e:
                         self._back_off(str(e))

@@ -19,6 +19,7 @@ from ledger_cdc.admin.schema import load_migrations
 from ledger_cdc.client.read import load_events_sized
 from ledger_cdc.errors import ConfigError, SchemaError, translate
 from ledger_cdc.events import LedgerEvent
+from ledger_cdc.names import LEDGER_TABLE
 from ledger_cdc.stream.assemble import estimate
 from ledger_cdc.stream.route import Base, Held, Item
 
@@ -29,7 +30,9 @@ SELECT current_setting('wal_level'),
        (SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = session_user),
        CASE WHEN to_regclass('ledger_migrations') IS NULL THEN NULL
             ELSE (SELECT array_agg(version) FROM ledger_migrations) END,
-       EXISTS (SELECT FROM pg_publication WHERE pubname = %s)
+       EXISTS (SELECT FROM pg_publication WHERE pubname = %s),
+       (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE c.oid = to_regclass(quote_ident(%s)))
 """
 
 
@@ -55,14 +58,17 @@ def check_schema(applied: list[int] | None, where: str) -> None:
         )
 
 
-def preflight(dsn: str, publication: str, target_dsn: str | None) -> None:
+def preflight(
+    dsn: str, publication: str, target_dsn: str | None, table: str = LEDGER_TABLE
+) -> str | None:
     """What no retry cures is said at once, as one ConfigError with its fix: the server's
     wal_level, the role's REPLICATION, the schema's migrations and the publication (and the
-    projection database's schema)."""
+    projection database's schema). Returns the schema of the ledger table (as the role's
+    search_path finds it), the one whose relation the stream folds."""
     with connected(dsn, "ledger database") as conn:
-        row = conn.execute(_PREFLIGHT, (publication,)).fetchone()
+        row = conn.execute(_PREFLIGHT, (publication, table)).fetchone()
         assert row is not None
-        wal_level, replication, applied, has_pub = row
+        wal_level, replication, applied, has_pub, schema = row
         if wal_level != "logical":
             raise ConfigError(
                 f"the server's wal_level is {wal_level!r}, not 'logical': logical decoding "
@@ -82,9 +88,10 @@ def preflight(dsn: str, publication: str, target_dsn: str | None) -> None:
             )
     if target_dsn:
         with connected(target_dsn, "projection database") as conn:
-            row = conn.execute(_PREFLIGHT, (publication,)).fetchone()
+            row = conn.execute(_PREFLIGHT, (publication, table)).fetchone()
             assert row is not None
             check_schema(row[2], "the projection database (--target-dsn)")
+    return str(schema) if schema is not None else None
 
 
 def count_unfolded(conn: psycopg.Connection[Any], positions: dict[uuid.UUID, int]) -> int:

@@ -77,6 +77,14 @@ class LedgerRowDecoder:
         k, h = self._key_i, self._hash_i
         key = None if k is None else row[k]
         digest = None if h is None else row[h]
+        if not (
+            type(seq) is int
+            and type(sid) is uuid.UUID
+            and type(pos) is int
+            and type(agent) is str
+            and type(etype) is str
+        ):  # NULL or retyped by hand (ALTER TABLE): no event can be made of the row
+            return _unidentified(seq, sid, pos, agent, etype, key, digest)
         try:
             if payload is None or payload is UNCHANGED:
                 raise InvalidEventError("payload is missing from the stream")
@@ -111,6 +119,35 @@ class LedgerRowDecoder:
             loaded.get("idempotency_key"),
             loaded.get("hash") if isinstance(loaded.get("hash"), bytes) else None,
         )
+
+
+def _unidentified(
+    seq: Any, sid: Any, pos: Any, agent: Any, etype: Any, key: Any, digest: Any
+) -> Rejected:
+    """A row an identity column of which is NULL or not of the ledger's type: quarantined
+    under what could be read of it."""
+    odd = [
+        name
+        for name, value, kind in (
+            ("seq", seq, int),
+            ("session_id", sid, uuid.UUID),
+            ("position", pos, int),
+            ("agent_id", agent, str),
+            ("event_type", etype, str),
+        )
+        if type(value) is not kind
+    ]
+    return Rejected(
+        seq if type(seq) is int else 0,
+        sid if type(sid) is uuid.UUID else _NIL,
+        pos if type(pos) is int else 0,
+        agent if type(agent) is str else "",
+        etype if type(etype) is str else "",
+        f"event seq {seq}: {', '.join(odd)} NULL or not of the ledger's column type",
+        None,
+        key if type(key) is str else None,
+        digest if type(digest) is bytes else None,
+    )
 
 
 def _first_line(e: BaseException) -> str:

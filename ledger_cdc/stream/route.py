@@ -23,7 +23,7 @@ from ledger_cdc.errors import DecodeError, LedgerError
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.names import HEARTBEAT_PREFIX, LEDGER_TABLE
 from ledger_cdc.pgoutput import Decoder, Delete, Insert, LogicalMessage, Relation, Truncate, Update
-from ledger_cdc.pgoutput.messages import MessageType
+from ledger_cdc.pgoutput.messages import MessageType, OldTupleKind
 from ledger_cdc.stream.assemble import Assembler, Transaction
 from ledger_cdc.stream.ledger import LedgerRowDecoder
 
@@ -171,6 +171,7 @@ class LedgerStream:
         memory_limit: int,
         spill_dir: str | None = None,
         table: str = LEDGER_TABLE,
+        schema: str | None = None,
         nonce: str = "",
         on_heartbeat: Callable[[int, float], None] | None = None,
         on_count: Callable[[str], None] | None = None,
@@ -180,6 +181,9 @@ class LedgerStream:
             skip_upto=skip_upto, memory_limit=memory_limit, spill_dir=spill_dir
         )
         self.table = table
+        # the ledger's schema (None: any): a publication of all tables, or of a schema, also
+        # streams other schemas' tables, one of which may have the ledger's name
+        self.schema = schema
         self.nonce = nonce
         self.on_heartbeat = on_heartbeat
         self.on_count = on_count  # told "unknown_messages_total" / "foreign_heartbeats_total"
@@ -209,11 +213,14 @@ class LedgerStream:
             item = ev if type(ev) is LedgerEvent else Held(lsn, ev)  # type: ignore[arg-type]
         elif kind is Relation:
             assert isinstance(msg, Relation)
-            if msg.name == self.table:
-                self._rows[msg.relation_id] = LedgerRowDecoder(msg)
-                self._ledger_relids.add(msg.relation_id)
+            rid = msg.relation_id
+            if rid in self._ledger_relids or (
+                msg.name == self.table and (self.schema is None or msg.namespace == self.schema)
+            ):  # (a relation id is the table's: the ledger renamed is still the ledger)
+                self._rows[rid] = LedgerRowDecoder(msg)
+                self._ledger_relids.add(rid)
             else:
-                self._rows.pop(msg.relation_id, None)
+                self._rows.pop(rid, None)
             return []
         elif kind is Update or kind is Delete:
             assert isinstance(msg, (Update, Delete))
@@ -243,7 +250,11 @@ class LedgerStream:
 
     def _anomaly(self, kind: str, msg: Update | Delete, lsn: int) -> Anomaly:
         rows = self._rows.get(msg.relation_id)
-        values = msg.old if msg.old is not None else getattr(msg, "new", None)
+        # an old tuple of the key alone (the key changed) has every other column NULL: the new
+        # row says more; the whole old row (REPLICA IDENTITY FULL) says what was changed
+        values = msg.old if msg.old is not None else None
+        if values is None or (msg.old_kind is OldTupleKind.KEY and isinstance(msg, Update)):
+            values = getattr(msg, "new", values)
         if rows is None or values is None:
             return Anomaly(kind, lsn, None, None, None)
         return Anomaly(kind, lsn, *_describe_row(rows, values, lsn))

@@ -50,8 +50,11 @@ __all__ = [
     "XLogData",
 ]
 
+# client_encoding: the walsender converts every text value and name to the session's client
+# encoding (a role's or database's setting, PGCLIENTENCODING): the loaders read UTF-8
 _SESSION_OPTIONS = (
-    "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3"
+    "-c DateStyle=ISO -c TimeZone=UTC -c IntervalStyle=postgres -c extra_float_digits=3 "
+    "-c client_encoding=UTF8"
 )
 
 

@@ -199,6 +199,24 @@ def _relations(run: Run, owner: psycopg.Connection[Any], mallory: str) -> None:
         owner.execute("TRUNCATE other")
 
 
+def _namesakes(run: Run, owner: psycopg.Connection[Any], mallory: str) -> None:
+    """Another schema's tables named like the ledger in the publication (as one of all tables
+    would hold them), one without the ledger's columns and one with them, written in the same
+    transaction as a ledger row: neither is folded, neither stops the consumer."""
+    sid = run.new("namesakes")
+    owner.execute("CREATE SCHEMA IF NOT EXISTS archive")
+    owner.execute("CREATE SCHEMA IF NOT EXISTS audit")
+    owner.execute("CREATE TABLE audit.agent_events (id int PRIMARY KEY, note text)")
+    owner.execute("CREATE TABLE archive.agent_events (LIKE public.agent_events)")
+    owner.execute("ALTER PUBLICATION agent_pub ADD TABLE audit.agent_events, archive.agent_events")
+    with owner.transaction():
+        owner.execute("INSERT INTO audit.agent_events VALUES (1, 'x')")
+        owner.execute("INSERT INTO archive.agent_events SELECT * FROM public.agent_events LIMIT 3")
+        _raw(owner, sid, "tool.invoked", '{"call_id": "n", "tool": "t"}')
+        owner.execute("INSERT INTO audit.agent_events VALUES (2, 'y')")
+    owner.execute("ALTER PUBLICATION agent_pub DROP TABLE audit.agent_events, archive.agent_events")
+
+
 CLASSES: list[Callable[[Run, psycopg.Connection[Any], str], None]] = [
     _messages,
     _depth,
@@ -207,6 +225,7 @@ CLASSES: list[Callable[[Run, psycopg.Connection[Any], str], None]] = [
     _shapes,
     _huge,
     _relations,
+    _namesakes,
 ]
 
 
@@ -312,7 +331,8 @@ def test_messages_from_any_role_are_ignored(run: Run) -> None:
         lag = conn.execute(
             "SELECT heartbeat_at FROM ledger_checkpoints WHERE slot_name = 'agent_slot'"
         ).fetchone()
-    assert ctx.event_count == len(ctx.pending_tools) == 10  # every good event folded
+    # every good event folded: one before the classes, one after each, two after restarts
+    assert ctx.event_count == len(ctx.pending_tools) == len(CLASSES) + 3
     # our own heartbeats still come through (forged ones did not stop or fool the consumer)
     assert lag is not None and lag[0] is not None
 
@@ -365,6 +385,16 @@ def test_other_relations_in_the_publication_are_not_ours(run: Run) -> None:
     assert _dead(run, "relations") == []
     (ctx,) = _readers_agree(run, "relations").values()
     assert ctx.event_count == 1
+
+
+def test_another_schemas_namesake_of_the_ledger_is_not_ours(run: Run) -> None:
+    assert _dead(run, "namesakes") == []
+    (ctx,) = _readers_agree(run, "namesakes").values()
+    assert ctx.event_count == 1 and "n" in ctx.pending_tools
+    with run.db.connect() as conn:  # the rows copied to archive.agent_events: folded once
+        assert_projections_equal_refold(run.db.dsn)
+        (n,) = conn.execute("SELECT count(*) FROM archive.agent_events").fetchone()  # type: ignore[misc]
+    assert n == 3
 
 
 def test_the_writer_refuses_what_readers_would_quarantine(db: Database) -> None:
@@ -453,3 +483,38 @@ def test_two_witnesses_see_an_edit_that_recomputes_the_chain(db: Database) -> No
     assert "changed after it was streamed" in witness[0].detail
     r = run_cli("verify", "--all", "--dsn", db.dsn)
     assert_clean_exit(r, 1)
+
+
+def test_a_database_whose_sessions_speak_latin1_streams_utf8(db: Database, tmp_path: Path) -> None:
+    """The walsender converts text to the session's client encoding (here the database's
+    setting, LATIN1): the replication session asks for UTF-8, so non-ASCII agent ids and
+    payloads are folded, not quarantined as undecodable."""
+    with db.connect() as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET client_encoding = 'LATIN1'").format(
+                sql.Identifier(db.name)
+            )
+        )
+    sid = uuid.uuid4()
+    log = tmp_path / "consume.log"
+    consumer = ConsumerProcess(db.dsn, "--create-slot", log=log).start()
+    try:
+        wait_streaming(db.dsn)
+        with psycopg.connect(db.dsn, autocommit=True) as conn:
+            assert conn.execute("SHOW client_encoding").fetchone() == ("LATIN1",)
+            conn.execute(
+                "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                "VALUES (%s, 'café', 'tool.invoked', %s::jsonb)",
+                (sid, json.dumps({"call_id": "é", "tool": "naïve"})),
+            )
+        wait_caught_up(db.dsn)
+        assert consumer.alive(), log.read_text()[-3000:]
+    finally:
+        if consumer.alive():
+            consumer.terminate()
+        drop_slot(db.dsn, "agent_slot", force=True)
+    with db.connect() as conn:
+        (dead,) = conn.execute("SELECT count(*) FROM ledger_dead_letters").fetchone()  # type: ignore[misc]
+        ctx = stored_projections(conn)[sid]
+    assert dead == 0
+    assert ctx.event_count == 1 and ctx.pending_tools["é"].tool == "naïve"
