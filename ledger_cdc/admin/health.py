@@ -21,7 +21,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ledger_cdc.admin.schema import LEDGER_SCHEMA_SQL
 from ledger_cdc.errors import format_lsn, parse_lsn
+from ledger_cdc.names import LEDGER_TABLE
 
 __all__ = [
     "CRITICAL",
@@ -150,11 +152,11 @@ def _unfolded(
     try:
         if publication:
             row = conn.execute(
-                "SELECT rowfilter FROM pg_publication_tables "
-                "WHERE pubname = %s AND tablename = 'agent_events' AND schemaname = "
-                "(SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-                " WHERE c.oid = to_regclass('agent_events'))",
-                (publication,),
+                sql.SQL(
+                    "SELECT rowfilter FROM pg_publication_tables "
+                    "WHERE pubname = %s AND tablename = %s AND schemaname = {}"
+                ).format(sql.SQL(LEDGER_SCHEMA_SQL)),
+                (publication, LEDGER_TABLE, LEDGER_TABLE),
             ).fetchone()
             if row is not None and row[0]:
                 # a shard's row filter, as the catalog gives it (not user input)

@@ -28,6 +28,7 @@ from ledger_cdc.names import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, ST
 __all__ = [
     "DEFAULT_PUBLICATION",
     "DEFAULT_SLOT",
+    "LEDGER_SCHEMA_SQL",
     "Migration",
     "applied_migrations",
     "connect",
@@ -41,6 +42,13 @@ __all__ = [
     "validate_slot_name",
 ]
 
+
+LEDGER_SCHEMA_SQL = (
+    "(SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE c.oid = to_regclass(quote_ident(%s)))"
+)
+"""SQL: the schema of the ledger table named by its parameter, the one the session's
+search_path finds (a publication of all tables may also hold another schema's of that name)."""
 
 _MIGRATION_LOCK = 0x1ED6E2C0  # advisory lock key serialising concurrent ``init`` runs
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -238,13 +246,13 @@ def create_publication(
 
 def _update_columns(conn: psycopg.Connection[Any], name: str) -> None:
     """An existing publication of the ledger that lacks a column of STREAMED_COLUMNS (made by an
-    earlier version) gets the current column list, its row filter kept. The ledger is the table
-    the role's search_path finds (a publication may hold another schema's of the same name)."""
+    earlier version) gets the current column list, its row filter kept (LEDGER_SCHEMA_SQL: the
+    ledger's, not another schema's table of the same name)."""
     row = conn.execute(
-        "SELECT attnames, rowfilter FROM pg_publication_tables "
-        "WHERE pubname = %s AND tablename = %s AND schemaname = "
-        "(SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-        " WHERE c.oid = to_regclass(quote_ident(%s)))",
+        sql.SQL(
+            "SELECT attnames, rowfilter FROM pg_publication_tables "
+            "WHERE pubname = %s AND tablename = %s AND schemaname = {}"
+        ).format(sql.SQL(LEDGER_SCHEMA_SQL)),
         (name, LEDGER_TABLE, LEDGER_TABLE),
     ).fetchone()
     if row is None or not set(STREAMED_COLUMNS) - set(row[0] or ()):

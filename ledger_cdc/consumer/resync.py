@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
-from ledger_cdc.admin.schema import load_migrations
+from ledger_cdc.admin.schema import LEDGER_SCHEMA_SQL, load_migrations
 from ledger_cdc.client.read import load_events_sized
 from ledger_cdc.errors import ConfigError, SchemaError, translate
 from ledger_cdc.events import LedgerEvent
@@ -25,15 +26,14 @@ from ledger_cdc.stream.route import Base, Held, Item
 
 __all__ = ["History", "archived_bases", "check_schema", "connected", "count_unfolded", "preflight"]
 
-_PREFLIGHT = """
+_PREFLIGHT = sql.SQL("""
 SELECT current_setting('wal_level'),
        (SELECT rolreplication OR rolsuper FROM pg_roles WHERE rolname = session_user),
        CASE WHEN to_regclass('ledger_migrations') IS NULL THEN NULL
             ELSE (SELECT array_agg(version) FROM ledger_migrations) END,
        EXISTS (SELECT FROM pg_publication WHERE pubname = %s),
-       (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-        WHERE c.oid = to_regclass(quote_ident(%s)))
-"""
+       {schema}
+""").format(schema=sql.SQL(LEDGER_SCHEMA_SQL))
 
 
 @contextlib.contextmanager
