@@ -252,9 +252,9 @@ class LedgerStream:
         rows = self._rows.get(msg.relation_id)
         # an old tuple of the key alone (the key changed) has every other column NULL: the new
         # row says more; the whole old row (REPLICA IDENTITY FULL) says what was changed
-        values = msg.old if msg.old is not None else None
-        if values is None or (msg.old_kind is OldTupleKind.KEY and isinstance(msg, Update)):
-            values = getattr(msg, "new", values)
+        values = msg.old
+        if isinstance(msg, Update) and (values is None or msg.old_kind is OldTupleKind.KEY):
+            values = msg.new
         if rows is None or values is None:
             return Anomaly(kind, lsn, None, None, None)
         return Anomaly(kind, lsn, *_describe_row(rows, values, lsn))
