@@ -283,7 +283,7 @@ _PERMANENT = (
     "is not a valid",
     "requires a value",
 )
-_PERMANENT_STATES = ("28", "3D", "3F", "42", "55000", "0A000", "22023")
+_PERMANENT_STATES = ("28", "3D", "3F", "42", "54", "55000", "0A000", "22023")
 _PASSWORD_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 _PASSWORD_URL = re.compile(r"(://[^:/@\s]*:)([^@\s]*)(@)")
 

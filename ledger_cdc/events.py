@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import math
 import re
 import uuid
 from collections.abc import Mapping
@@ -68,6 +69,7 @@ __all__ = [
     "refuse_nul",
     "register_event_type",
     "too_deep",
+    "unidentified",
 ]
 
 _TYPE_RE = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
@@ -513,10 +515,18 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
         data = _encoder.encode(value)
     except RecursionError as e:
         raise _too_deep(event_type, limits) from e
-    except (TypeError, OverflowError, msgspec.EncodeError) as e:
+    except (TypeError, OverflowError, ValueError, msgspec.EncodeError) as e:
+        # ValueError: an int of more digits than Python prints, a lone surrogate (UnicodeError)
         raise InvalidEventError(
             f"{event_type} payload is not JSON-serialisable: {_short(e)}"
         ) from e
+    # the encoder writes NaN and ±Infinity as null: a ttl of NaN would be stored as null, which
+    # readers quarantine (JSON has no such numbers)
+    if b"null" in data and _non_finite(msgspec.to_builtins(value)):
+        raise InvalidEventError(
+            f"{event_type} payload holds NaN or an infinity, which JSON cannot: use a finite "
+            "number (or a string)"
+        )
     if not data.startswith(b"{"):
         raise InvalidEventError(f"{event_type} payload must be a JSON object, got {data[:40]!r}")
     if len(data) > limits.max_bytes:
@@ -537,6 +547,22 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
                 f"{_declared(typ)})"
             )
     return refuse_nul(data, f"{event_type} payload")
+
+
+def _non_finite(value: Any) -> bool:
+    """Whether a float NaN or ±inf is anywhere in ``value`` (builtins; depth already bounded by
+    the encoder)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def _too_deep(event_type: str, limits: Limits) -> InvalidEventError:
@@ -654,3 +680,38 @@ class Rejected(msgspec.Struct, frozen=True, gc=False):
     created_at: str | None = None  # as stored, when it could not be read as a time
     idempotency_key: str | None = None
     hash: bytes | None = None
+
+
+_NIL = uuid.UUID(int=0)
+
+
+def unidentified(
+    seq: Any, sid: Any, pos: Any, agent: Any, etype: Any, key: Any, digest: Any
+) -> Rejected | None:
+    """A row an identity column of which is NULL or not of the ledger's type (dropped NOT NULL,
+    ALTER TABLE by hand) as :class:`Rejected`, under what could be read of it; None for a row
+    whose identity columns are all there. Every reader, stream or table, applies this rule."""
+    odd = [
+        name
+        for name, value, kind in (
+            ("seq", seq, int),
+            ("session_id", sid, uuid.UUID),
+            ("position", pos, int),
+            ("agent_id", agent, str),
+            ("event_type", etype, str),
+        )
+        if type(value) is not kind
+    ]
+    if not odd:
+        return None
+    return Rejected(
+        seq if type(seq) is int else 0,
+        sid if type(sid) is uuid.UUID else _NIL,
+        pos if type(pos) is int else 0,
+        agent if type(agent) is str else "",
+        etype if type(etype) is str else "",
+        f"event seq {seq}: {', '.join(odd)} NULL or not of the ledger's column type",
+        None,
+        key if type(key) is str else None,
+        digest if type(digest) is bytes else None,
+    )

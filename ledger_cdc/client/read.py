@@ -20,7 +20,7 @@ import psycopg
 from psycopg import sql
 
 from ledger_cdc.errors import ConfigError, InvalidEventError
-from ledger_cdc.events import LedgerEvent, Rejected, admit_time, load_payload
+from ledger_cdc.events import LedgerEvent, Rejected, admit_time, load_payload, unidentified
 from ledger_cdc.fold import SessionContext, decode_context, fold_one
 from ledger_cdc.names import RUNS_CHANNEL
 
@@ -50,13 +50,18 @@ def row_event(row: Sequence[Any]) -> LedgerEvent | Rejected:
     """A row of ``SELECT {COLUMNS}`` → LedgerEvent (payload typed as the consumer types it), or
     :class:`Rejected` with the reason, by the rule every reader shares. Never raises."""
     seq, sid, pos, agent, etype, payload, created, key, digest, bad_time = row
-    if type(agent) is bytes:  # a SQL_ASCII database: psycopg leaves text undecoded
+    if type(payload) is bytes or type(agent) is bytes:  # SQL_ASCII: psycopg leaves text undecoded
         agent, etype, payload, key, bad_time = (
             v.decode("utf-8", "replace") if type(v) is bytes else v
             for v in (agent, etype, payload, key, bad_time)
         )
     digest = None if digest is None else bytes(digest)
+    rejected = unidentified(seq, sid, pos, agent, etype, key, digest)
+    if rejected is not None:
+        return rejected
     try:
+        if payload is None:
+            raise InvalidEventError("payload is NULL")
         if created is None:
             raise InvalidEventError(f"created_at {bad_time} is outside what readers can hold")
         created = admit_time(created)
@@ -110,7 +115,7 @@ def load_events_sized(
         cur.itersize = itersize
         cur.execute(query, params)
         for row in cur:
-            yield row_event(row), len(row[5]) + 200
+            yield row_event(row), len(row[5] or b"") + 200
 
 
 def fold_all(conn: psycopg.Connection[Any]) -> dict[uuid.UUID, SessionContext]:

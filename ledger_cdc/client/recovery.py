@@ -60,6 +60,7 @@ from ledger_cdc.fold import (
     attach,
     decode_context,
     fold_one,
+    memo_key,
     reducer_version,
     references,
 )
@@ -346,6 +347,11 @@ _model_entry = msgspec.json.Decoder(CompletedModel)
 _Lookup = tuple[bytes, tuple[Any, ...]] | None
 
 
+def _stored(value: str | None) -> str | None:
+    """A key as agent_memo stores it (fold.memo_key)."""
+    return None if value is None else memo_key(value)
+
+
 def _tool_lookup(
     ctx: SessionContext, call_id: str | None, idempotency_key: str | None
 ) -> tuple[CompletedTool | None, _Lookup]:
@@ -355,7 +361,7 @@ def _tool_lookup(
     except MemoNotLoadedError:
         by, value = ("id", call_id) if call_id is not None else ("key", idempotency_key)
         query = _MEMO_WHERE + _MEMO_BY["tool", by] + _LATEST
-        return None, (query, (ctx.session_id, ctx.memo_position, value))
+        return None, (query, (ctx.session_id, ctx.memo_position, _stored(value)))
 
 
 def _model_lookup(
@@ -378,14 +384,19 @@ def _model_lookup(
             either = b"AND kind = 'model' AND (idempotency_key = %s OR prompt_hash = %s)"
             return None, (
                 _MEMO_WHERE + either + _LATEST,
-                (ctx.session_id, ctx.memo_position, idempotency_key, prompt_hash),
+                (
+                    ctx.session_id,
+                    ctx.memo_position,
+                    memo_key(idempotency_key),
+                    memo_key(prompt_hash),
+                ),
             )
         elif idempotency_key is not None:
             by, value = "key", idempotency_key
         else:
             by, value = "prompt", prompt_hash
         query = _MEMO_WHERE + _MEMO_BY["model", by] + _LATEST
-        return None, (query, (ctx.session_id, ctx.memo_position, value))
+        return None, (query, (ctx.session_id, ctx.memo_position, _stored(value)))
 
 
 def _lookup_steps(found: Any, lookup: _Lookup, decoder: msgspec.json.Decoder[Any]) -> Steps[Any]:

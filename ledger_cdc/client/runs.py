@@ -24,6 +24,7 @@ never loses it. Writers never notify.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -411,6 +412,8 @@ class AsyncLeasedRun(_RunBase):
 def _lease_ops(
     session_id: uuid.UUID | str, worker: str, ttl: float
 ) -> Ops[tuple[SessionContext, int]]:
+    if not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):  # NaN fails both
+        raise ValueError(f"ttl must be a finite number of seconds above 0, got {ttl!r}")
     ctx: SessionContext = yield _rebuild(session_id)
     _leasable(ctx, (yield _SERVER_NOW))
     payload = RunLeased(worker, ttl)

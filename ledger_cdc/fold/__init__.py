@@ -15,6 +15,7 @@ from ledger_cdc.fold.codec import (
     encode_memo_entry,
     encode_snapshot,
     encode_stored,
+    memo_key,
     references,
 )
 from ledger_cdc.fold.context import (
@@ -103,6 +104,7 @@ __all__ = [
     "encode_stored",
     "fold",
     "fold_one",
+    "memo_key",
     "reducer_version",
     "references",
     "register_reducer",

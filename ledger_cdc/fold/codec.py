@@ -39,6 +39,7 @@ __all__ = [
     "encode_memo_entry",
     "encode_snapshot",
     "encode_stored",
+    "memo_key",
     "references",
     "window_chars",
 ]
@@ -222,6 +223,21 @@ def encode_memo_entry(done: CompletedTool | CompletedModel, *, by_reference: boo
     entry = msgspec.to_builtins(done)
     del entry[key]
     return _encoder.encode(entry)
+
+
+MEMO_KEY_BYTES = 512
+_MEMO_DIGEST = "sha256~"
+
+
+def memo_key(value: str) -> str:
+    """How ``agent_memo`` stores (and is searched by) a call id, idempotency key or prompt hash:
+    the value itself up to MEMO_KEY_BYTES of UTF-8, else ``sha256~`` and its hex digest — an
+    index entry has a size limit (about 2.7 kB) that a payload's strings do not. A value that
+    already starts with ``sha256~`` is digested too, so no two values share a stored form."""
+    data = value.encode("utf-8", "surrogatepass")
+    if len(data) <= MEMO_KEY_BYTES and not value.startswith(_MEMO_DIGEST):
+        return value
+    return _MEMO_DIGEST + hashlib.sha256(data).hexdigest()
 
 
 def comparable(ctx: SessionContext) -> SessionContext:

@@ -231,7 +231,7 @@ def _lease_until(created_at: dt.datetime, ttl: float) -> dt.datetime:
     lease that does not end, not a crash; events.MAX_TIME keeps a day's margin for any zone)."""
     try:
         until = created_at + dt.timedelta(seconds=ttl)
-    except OverflowError:
+    except (OverflowError, ValueError):  # ValueError: NaN (only an in-process payload holds it)
         return MAX_TIME if ttl > 0 else MIN_TIME
     return MAX_TIME if until > MAX_TIME else MIN_TIME if until < MIN_TIME else until
 

@@ -33,6 +33,7 @@ from ledger_cdc.fold import (
     attach,
     decode_context,
     encode_memo_entry,
+    memo_key,
 )
 from ledger_cdc.names import SESSIONS_CHANNEL
 from ledger_cdc.sink.base import BOOTSTRAPPING
@@ -784,26 +785,21 @@ class ChunkedTail:
 def _memo_row(
     sid: uuid.UUID, position: int, done: CompletedTool | CompletedModel, by_reference: bool
 ) -> tuple[Any, ...]:
+    """A row of agent_memo; its keys in their stored form (fold.memo_key: an index entry is
+    bounded, a payload's strings are not)."""
     entry = encode_memo_entry(done, by_reference=by_reference)
+    key = None if done.idempotency_key is None else memo_key(done.idempotency_key)
     if isinstance(done, CompletedTool):
-        return (
-            sid,
-            "tool",
-            done.call_id,
-            done.observed_seq,
-            position,
-            done.idempotency_key,
-            None,
-            entry,
-        )
+        return (sid, "tool", memo_key(done.call_id), done.observed_seq, position, key, None, entry)
+    prompt = None if done.prompt_hash is None else memo_key(done.prompt_hash)
     return (
         sid,
         "model",
-        done.request_id,
+        memo_key(done.request_id),
         done.responded_seq,
         position,
-        done.idempotency_key,
-        done.prompt_hash,
+        key,
+        prompt,
         entry,
     )
 

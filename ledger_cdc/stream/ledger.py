@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 
 from ledger_cdc.errors import DecodeError, InvalidEventError
-from ledger_cdc.events import LedgerEvent, Rejected, admit_time, load_payload
+from ledger_cdc.events import LedgerEvent, Rejected, admit_time, load_payload, unidentified
 from ledger_cdc.pgoutput.messages import UNCHANGED, Relation
 from ledger_cdc.stream.values import RowLoader, raw_json_adapters
 
@@ -84,7 +84,9 @@ class LedgerRowDecoder:
             and type(agent) is str
             and type(etype) is str
         ):  # NULL or retyped by hand (ALTER TABLE): no event can be made of the row
-            return _unidentified(seq, sid, pos, agent, etype, key, digest)
+            rejected = unidentified(seq, sid, pos, agent, etype, key, digest)
+            if rejected is not None:
+                return rejected
         try:
             if payload is None or payload is UNCHANGED:
                 raise InvalidEventError("payload is missing from the stream")
@@ -119,35 +121,6 @@ class LedgerRowDecoder:
             loaded.get("idempotency_key"),
             loaded.get("hash") if isinstance(loaded.get("hash"), bytes) else None,
         )
-
-
-def _unidentified(
-    seq: Any, sid: Any, pos: Any, agent: Any, etype: Any, key: Any, digest: Any
-) -> Rejected:
-    """A row an identity column of which is NULL or not of the ledger's type: quarantined
-    under what could be read of it."""
-    odd = [
-        name
-        for name, value, kind in (
-            ("seq", seq, int),
-            ("session_id", sid, uuid.UUID),
-            ("position", pos, int),
-            ("agent_id", agent, str),
-            ("event_type", etype, str),
-        )
-        if type(value) is not kind
-    ]
-    return Rejected(
-        seq if type(seq) is int else 0,
-        sid if type(sid) is uuid.UUID else _NIL,
-        pos if type(pos) is int else 0,
-        agent if type(agent) is str else "",
-        etype if type(etype) is str else "",
-        f"event seq {seq}: {', '.join(odd)} NULL or not of the ledger's column type",
-        None,
-        key if type(key) is str else None,
-        digest if type(digest) is bytes else None,
-    )
 
 
 def _first_line(e: BaseException) -> str:

@@ -13,6 +13,7 @@ diff — works on those sessions and agrees with the consumer.
 from __future__ import annotations
 
 import json
+import secrets
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,11 +26,11 @@ from psycopg import sql
 
 from ledger_cdc.admin.schema import drop_slot
 from ledger_cdc.admin.verify import verify
-from ledger_cdc.client.recovery import rebuild_context
+from ledger_cdc.client.recovery import memoised_model, memoised_tool, rebuild_context
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.errors import InvalidEventError
 from ledger_cdc.events import MAX_TIME, MIN_TIME, READ_MAX_DEPTH, Limits
-from ledger_cdc.fold import SessionContext
+from ledger_cdc.fold import SessionContext, memo_key
 from tests.support.cdc import (
     ConsumerProcess,
     InThread,
@@ -47,6 +48,11 @@ from tests.support.harness import Database, Server, _new_database
 pytestmark = [pytest.mark.server, pytest.mark.xdist_group("hostile")]
 
 
+def _noise(n: int) -> str:
+    """n characters no compression shortens."""
+    return secrets.token_urlsafe(n)[:n]
+
+
 def _deep(depth: int) -> str:
     opening = "".join('{"k": ' if i % 2 == 0 else "[" for i in range(depth))
     closing = "".join("}" if i % 2 == 0 else "]" for i in reversed(range(depth)))
@@ -62,6 +68,7 @@ class Run:
     control: uuid.UUID = field(default_factory=uuid.uuid4)
     log: Path | None = None
     restarts: int = 0
+    keys: tuple[str, ...] = ()
 
     def new(self, cls: str) -> uuid.UUID:
         sid = uuid.uuid4()
@@ -217,6 +224,50 @@ def _namesakes(run: Run, owner: psycopg.Connection[Any], mallory: str) -> None:
     owner.execute("ALTER PUBLICATION agent_pub DROP TABLE audit.agent_events, archive.agent_events")
 
 
+def _nulls(run: Run, owner: psycopg.Connection[Any], mallory: str) -> None:
+    """Columns the ledger declares NOT NULL, made nullable by hand: rows holding NULL are
+    quarantined by the stream and by every table reader alike."""
+    sid = run.new("nulls")
+    owner.execute(
+        "ALTER TABLE agent_events ALTER COLUMN payload DROP NOT NULL, "
+        "ALTER COLUMN agent_id DROP NOT NULL, ALTER COLUMN hash DROP NOT NULL"
+    )
+    _raw(owner, sid, "tool.invoked", '{"call_id": "a", "tool": "t"}')
+    owner.execute(
+        "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+        "VALUES (%s, 'raw', 'tool.observed', NULL), (%s, NULL, 'tool.observed', %s)",
+        (sid, sid, '{"call_id": "a", "result": 1}'),
+    )
+    _raw(owner, sid, "tool.invoked", '{"call_id": "b", "tool": "t"}')
+
+
+def _keys(run: Run, owner: psycopg.Connection[Any], mallory: str) -> None:
+    """Call ids, idempotency keys and prompt hashes far longer than a btree entry may be
+    (random, so no compression saves them): the calls are memoised all the same."""
+    sid = run.new("keys")
+    call, key, request, prompt = (_noise(9000) for _ in range(4))
+    run.keys = (call, key, request, prompt)
+    _raw(
+        owner,
+        sid,
+        "tool.invoked",
+        json.dumps({"call_id": call, "tool": "t", "idempotency_key": key}),
+    )
+    _raw(owner, sid, "tool.observed", json.dumps({"call_id": call, "result": 1}))
+    _raw(
+        owner,
+        sid,
+        "model.requested",
+        json.dumps(
+            {"request_id": request, "model": "m", "prompt_hash": prompt, "idempotency_key": key}
+        ),
+    )
+    _raw(owner, sid, "model.responded", json.dumps({"request_id": request, "model": "m"}))
+    # a short key that looks like the stored form of a long one is a key of its own
+    _raw(owner, sid, "tool.invoked", json.dumps({"call_id": memo_key(call), "tool": "t"}))
+    _raw(owner, sid, "tool.observed", json.dumps({"call_id": memo_key(call), "result": 2}))
+
+
 CLASSES: list[Callable[[Run, psycopg.Connection[Any], str], None]] = [
     _messages,
     _depth,
@@ -226,6 +277,8 @@ CLASSES: list[Callable[[Run, psycopg.Connection[Any], str], None]] = [
     _huge,
     _relations,
     _namesakes,
+    _keys,
+    _nulls,
 ]
 
 
@@ -395,6 +448,50 @@ def test_another_schemas_namesake_of_the_ledger_is_not_ours(run: Run) -> None:
         assert_projections_equal_refold(run.db.dsn)
         (n,) = conn.execute("SELECT count(*) FROM archive.agent_events").fetchone()  # type: ignore[misc]
     assert n == 3
+
+
+def test_rows_with_null_columns_are_quarantined_by_every_reader(run: Run) -> None:
+    dead = _dead(run, "nulls")
+    reasons = [d[4] for d in dead]
+    assert len(dead) == 2 and "payload" in reasons[0] and "agent_id NULL" in reasons[1], dead
+    (ctx,) = _readers_agree(run, "nulls").values()
+    assert ctx.quarantined == 2 and set(ctx.pending_tools) == {"a", "b"}
+
+
+def test_calls_with_keys_longer_than_an_index_entry_are_memoised(run: Run) -> None:
+    """agent_memo stores such keys digested (fold.memo_key); every lookup finds the call, and a
+    short key spelled like a digest is a call of its own."""
+    assert _dead(run, "keys") == []
+    (ctx,) = _readers_agree(run, "keys").values()
+    call, key, request, prompt = run.keys
+    with run.db.connect() as conn:
+        rebuilt = rebuild_context(conn, ctx.session_id)
+        assert rebuilt.memo_position > 0  # snapshots took the calls: lookups go to agent_memo
+        for found in (
+            memoised_tool(conn, rebuilt, call),
+            memoised_tool(conn, rebuilt, None, idempotency_key=key),
+        ):
+            assert found is not None and found.call_id == call and found.result == 1
+        other = memoised_tool(conn, rebuilt, memo_key(call))
+        assert other is not None and other.result == 2
+        for model in (
+            memoised_model(conn, rebuilt, request),
+            memoised_model(conn, rebuilt, idempotency_key=key),
+            memoised_model(conn, rebuilt, prompt_hash=prompt),
+            memoised_model(conn, rebuilt, idempotency_key=key, prompt_hash=prompt),
+        ):
+            assert model is not None and model.request_id == request
+        assert memoised_tool(conn, rebuilt, _noise(9000)) is None
+        # SQL readers find them by the same rule
+        (n,) = conn.execute(  # type: ignore[misc]
+            "SELECT count(*) FROM agent_memo WHERE session_id = %s AND call_id = ledger_memo_key(%s)",
+            (ctx.session_id, call),
+        ).fetchone()
+        (whole,) = conn.execute(  # type: ignore[misc]
+            "SELECT ledger_session_context(%s)::text", (ctx.session_id,)
+        ).fetchone()
+    assert n == 1
+    assert set(json.loads(whole)["completed_tools"]) == {call, memo_key(call)}
 
 
 def test_the_writer_refuses_what_readers_would_quarantine(db: Database) -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import msgspec
 import pytest
 
 from ledger_cdc.errors import InvalidEventError, UnknownEventTypeError
 from ledger_cdc.events import (
     EVENT_TYPES,
+    MAX_TIME,
+    MIN_TIME,
     ModelResponded,
     ToolCall,
     Usage,
@@ -80,3 +84,34 @@ def test_a_nul_character_is_refused_with_a_clear_error() -> None:
     # a backslash followed by the text u0000 is not a NUL
     data = encode_payload("tool.observed", {"call_id": "c", "result": "\\u0000 and \\\\u0000"})
     assert decode_payload("tool.observed", data).result == "\\u0000 and \\\\u0000"
+
+
+@pytest.mark.parametrize(
+    ("etype", "payload", "says"),
+    [
+        ("run.leased", {"worker": "w", "ttl": float("nan")}, "NaN or an infinity"),
+        ("run.leased", {"worker": "w", "ttl": float("inf")}, "NaN or an infinity"),
+        ("tool.observed", {"call_id": "c", "result": [1, {"x": -float("inf")}]}, "NaN or an"),
+        ("tool.observed", {"call_id": "c", "result": "lone \ud800 surrogate"}, "surrogate"),
+        ("tool.observed", {"call_id": "c", "result": {"\udfff": 1}}, "surrogate"),
+        ("tool.observed", {"call_id": "c", "result": 10**5000}, "digits"),
+    ],
+)
+def test_what_json_cannot_hold_is_refused_by_the_writer(
+    etype: str, payload: dict[str, object], says: str
+) -> None:
+    """The encoder would write NaN as null (which readers quarantine) or raise an error of its
+    own: the writer refuses with InvalidEventError."""
+    with pytest.raises(InvalidEventError, match=says):
+        encode_payload(etype, payload)
+    # null written on purpose is still a value
+    assert encode_payload("tool.observed", {"call_id": "c", "result": None}).count(b"null") == 2
+
+
+def test_a_lease_of_nan_seconds_saturates_in_the_fold() -> None:
+    """An in-process payload (the writer's own fold of what it appended) may hold NaN."""
+    from ledger_cdc.fold.reducers import _lease_until
+
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    assert _lease_until(now, float("nan")) in (MAX_TIME, MIN_TIME)
+    assert _lease_until(now, 1e300) == MAX_TIME and _lease_until(now, -1e300) == MIN_TIME
