@@ -28,7 +28,7 @@ import msgspec
 import psycopg
 
 from ledger_cdc.errors import ConfigError, InvalidEventError, translate
-from ledger_cdc.events import DEFAULT_LIMITS, Limits, encode_payload
+from ledger_cdc.events import DEFAULT_LIMITS, Limits, admit_time, encode_payload
 
 __all__ = ["ImportedEvent", "import_events", "read_lines"]
 
@@ -62,6 +62,10 @@ def read_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, ImportedEven
             raise InvalidEventError(f"line {n}: {e}") from e
         if ev.created_at.tzinfo is None:
             raise InvalidEventError(f"line {n}: created_at needs a time zone (e.g. …Z)")
+        try:
+            admit_time(ev.created_at)  # what every reader would quarantine is not imported
+        except InvalidEventError as e:
+            raise InvalidEventError(f"line {n}: {e}") from None
         yield n, ev
 
 

@@ -338,6 +338,8 @@ def archive(
     _unit(conn)
     if not conn.autocommit:
         raise ConfigError("archive needs an autocommit connection (DETACH … CONCURRENTLY)")
+    if older_than <= dt.timedelta(0):  # a bound in the future would take live partitions
+        raise ConfigError(f"older_than must be a positive age, got {older_than}")
     to_dir.mkdir(parents=True, exist_ok=True)
     now_row = conn.execute("SELECT now()").fetchone()
     assert now_row is not None

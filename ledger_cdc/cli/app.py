@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ledger_cdc.cli.base import (
+    Finite,
     State,
     _env,
     cli,
@@ -20,6 +21,7 @@ from ledger_cdc.cli.base import (
     log_format_option,
     option,
     print_records,
+    safe,
 )
 from ledger_cdc.errors import LedgerError
 
@@ -71,7 +73,7 @@ snapshot_every_option = option(
 )
 @option(
     "--shards",
-    type=int,
+    type=click.IntRange(1),
     default=None,
     help="Also create N shard publications (row filter on the session id) and one slot each.",
 )
@@ -119,7 +121,13 @@ def init(
 
 
 @cli.command()
-@option("--sessions", default=6, show_default=True, help="Number of simulated agent runs.")
+@option(
+    "--sessions",
+    default=6,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Number of simulated agent runs.",
+)
 @option("--seed", default=7, show_default=True, help="Seed of the simulation.")
 @option(
     "--pg-major",
@@ -306,7 +314,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--heartbeat-interval",
     default=0.0,
     show_default=True,
-    type=click.FloatRange(0),
+    type=Finite(0),
     envvar=_env("HEARTBEAT_INTERVAL"),
     help="Seconds between heartbeat messages (0: off); keeps an idle slot advancing "
     "and measures end-to-end lag.",
@@ -348,7 +356,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--health-interval",
     default=10.0,
     show_default=True,
-    type=click.FloatRange(0),
+    type=Finite(0),
     envvar=_env("HEALTH_INTERVAL"),
     help="Seconds between slot health checks (0: off).",
 )
@@ -373,7 +381,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
 )
 @option(
     "--shard",
-    type=int,
+    type=click.IntRange(0),
     default=None,
     help="Stream shard K: slot <slot>_sK and publication <publication>_sK (init --shards).",
 )
@@ -381,7 +389,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--vacuum-interval",
     default=2.0,
     show_default=True,
-    type=click.FloatRange(0),
+    type=Finite(0),
     help="Seconds between VACUUMs of agent_sessions, which every batch rewrites, while batches "
     "are written (sooner after 200 rewritten rows; none while idle). 0: leave it to "
     "autovacuum, whose one-minute naptime lets a busy table grow several times its data.",
@@ -390,6 +398,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--standby-poll",
     default=0.5,
     show_default=True,
+    type=Finite(0.01),
     help="Seconds between tries for a slot another consumer holds (hot standby).",
 )
 @option(
@@ -620,28 +629,28 @@ def _human_seconds(s: float | None) -> str:
     "--interval",
     default=2.0,
     show_default=True,
-    type=click.FloatRange(0.1),
+    type=Finite(0.1),
     help="Seconds between --watch refreshes.",
 )
 @option(
     "--sample-seconds",
     default=1.0,
     show_default=True,
-    type=click.FloatRange(0),
+    type=Finite(0),
     help="How long to sample the WAL generation rate for the forecast.",
 )
 @option(
     "--warn-share",
     default=0.5,
     show_default=True,
-    type=click.FloatRange(0, 1),
+    type=Finite(0, 1),
     help="Warning at this share of max_slot_wal_keep_size retained.",
 )
 @option(
     "--crit-share",
     default=0.8,
     show_default=True,
-    type=click.FloatRange(0, 1),
+    type=Finite(0, 1),
     help="Critical at this share of max_slot_wal_keep_size retained.",
 )
 @option(
@@ -662,14 +671,14 @@ def _human_seconds(s: float | None) -> str:
     "--warn-seconds",
     default=60.0,
     show_default=True,
-    type=click.FloatRange(0),
+    type=Finite(0),
     help="Warning when the consumer is this many seconds behind.",
 )
 @option(
     "--crit-seconds",
     default=300.0,
     show_default=True,
-    type=click.FloatRange(0),
+    type=Finite(0),
     help="Critical when it is this many seconds behind.",
 )
 @click.pass_obj
@@ -703,6 +712,16 @@ def lag(
 
     if slot is not None:
         validate_slot_name(slot)
+    for name, warn, crit in (
+        ("share", warn_share, crit_share),
+        ("bytes", warn_bytes, crit_bytes),
+        ("seconds", warn_seconds, crit_seconds),
+    ):
+        if warn > crit:
+            raise click.BadParameter(
+                f"--warn-{name} {warn} is above --crit-{name} {crit}: a warning comes first",
+                param_hint=f"--warn-{name}",
+            )
     th = Thresholds(warn_share, crit_share, warn_bytes, crit_bytes, warn_seconds, crit_seconds)
     with connect(dsn, autocommit=True, connect_timeout=10) as conn:
         while True:
@@ -739,7 +758,7 @@ def _print_lag(console: Console, slots: list[Any]) -> None:
     for h in slots:
         rows.append(
             [
-                h.slot,
+                safe(h.slot),
                 f"[{colour[h.status]}]{h.status_name}[/]",
                 "—" if not h.exists else (f"pid {h.active_pid}" if h.active else "no"),
                 h.wal_status or "—",
@@ -752,7 +771,7 @@ def _print_lag(console: Console, slots: list[Any]) -> None:
                 f"{_human_bytes(h.lag_bytes)} / {_human_seconds(h.lag_seconds)}",
                 _human_bytes(h.checkpoint_behind_slot_bytes),
                 _human_seconds(h.seconds_to_invalidation),
-                "; ".join(h.reasons) or "—",
+                safe("; ".join(h.reasons) or "—"),
             ]
         )
     caption = None
@@ -844,5 +863,5 @@ def slot_list(state: State, dsn: str, as_json: bool) -> None:
         state.console,
         "replication slots",
         list(keys),
-        [["—" if v is None else str(v) for v in r] for r in rows],
+        [["—" if v is None else safe(v) for v in r] for r in rows],
     )

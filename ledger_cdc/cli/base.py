@@ -13,7 +13,9 @@ An error is printed as one red line on stderr, with a hint where there is one.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
@@ -67,7 +70,7 @@ def fail(e: BaseException) -> None:
         )
         code = EXIT_ERROR
     err = Console(stderr=True, highlight=False)
-    err.print(f"[bold red]error:[/] {text}", soft_wrap=True, markup=True)
+    err.print(f"[bold red]error:[/] {safe(text)}", soft_wrap=True, markup=True)
     if os.environ.get("LEDGER_CDC_DEBUG"):
         import traceback
 
@@ -140,6 +143,37 @@ def print_records(
         console.print(t)
     if caption:
         console.print(Text(caption, style="dim"))
+
+
+# C0 (but tab and newline), DEL, C1 and the bidirectional overrides: what can move the cursor,
+# recolour or rewrite a terminal, or make text read other than it is
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(value: object) -> str:
+    """Text from the ledger or the server (agent ids, payloads, error messages) made safe for a
+    terminal: control characters shown as their escapes (``\\x1b``), nothing interpreted."""
+    text = str(value)
+    if _CONTROL.search(text) is None:
+        return text
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def safe(value: object) -> str:
+    """:func:`printable`, with rich markup escaped: for untrusted text inside a markup string
+    or a table cell (``[/]`` in an agent id must print as itself, not end a style)."""
+    return escape(printable(value))
+
+
+class Finite(click.FloatRange):
+    """A float option's type: ``click.FloatRange`` that also refuses NaN and ±inf (``nan``
+    passes every range check; ``inf`` seconds overflows a wait)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
 
 
 option = partial(click.option, show_envvar=True)

@@ -20,6 +20,7 @@ from rich.text import Text
 
 from ledger_cdc.cli.base import (
     EXIT_PROBLEM,
+    Finite,
     State,
     _env,
     cli,
@@ -28,6 +29,8 @@ from ledger_cdc.cli.base import (
     log_format_option,
     option,
     print_records,
+    printable,
+    safe,
 )
 from ledger_cdc.errors import NoSuchSessionError
 
@@ -105,16 +108,16 @@ def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_
     con = state.console
     colour = {"completed": "green", "failed": "red"}.get(ctx.status, "yellow")
     con.print(
-        f"session [bold]{ctx.session_id}[/]  status [{colour}]{ctx.status}[/]  "
+        f"session [bold]{ctx.session_id}[/]  status [{colour}]{safe(ctx.status)}[/]  "
         f"{ctx.event_count} events up to seq {ctx.last_seq} (position {ctx.last_position})"
     )
     if ctx.task:
-        con.print(f"task: {ctx.task}")
+        con.print(f"task: {safe(ctx.task)}")
     if ctx.forked_from:
         f = ctx.forked_from
         con.print(f"forked from {f.session_id} at seq {f.upto_seq} (position {f.upto_position})")
     con.print(
-        f"agents: {', '.join(ctx.agents)}  ·  messages: {len(ctx.messages)}  ·  tokens "
+        f"agents: {safe(', '.join(ctx.agents))}  ·  messages: {len(ctx.messages)}  ·  tokens "
         f"{ctx.usage.input_tokens}/{ctx.usage.output_tokens} in {ctx.usage.model_calls} model calls"
     )
     if ctx.pending_tools or ctx.pending_models:
@@ -126,15 +129,20 @@ def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_
         for p in ctx.pending_tools.values():
             t.add_row(
                 "tool",
-                p.call_id,
-                p.tool,
-                p.idempotency_key or "—",
+                safe(p.call_id),
+                safe(p.tool),
+                safe(p.idempotency_key or "—"),
                 str(p.invoked_seq),
                 str(p.attempts),
             )
         for m in ctx.pending_models.values():
             t.add_row(
-                "model", m.request_id, m.model, m.idempotency_key or "—", str(m.requested_seq), "1"
+                "model",
+                safe(m.request_id),
+                safe(m.model),
+                safe(m.idempotency_key or "—"),
+                str(m.requested_seq),
+                "1",
             )
         con.print(t)
     else:
@@ -145,19 +153,26 @@ def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_
             t.add_column(col, overflow="ellipsis", max_width=60 if col == "result" else None)
         for c in ctx.completed_tools.values():
             res = c.error if c.error is not None else msgspec.json.encode(c.result).decode()
-            t.add_row("tool", c.call_id, c.tool, c.idempotency_key or "—", str(c.observed_seq), res)
+            t.add_row(
+                "tool",
+                safe(c.call_id),
+                safe(c.tool),
+                safe(c.idempotency_key or "—"),
+                str(c.observed_seq),
+                safe(res),
+            )
         for m2 in ctx.completed_models.values():
             t.add_row(
                 "model",
-                m2.request_id,
-                m2.model,
-                m2.idempotency_key or "—",
+                safe(m2.request_id),
+                safe(m2.model),
+                safe(m2.idempotency_key or "—"),
                 str(m2.responded_seq),
-                m2.content,
+                safe(m2.content),
             )
         con.print(t)
     if ctx.status == "failed":
-        con.print(f"[red]failed:[/] {ctx.error}" + (" (retryable)" if ctx.retryable else ""))
+        con.print(f"[red]failed:[/] {safe(ctx.error)}" + (" (retryable)" if ctx.retryable else ""))
 
 
 # -- verify -------------------------------------------------------------------------------------
@@ -246,7 +261,7 @@ def verify(
         )
     else:
         for note in report.notes:
-            con.print(f"[dim]note: {note}[/]", soft_wrap=True)
+            con.print(f"[dim]note: {safe(note)}[/]", soft_wrap=True)
         if report.differences:
             print_records(
                 con,
@@ -255,13 +270,13 @@ def verify(
                 [
                     [
                         str(d.session_id),
-                        d.kind,
+                        safe(d.kind),
                         "—" if d.seq is None else str(d.seq),
                         "—" if d.position is None else str(d.position),
-                        d.field or "—",
-                        "—" if d.expected is None else str(d.expected),
-                        "—" if d.actual is None else str(d.actual),
-                        d.detail,
+                        safe(d.field or "—"),
+                        "—" if d.expected is None else safe(d.expected),
+                        "—" if d.actual is None else safe(d.actual),
+                        safe(d.detail),
                     ]
                     for d in report.differences
                 ],
@@ -291,7 +306,7 @@ _MARKS = {"in flight": "bold yellow", "retry": "magenta", "failed": "red"}
 @cli.command()
 @dsn_option
 @click.argument("session", type=SESSION)
-@option("--last", type=int, default=None, help="Only the last N events.")
+@option("--last", type=click.IntRange(0), default=None, help="Only the last N events.")
 @option("--json", "as_json", is_flag=True, help="The timeline as JSON lines.")
 @click.pass_obj
 @handles_errors
@@ -303,7 +318,7 @@ def inspect(state: State, dsn: str, session: uuid.UUID, last: int | None, as_jso
     with _connect(dsn) as conn:
         rows = timeline(_events(conn, session))
     if last is not None:
-        rows = rows[-last:]
+        rows = rows[len(rows) - last :] if last else []
     if as_json:
         for r in rows:
             click.echo(
@@ -331,15 +346,15 @@ def inspect(state: State, dsn: str, session: uuid.UUID, last: int | None, as_jso
             if r.pair is None
             else ("→ " if r.event_type.endswith(("invoked", "requested")) else "← ") + str(r.pair)
         )
-        summary = Text(r.summary)
+        summary = Text(printable(r.summary))
         if r.mark:
-            summary = Text.assemble((f"[{r.mark}] ", style or ""), r.summary)
+            summary = Text.assemble((f"[{r.mark}] ", style or ""), printable(r.summary))
         t.add_row(
             str(r.seq),
             str(r.position),
             "—" if r.created_at is None else r.created_at.strftime("%H:%M:%S.%f")[:-3],
-            r.agent_id,
-            r.event_type,
+            safe(r.agent_id),
+            safe(r.event_type),
             summary,
             pair,
             style=style if r.mark == "in flight" else None,
@@ -399,7 +414,7 @@ def diff(state: State, dsn: str, session_a: uuid.UUID, session_b: uuid.UUID, as_
             return
         con.print(
             f"the runs agree for [bold]{res.common}[/] step(s); they diverge at step "
-            f"[bold]{d.step}[/]: [bold red]{d.reason}[/]"
+            f"[bold]{d.step}[/]: [bold red]{safe(d.reason)}[/]"
         )
         t = Table(show_header=True)
         t.add_column("")
@@ -412,14 +427,16 @@ def diff(state: State, dsn: str, session_a: uuid.UUID, session_b: uuid.UUID, as_
         )
         t.add_row(
             "event",
-            "(ended)" if d.a is None else f"{d.a.agent_id} {d.a.event_type}",
-            "(ended)" if d.b is None else f"{d.b.agent_id} {d.b.event_type}",
+            "(ended)" if d.a is None else safe(f"{d.a.agent_id} {d.a.event_type}"),
+            "(ended)" if d.b is None else safe(f"{d.b.agent_id} {d.b.event_type}"),
         )
         t.add_row(
-            "summary", "" if d.a is None else summarise(d.a), "" if d.b is None else summarise(d.b)
+            "summary",
+            "" if d.a is None else safe(summarise(d.a)),
+            "" if d.b is None else safe(summarise(d.b)),
         )
         for f, a, b in d.fields:
-            t.add_row(Text(f, style="bold"), str(a), str(b))
+            t.add_row(Text(printable(f), style="bold"), safe(a), safe(b))
         con.print(t)
     if d is not None:
         sys.exit(EXIT_PROBLEM)
@@ -480,30 +497,60 @@ def fork(
     show_default=True,
     help="Also use Python targets installed under the 'ledger_cdc.targets' entry-point group.",
 )
-@option("--batch-size", default=32, show_default=True, help="Rows claimed per transaction.")
-@option("--concurrency", default=8, show_default=True, help="Calls in flight at once.")
-@option("--max-attempts", default=8, show_default=True, help="Failures before a row is parked.")
+@option(
+    "--batch-size",
+    default=32,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Rows claimed per transaction.",
+)
+@option(
+    "--concurrency",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Calls in flight at once.",
+)
+@option(
+    "--max-attempts",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Failures before a row is parked.",
+)
 @option(
     "--backoff",
     default=1.0,
     show_default=True,
+    type=Finite(0),
     help="Seconds before the 2nd attempt; doubles, capped by --backoff-cap.",
 )
 @option(
-    "--backoff-cap", default=300.0, show_default=True, help="Longest wait between attempts (s)."
+    "--backoff-cap",
+    default=300.0,
+    show_default=True,
+    type=Finite(0),
+    help="Longest wait between attempts (s).",
 )
 @option(
     "--poll-interval",
     default=0.5,
     show_default=True,
+    type=Finite(0.01),
     help="Seconds between polls when nothing is due.",
 )
-@option("--timeout", default=10.0, show_default=True, help="HTTP request timeout (s).")
+@option(
+    "--timeout",
+    default=10.0,
+    show_default=True,
+    type=Finite(0.001),
+    help="HTTP request timeout (s).",
+)
 @option(
     "--claim-seconds",
     default=30.0,
     show_default=True,
-    type=click.FloatRange(0.1),
+    type=Finite(0.1),
     help="Lease of a claimed row, renewed while its call is in flight: a dead dispatcher's "
     "rows are retried by another after this long.",
 )
@@ -609,7 +656,7 @@ def dispatch(
 @dsn_option
 @option("--parked", "show", flag_value="parked", help="Only parked rows.")
 @option("--pending", "show", flag_value="pending", help="Only rows still to dispatch.")
-@option("--limit", default=50, show_default=True)
+@option("--limit", default=50, show_default=True, type=click.IntRange(1), help="Rows shown.")
 @option("--json", "as_json", is_flag=True)
 @click.pass_context
 @handles_errors
@@ -636,11 +683,11 @@ def outbox(ctx: click.Context, dsn: str, show: str | None, limit: int, as_json: 
         )
         t.add_row(
             str(r["id"]),
-            r["target"],
-            r["idempotency_key"],
+            safe(r["target"]),
+            safe(r["idempotency_key"]),
             st,
             str(r["attempts"]),
-            r["last_error"] or "",
+            safe(r["last_error"] or ""),
         )
     ctx.find_object(State).console.print(t)  # type: ignore[union-attr]
 
@@ -669,7 +716,7 @@ def outbox_requeue(ctx: click.Context, ids: tuple[int, ...]) -> None:
     default=None,
     help="Only runs in this state (stale: running on an expired lease).",
 )
-@option("--limit", default=200, show_default=True)
+@option("--limit", default=200, show_default=True, type=click.IntRange(1), help="Runs shown.")
 @option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_obj
 @handles_errors
@@ -693,9 +740,9 @@ def runs(state: State, dsn: str, status: str | None, limit: int, as_json: bool) 
         t.add_row(
             str(r["session_id"]),
             f"[{c}]{r['status']}[/]" if c else r["status"],
-            r["lease_worker"] or "—",
+            safe(r["lease_worker"] or "—"),
             "—" if r["lease_until"] is None else r["lease_until"].isoformat(timespec="seconds"),
-            ", ".join(r["wait_for"]) or "—",
+            safe(", ".join(r["wait_for"]) or "—"),
             str(r["last_seq"]),
         )
     state.console.print(t)
@@ -733,23 +780,36 @@ def signal_cmd(
         value = None if payload is None else jsonlib.loads(payload)
     except ValueError as e:
         raise click.BadParameter(f"not JSON: {e}", param_hint="--payload") from None
+    except RecursionError:
+        raise click.BadParameter("nested too deep to be an event", param_hint="--payload") from None
     with _connect(dsn) as conn:
         res = do_signal(
             conn, session, name, value, sender=sender, signal_id=signal_id, create=create
         )
     what = "already sent" if res.duplicate else "sent"
-    state.console.print(f"signal {name} {what}: seq {res.seq}, position {res.position}")
+    state.console.print(f"signal {safe(name)} {what}: seq {res.seq}, position {res.position}")
 
 
 # -- partitions -----------------------------------------------------------------------------------
 
 
 def _duration(text: str) -> dt.timedelta:
+    """A positive age like 90d, 12h, 2w, 30m or 45s."""
     units = {"d": "days", "h": "hours", "w": "weeks", "m": "minutes", "s": "seconds"}
+    text = text.strip()
     try:
-        return dt.timedelta(**{units[text[-1]]: float(text[:-1])})
-    except (KeyError, ValueError):
-        raise click.BadParameter(f"{text!r} is not a duration like 90d, 12h or 2w") from None
+        age = dt.timedelta(**{units[text[-1:]]: float(text[:-1])})
+    except (KeyError, ValueError, OverflowError):  # ValueError: "", "nand"; Overflow: "1e10d"
+        raise click.BadParameter(
+            f"{text!r} is not a duration like 90d, 12h or 2w", param_hint="--older-than"
+        ) from None
+    if age <= dt.timedelta(0):
+        raise click.BadParameter(
+            f"{text!r}: the age must be above zero (a bound in the future would archive live "
+            "partitions)",
+            param_hint="--older-than",
+        )
+    return age
 
 
 @cli.group()
@@ -886,7 +946,7 @@ def partitions_archive(state: State, dsn: str, older: str, to_dir: Path) -> None
     with _connect(dsn) as conn, state.console.status("archiving…") as status:
         done = archive(conn, bound, to_dir, on_partition=lambda n: status.update(f"archiving {n}…"))
     if not done:
-        state.console.print(f"nothing to archive: no partition ends more than {older} ago")
+        state.console.print(f"nothing to archive: no partition ends more than {safe(older)} ago")
     for a in done:
         state.console.print(
             f"archived {a.name} ({a.start:%Y-%m-%d} – {a.end:%Y-%m-%d}): {a.events} events of "
@@ -914,7 +974,7 @@ def partitions_archive(state: State, dsn: str, older: str, to_dir: Path) -> None
     show_default=True,
     help="Start after this position (0: from the first event).",
 )
-@option("--count", type=int, default=None, help="Exit after N events.")
+@option("--count", type=click.IntRange(1), default=None, help="Exit after N events.")
 @option("--json", "as_json", is_flag=True, help="One JSON object per event.")
 @click.pass_obj
 @handles_errors
@@ -952,8 +1012,8 @@ def tail(
             else:
                 when = "—" if isinstance(ev, Rejected) else f"{ev.created_at:%H:%M:%S.%f}"[:-3]
                 state.console.print(
-                    f"{ev.position:>6} {when}  {ev.agent_id}  "
-                    f"[bold]{ev.event_type}[/]  {summarise(ev)}",
+                    f"{ev.position:>6} {when}  {safe(ev.agent_id)}  "
+                    f"[bold]{safe(ev.event_type)}[/]  {safe(summarise(ev))}",
                     highlight=False,
                     soft_wrap=True,
                 )

@@ -1,0 +1,97 @@
+"""Hostile and careless input at the command line: text from the ledger prints as itself (no
+rich markup, no terminal escape sequence), and an option value no command can use is a usage
+error naming the option (exit 2), never a traceback, a busy loop or a wrong answer."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from tests.support.cdc import assert_clean_exit, run_cli
+from tests.support.harness import Database
+
+# an agent id, a tool name and a result a writer may send: markup that would end or open a
+# style, an escape sequence that would recolour the terminal, a right-to-left override
+AGENT = "mallory[/]\x1b[31m"
+TOOL = "[bold]tool[/bold]\u202e"
+RESULT = "[/][link=http://127.0.0.1/]x\x1b]0;title\x07"
+
+
+@pytest.mark.server
+def test_ledger_text_prints_as_itself(db: Database) -> None:
+    sid, other = uuid.uuid4(), uuid.uuid4()
+    with db.connect() as owner:
+        for s in (sid, other):
+            for etype, payload in (
+                ("tool.invoked", {"call_id": "c[/]", "tool": TOOL}),
+                ("tool.observed", {"call_id": "c[/]", "result": RESULT}),
+                ("task.failed", {"error": "boom [/] \x1b[2J"}),
+            ):
+                owner.execute(
+                    "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                    "VALUES (%s, %s, %s, %s::jsonb)",
+                    (s, AGENT if s == sid else "other", etype, json.dumps(payload)),
+                )
+        owner.commit()
+    for args in (["replay", str(sid)], ["inspect", str(sid)], ["diff", str(sid), str(other)]):
+        r = run_cli(*args, "--dsn", db.dsn)
+        assert_clean_exit(r, 0, 1)
+        assert "\x1b" not in r.output and "\u202e" not in r.output, (args, r.output)
+        assert "\\x1b" in r.output or args[0] == "inspect", (args, r.output)
+    r = run_cli("replay", str(sid), "--dsn", db.dsn)
+    assert "mallory[/]\\x1b[31m" in r.output and "c[/]" in r.output and "[bold]tool" in r.output
+
+
+def test_an_error_holding_markup_is_one_plain_line() -> None:
+    r = run_cli("replay", str(uuid.uuid4()), "--dsn", "host=[/]x[bold] port=notaport")
+    assert_clean_exit(r, 4)
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.output
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["consume", "--heartbeat-interval", "nan"], "finite"),
+        (["consume", "--heartbeat-interval", "inf"], "finite"),
+        (["consume", "--health-interval", "-inf"], "--health-interval"),
+        (["lag", "--crit-share", "nan"], "finite"),
+        (["lag", "--warn-share", "0.9", "--crit-share", "0.5"], "a warning comes first"),
+        (["lag", "--warn-seconds", "600"], "a warning comes first"),
+        (["dispatch", "--poll-interval", "nan"], "finite"),
+        (["dispatch", "--claim-seconds", "nan"], "finite"),
+        (["dispatch", "--backoff", "-1"], "--backoff"),
+        (["outbox", "--limit", "-1"], "--limit"),
+        (["runs", "--limit", "0"], "--limit"),
+        (["inspect", str(uuid.uuid4()), "--last", "-2"], "--last"),
+        (["tail", str(uuid.uuid4()), "--count", "0"], "--count"),
+        (["partitions", "archive", "--older-than", "-30d", "--to", "/tmp"], "above zero"),
+        (["partitions", "archive", "--older-than", "1e10d", "--to", "/tmp"], "duration"),
+        (["partitions", "archive", "--older-than", "", "--to", "/tmp"], "duration"),
+        (["signal", str(uuid.uuid4()), "s", "--payload", "[" * 50_000], "--payload"),
+    ],
+)
+def test_an_option_no_command_can_use_is_a_usage_error(args: list[str], says: str) -> None:
+    # the DSN is never reached: the value is refused before any connection
+    r = run_cli(*args, "--dsn", "host=127.0.0.1 port=1 connect_timeout=1")
+    assert_clean_exit(r, 2)
+    assert says in r.output, r.output
+
+
+@pytest.mark.server
+def test_inspect_last_zero_shows_no_event(db: Database) -> None:
+    sid = uuid.uuid4()
+    with db.connect() as owner:
+        for n in range(3):
+            owner.execute(
+                "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                "VALUES (%s, 'a', 'tool.invoked', %s::jsonb)",
+                (sid, json.dumps({"call_id": f"c{n}", "tool": "t"})),
+            )
+        owner.commit()
+    for last, want in (("0", 0), ("2", 2), ("9", 3)):
+        r = run_cli("inspect", str(sid), "--last", last, "--json", "--dsn", db.dsn)
+        assert_clean_exit(r)
+        assert len(r.output.splitlines()) == want, r.output
