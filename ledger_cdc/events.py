@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import itertools
 import math
 import re
 import uuid
@@ -408,26 +409,34 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 # json_depth: escapes go first (an escaped backslash, then an escaped quote), then everything
-# but brackets and quotes; what lies between quotes is string content; each pass of _INNERMOST
-# then removes exactly one level of what is left (a pass does not cascade).
+# but brackets and quotes; what lies between quotes is string content; objects and arrays nest
+# alike, so braces become brackets. Then two ways to the depth, each at C speed where the other
+# is slow: a pass removing every innermost "[]" takes off one level (quick on wide, leafy data:
+# it shrinks fast), and a running sum over the lengths of the runs of "[" and "]" (quick when
+# the runs are few: deep chains). Each step takes the cheaper: never seconds per megabyte.
 _NOT_SYNTAX = bytes(b for b in range(256) if b not in b'[]{}"')
-_INNERMOST = re.compile(rb"\{\}|\[\]")
+_SQUARE = bytes.maketrans(b"{}", b"[]")
+_RUN = re.compile(rb"\[+|\]+")
 _NOT_OPENING = bytes(b for b in range(256) if b not in b"[{")
 
 
 def json_depth(data: bytes, stop_at: int = READ_MAX_DEPTH) -> int:
     """Nesting depth of JSON text (``stop_at + 1`` for anything deeper), without parsing it: no
-    recursion whatever the input, and each step a C-speed pass over the bytes. Assumes
-    well-formed JSON, which is all a jsonb column can hold."""
+    recursion whatever the input, and a bounded number of C-speed passes over the bytes.
+    Assumes well-formed JSON, which is all a jsonb column can hold."""
     if not (b"{" in data or b"[" in data):
         return 0
     if b"\\" in data:
         data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
     syntax = data.translate(None, _NOT_SYNTAX)
     brackets = b"".join(syntax.split(b'"')[::2]) if b'"' in syntax else syntax
+    brackets = brackets.translate(_SQUARE)
     depth = 0
     while brackets and depth <= stop_at:
-        brackets = _INNERMOST.sub(b"", brackets)
+        if brackets.count(b"[]") * 16 < len(brackets):  # few runs: sum them
+            runs = [len(r) if r[0] == 91 else -len(r) for r in _RUN.findall(brackets)]
+            return min(stop_at + 1, depth + max(itertools.accumulate(runs)))
+        brackets = brackets.replace(b"[]", b"")  # one level off (a pass does not cascade)
         depth += 1
     return depth
 

@@ -10,11 +10,14 @@ every few seconds so a missed notification only delays a line.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from ledger_cdc.client.read import COLUMNS, row_event
 from ledger_cdc.errors import ConfigError, DatabaseUnavailable
@@ -24,11 +27,14 @@ from ledger_cdc.sink.jetstream import JetStreamSettings, WireEvent, wire_event
 
 __all__ = ["follow_jetstream", "follow_postgres"]
 
+log = logging.getLogger(__name__)
+
 _AFTER = (
     f"SELECT {COLUMNS} FROM agent_events WHERE session_id = %s AND position > %s "  # noqa: S608
     "AND position <= coalesce((SELECT last_position FROM agent_sessions WHERE session_id = %s), 0) "
-    "ORDER BY position"
+    "ORDER BY position LIMIT %s"
 )
+_PAGE = 1000
 
 
 async def follow_postgres(
@@ -36,16 +42,20 @@ async def follow_postgres(
 ) -> AsyncIterator[LedgerEvent | Rejected]:
     """Events of the session after position ``after``, as the consumer folds them (a row the
     consumer quarantined comes as :class:`~ledger_cdc.events.Rejected`)."""
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+    timeout = {} if "connect_timeout" in conninfo_to_dict(dsn) else {"connect_timeout": 10}
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, **timeout) as conn:
         await conn.execute(f"LISTEN {SESSIONS_CHANNEL}")
         last = after
         prefix = f"{session_id}:"
         while True:
-            cur = await conn.execute(_AFTER.encode(), (session_id, last, session_id))
-            for row in await cur.fetchall():
-                ev = row_event(row)
-                last = ev.position
-                yield ev
+            rows: list[Any] = [None] * _PAGE
+            while len(rows) == _PAGE:  # a long history a page at a time, never all at once
+                cur = await conn.execute(_AFTER.encode(), (session_id, last, session_id, _PAGE))
+                rows = await cur.fetchall()
+                for row in rows:
+                    ev = row_event(row)
+                    last = row[2] if type(row[2]) is int else last
+                    yield ev
             async for n in conn.notifies(timeout=recheck):
                 if n.payload.startswith(prefix):
                     break
@@ -91,8 +101,12 @@ async def follow_jetstream(
                 msg = await sub.next_msg(timeout=3600)
             except asyncio.TimeoutError:
                 continue
-            w = dec.decode(msg.data)
-            if w.position <= after:
+            try:
+                w = dec.decode(msg.data)
+            except msgspec.DecodeError as e:  # not what a consumer publishes: not an event
+                log.warning("skipped a message on %s that is not an event: %s", subject, e)
+                continue
+            if w.session_id != session_id or w.position <= after:
                 continue
             after = w.position
             if w.omitted and w.rejected is None:

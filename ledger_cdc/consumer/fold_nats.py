@@ -355,7 +355,7 @@ class FoldWorker:
         publish on the subjects can put one there: logged and skipped, never folded)."""
         try:
             ev, lsn = self._event(data)
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, ValueError) as e:  # ValueError: its commit_lsn
             log.warning(
                 "fold %s: stream message %d is not an event, skipped: %s", self.name, seq, e
             )

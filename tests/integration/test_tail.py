@@ -85,11 +85,34 @@ def test_tail_from_jetstream(db: Database, tmp_path: Path) -> None:
             sid = uuid.uuid4()
             _write(db, uuid.uuid4(), 1, 1)  # the stream exists once the consumer published
             until(lambda: conn.execute("SELECT count(*) FROM agent_sessions").fetchone() == (1,))
+            # what anyone allowed to publish on the subject may put there: skipped, not fatal
+            _publish(
+                srv.url,
+                f"ledger.events.{sid}",
+                [b"not json", b'{"seq": 1}', b'{"commit_lsn": 7}', b"[" * 10_000],
+            )
             rows = _follow(db, sid, "--nats", srv.url)
             c.kill()
         assert [r["position"] for r in rows] == [1, 2, 3, 4]
     finally:
         srv.kill()
+
+
+def _publish(url: str, subject: str, bodies: list[bytes]) -> None:
+    import asyncio
+
+    import nats
+
+    async def go() -> None:
+        nc = await nats.connect(servers=[url])
+        try:
+            js = nc.jetstream()
+            for body in bodies:
+                await js.publish(subject, body)
+        finally:
+            await nc.close()
+
+    asyncio.run(go())
 
 
 def test_tail_from_jetstream_honours_the_urls_stream_and_prefix(

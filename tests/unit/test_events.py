@@ -115,3 +115,22 @@ def test_a_lease_of_nan_seconds_saturates_in_the_fold() -> None:
     now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
     assert _lease_until(now, float("nan")) in (MAX_TIME, MIN_TIME)
     assert _lease_until(now, 1e300) == MAX_TIME and _lease_until(now, -1e300) == MIN_TIME
+
+
+def test_json_depth_of_shapes_that_take_either_path() -> None:
+    """Deep chains (summed by runs), wide leafy data (peeled a level at a time) and mixes of the
+    two, with strings holding brackets, give their true depth, capped at stop_at + 1."""
+    from ledger_cdc.events import json_depth
+
+    def chain(d: int, inner: bytes = b"1") -> bytes:
+        return b"[" * d + inner + b"]" * d
+
+    assert json_depth(chain(100_000)) == 257
+    assert json_depth(chain(256)) == 256
+    assert json_depth(b"[" + b",".join([chain(20)] * 5000) + b"]") == 21
+    assert json_depth(b"[" + b",".join([chain(300)] * 50) + b"]", 400) == 301
+    assert json_depth(b"[" + b",".join([b"[1,2]"] * 10_000) + b"]") == 2
+    comb = b"".join(b'{"k": [' + b"[], " * 40 for _ in range(50)) + b"0" + b"]}" * 50
+    assert json_depth(comb) == 101  # 50 × ({ and [), and the empty arrays in the last
+    assert json_depth(b'{"a": "[[[[\\"{{{", "b": [{"c": "]]]"}]}') == 3
+    assert json_depth(chain(10), 5) == 6
