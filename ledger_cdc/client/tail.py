@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ledger_cdc.client.read import COLUMNS, row_event
 from ledger_cdc.errors import ConfigError, DatabaseUnavailable
@@ -42,8 +42,9 @@ async def follow_postgres(
 ) -> AsyncIterator[LedgerEvent | Rejected]:
     """Events of the session after position ``after``, as the consumer folds them (a row the
     consumer quarantined comes as :class:`~ledger_cdc.events.Rejected`)."""
-    timeout = {} if "connect_timeout" in conninfo_to_dict(dsn) else {"connect_timeout": 10}
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, **timeout) as conn:
+    if "connect_timeout" not in conninfo_to_dict(dsn):
+        dsn = make_conninfo(dsn, connect_timeout=10)
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         await conn.execute(f"LISTEN {SESSIONS_CHANNEL}")
         last = after
         prefix = f"{session_id}:"
