@@ -397,3 +397,48 @@ def test_the_consumer_vacuums_the_projections_it_rewrites(db: Database, tmp_path
             w.stop()
         wait_caught_up(db.dsn)
     assert_projections_equal_refold(db.dsn)
+
+
+def _streamed_txns(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute(
+        "SELECT coalesce(sum(stream_txns), 0) FROM pg_stat_replication_slots"
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_a_relation_of_an_aborted_streamed_transaction_is_not_kept(db: Database) -> None:
+    """A streamed transaction that changes the ledger's shape sends its Relation mid-stream,
+    then aborts: the rows after it are decoded by the shape that committed."""
+    sid = uuid.uuid4()
+    with InThread(db.dsn), Ledger(db.dsn) as ledger, db.connect() as watch:
+        watch.autocommit = True
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
+        wait_caught_up(db.dsn)
+        before = _streamed_txns(watch)
+        with db.connect() as conn, pytest.raises(RuntimeError), conn.transaction():
+            row = conn.execute(
+                "SELECT attnames FROM pg_publication_tables "
+                "WHERE pubname = 'agent_pub' AND tablename = 'agent_events'"
+            ).fetchone()
+            assert row is not None
+            columns = ", ".join([*row[0], "tenant"])
+            conn.execute("ALTER TABLE agent_events ADD COLUMN tenant text DEFAULT 'acme'")
+            conn.execute(f"ALTER PUBLICATION agent_pub SET TABLE agent_events ({columns})")
+            conn.execute(
+                "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                "SELECT %s, 'big', 'app.padding', jsonb_build_object('pad', repeat('y', 300)) "
+                "FROM generate_series(1, 2000)",
+                (uuid.uuid4(),),
+            )
+            until(lambda: _streamed_txns(watch) > before, timeout=60)
+            raise RuntimeError("abort after the server streamed it")
+        ledger.append(
+            sid, "a", "tool.observed", {"call_id": "1", "result": 5}, idempotency_key="k2"
+        )
+        wait_caught_up(db.dsn)
+    with db.connect() as conn:
+        (ctx,) = stored_projections(conn).values()
+        dead = conn.execute("SELECT reason FROM ledger_dead_letters").fetchall()
+    assert dead == []
+    assert ctx.completed_tools["1"].result == 5 and ctx.event_count == 2
+    assert_projections_equal_refold(db.dsn)
