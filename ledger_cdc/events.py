@@ -64,6 +64,7 @@ __all__ = [
     "decode_payload",
     "encode_payload",
     "event_types",
+    "has_non_finite",
     "json_depth",
     "load_payload",
     "payload_type",
@@ -531,7 +532,7 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
         ) from e
     # the encoder writes NaN and ±Infinity as null: a ttl of NaN would be stored as null, which
     # readers quarantine (JSON has no such numbers)
-    if b"null" in data and _non_finite(msgspec.to_builtins(value)):
+    if b"null" in data and has_non_finite(msgspec.to_builtins(value)):
         raise InvalidEventError(
             f"{event_type} payload holds NaN or an infinity, which JSON cannot: use a finite "
             "number (or a string)"
@@ -558,7 +559,7 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
     return refuse_nul(data, f"{event_type} payload")
 
 
-def _non_finite(value: Any) -> bool:
+def has_non_finite(value: Any) -> bool:
     """Whether a float NaN or ±inf is anywhere in ``value`` (builtins; depth already bounded by
     the encoder)."""
     stack = [value]

@@ -34,7 +34,14 @@ from ledger_cdc.errors import (
     InvalidEventError,
     translate,
 )
-from ledger_cdc.events import DEFAULT_LIMITS, Limits, encode_payload, refuse_nul, too_deep
+from ledger_cdc.events import (
+    DEFAULT_LIMITS,
+    Limits,
+    encode_payload,
+    has_non_finite,
+    refuse_nul,
+    too_deep,
+)
 
 __all__ = [
     "AppendResult",
@@ -107,6 +114,25 @@ def _session_uuid(session_id: object) -> uuid.UUID:
     raise InvalidEventError(f"session_id must be a UUID, got {session_id!r}")
 
 
+INDEXED_MAX_BYTES = 1024
+
+
+def _indexed(what: str, value: str) -> None:
+    """A string the ledger indexes (an index entry is bounded, about 2.7 kB) and stores as
+    text: at most INDEXED_MAX_BYTES of UTF-8, no NUL, no lone surrogate."""
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError:
+        raise InvalidEventError(f"{what} holds a lone surrogate, which UTF-8 cannot") from None
+    if size > INDEXED_MAX_BYTES:
+        raise InvalidEventError(
+            f"{what} is {size:,} bytes, over the {INDEXED_MAX_BYTES:,} an indexed key may "
+            "hold: use a digest of it"
+        )
+    if "\x00" in value:
+        raise InvalidEventError(f"{what} holds a NUL character, which PostgreSQL text cannot")
+
+
 def _prepare(
     session_id: object,
     agent_id: object,
@@ -120,6 +146,7 @@ def _prepare(
     sid = _session_uuid(session_id)
     if not isinstance(agent_id, str) or not agent_id:
         raise InvalidEventError(f"agent_id must be a non-empty string, got {agent_id!r}")
+    _indexed("agent_id", agent_id)
     if expected_position is not None and (
         isinstance(expected_position, bool)
         or not isinstance(expected_position, int)
@@ -135,6 +162,8 @@ def _prepare(
         raise InvalidEventError(
             f"idempotency_key must be a non-empty string, got {idempotency_key!r}"
         )
+    if idempotency_key is not None:
+        _indexed("idempotency_key", idempotency_key)
     data = encode_payload(event_type, payload, limits).decode()
     items: list[tuple[str, str, str | None]] = []
     for item in outbox:
@@ -142,12 +171,19 @@ def _prepare(
             raise InvalidEventError(
                 f"outbox entries must be OutboxItem with a target, got {item!r}"
             )
+        _indexed("outbox target", item.target)
+        if item.idempotency_key is not None:
+            _indexed("outbox idempotency_key", item.idempotency_key)
         try:
             body = msgspec.json.encode(item.payload).decode()
-        except (TypeError, msgspec.EncodeError) as e:
+        except (TypeError, ValueError, msgspec.EncodeError) as e:  # ValueError: as in events
             raise InvalidEventError(
                 f"outbox payload for {item.target} is not JSON-serialisable: {e}"
             ) from e
+        if "null" in body and has_non_finite(msgspec.to_builtins(item.payload)):
+            raise InvalidEventError(
+                f"outbox payload for {item.target} holds NaN or an infinity, which JSON cannot"
+            )
         raw = refuse_nul(body.encode(), f"outbox payload for {item.target}")
         if len(raw) > limits.max_bytes or too_deep(raw, limits.max_depth):
             raise InvalidEventError(

@@ -27,7 +27,7 @@ from psycopg import sql
 from ledger_cdc.admin.schema import drop_slot
 from ledger_cdc.admin.verify import verify
 from ledger_cdc.client.recovery import memoised_model, memoised_tool, rebuild_context
-from ledger_cdc.client.writer import Ledger
+from ledger_cdc.client.writer import Ledger, OutboxItem
 from ledger_cdc.errors import InvalidEventError
 from ledger_cdc.events import MAX_TIME, MIN_TIME, READ_MAX_DEPTH, Limits
 from ledger_cdc.fold import SessionContext, memo_key
@@ -512,6 +512,24 @@ def test_the_writer_refuses_what_readers_would_quarantine(db: Database) -> None:
             small.append(sid, "a", "tool.observed", {"call_id": "c", "result": [[[[[[[[1]]]]]]]]})
     with pytest.raises(ValueError, match="max_depth"):
         Limits(max_depth=READ_MAX_DEPTH + 1)
+    # what the server would refuse with an error of its own (an index entry's size, a NUL, a
+    # lone surrogate) or store as null (NaN): refused by the writer, saying what and why
+    invoked = {"call_id": "c", "tool": "t"}
+    with Ledger(db.dsn) as ledger:
+        for agent, key, outbox, says in (
+            ("a" * 5000, None, (), "agent_id is 5,000 bytes"),
+            ("a", "k" * 3000, (), "idempotency_key is 3,000 bytes"),
+            ("a\x00b", None, (), "NUL"),
+            ("a\ud800", None, (), "surrogate"),
+            ("a", None, (OutboxItem("t" * 2000, {}),), "outbox target is 2,000 bytes"),
+            ("a", None, (OutboxItem("t", {}, "k" * 2000),), "outbox idempotency_key"),
+            ("a", None, (OutboxItem("t", {"x": float("nan")}),), "NaN"),
+            ("a", None, (OutboxItem("t", {"x": 10**5000}),), "not JSON-serialisable"),
+        ):
+            with pytest.raises(InvalidEventError, match=says):
+                ledger.append(
+                    sid, agent, "tool.invoked", invoked, idempotency_key=key, outbox=outbox
+                )
     with db.connect() as conn:
         assert conn.execute("SELECT count(*) FROM agent_events").fetchone() == (0,)
 
