@@ -44,6 +44,7 @@ from ledger_cdc.events import (
 )
 
 __all__ = [
+    "INDEXED_MAX_BYTES",
     "AppendResult",
     "AsyncLedger",
     "AsyncWriteTransaction",
