@@ -539,6 +539,13 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
         )
     if not data.startswith(b"{"):
         raise InvalidEventError(f"{event_type} payload must be a JSON object, got {data[:40]!r}")
+    if value is payload:
+        # a Struct built by its constructor, which checks no type (RunLeased("w", True)): read
+        # back as every reader will, or refused
+        try:
+            load_payload(event_type, data)
+        except InvalidEventError as e:
+            raise InvalidEventError(f"{e} (as built by {type(payload).__name__}(…))") from None
     if len(data) > limits.max_bytes:
         raise InvalidEventError(
             f"{event_type} payload is {len(data):,} bytes of JSON, over the limit of "

@@ -44,6 +44,7 @@ from ledger_cdc.client.writer import (
 )
 from ledger_cdc.errors import (
     ConcurrentAppendError,
+    InvalidEventError,
     LeaseLostError,
     NoSuchSessionError,
     RunNotReadyError,
@@ -356,7 +357,7 @@ class LeasedRun(_RunBase):
 
     def suspend(self, reason: str, wait_for: Iterable[str]) -> AppendResult:
         """Wait for one of the signals ``wait_for``; the lease ends with this append."""
-        return self.append("run.suspended", RunSuspended(reason, list(wait_for)))
+        return self.append("run.suspended", RunSuspended(reason, _signal_names(wait_for)))
 
     def release(self, reason: str | None = None) -> AppendResult:
         return self.append("run.released", RunReleased(self.worker, reason))
@@ -397,7 +398,7 @@ class AsyncLeasedRun(_RunBase):
         return await drive_async(self.conn, self._renew_ops(force))
 
     async def suspend(self, reason: str, wait_for: Iterable[str]) -> AppendResult:
-        return await self.append("run.suspended", RunSuspended(reason, list(wait_for)))
+        return await self.append("run.suspended", RunSuspended(reason, _signal_names(wait_for)))
 
     async def release(self, reason: str | None = None) -> AppendResult:
         return await self.append("run.released", RunReleased(self.worker, reason))
@@ -409,10 +410,30 @@ class AsyncLeasedRun(_RunBase):
         return await self.append("task.failed", TaskFailed(error, retryable))
 
 
+MAX_WAIT_FOR = 1000
+
+
+def _signal_names(wait_for: Iterable[str]) -> list[str]:
+    """The names a suspended run waits for: strings, not one string (which would be its
+    letters), at most MAX_WAIT_FOR of them."""
+    if isinstance(wait_for, (str, bytes)):
+        raise InvalidEventError(
+            f"wait_for must be a list of signal names, got the string {wait_for!r:.80} "
+            "(write [name] for one)"
+        )
+    names = list(wait_for)
+    if len(names) > MAX_WAIT_FOR:
+        raise InvalidEventError(f"wait_for holds {len(names):,} names, over {MAX_WAIT_FOR:,}")
+    odd = [n for n in names if not isinstance(n, str) or not n]
+    if odd:
+        raise InvalidEventError(f"wait_for must hold non-empty strings, got {odd[0]!r:.80}")
+    return names
+
+
 def _lease_ops(
     session_id: uuid.UUID | str, worker: str, ttl: float
 ) -> Ops[tuple[SessionContext, int]]:
-    if not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):  # NaN fails both
+    if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):
         raise ValueError(f"ttl must be a finite number of seconds above 0, got {ttl!r}")
     ctx: SessionContext = yield _rebuild(session_id)
     _leasable(ctx, (yield _SERVER_NOW))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import threading
 import uuid
 from dataclasses import dataclass
@@ -65,10 +66,13 @@ class _RawWire(WireEvent):
     payload: msgspec.Raw
 
 
+_PART = re.compile(r"[0-9]{1,3}")  # ASCII digits only ("²".isdigit() is True)
+
+
 def parse_partition(text: str) -> tuple[int, int]:
     """``K/N`` → (K, N), 0 ≤ K < N ≤ 256."""
     k, sep, n = text.partition("/")
-    if not sep or not k.strip().isdigit() or not n.strip().isdigit():
+    if not sep or not _PART.fullmatch(k.strip()) or not _PART.fullmatch(n.strip()):
         raise ConfigError(f"--partition {text!r}: expected K/N, e.g. 0/4")
     kk, nn = int(k), int(n)
     if not 1 <= nn <= 256 or not 0 <= kk < nn:

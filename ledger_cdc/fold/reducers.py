@@ -263,8 +263,9 @@ def _run_suspended(ctx: SessionContext, ev: LedgerEvent) -> None:
         list(p.wait_for),
     )
     run.woken_by = None
+    waiting = set(run.wait_for)  # an inbox × a long list would be quadratic
     for i, sig in enumerate(run.inbox):  # the signal may have come first
-        if sig.name in run.wait_for:
+        if sig.name in waiting:
             del run.inbox[i]
             run.status, run.woken_by = RUN_PENDING, sig
             return

@@ -45,7 +45,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+from urllib.parse import parse_qsl
 
 import msgspec
 
@@ -64,11 +65,14 @@ def _flag(value: str) -> bool:
     raise ValueError(value)
 
 
-def _seconds(value: str) -> float:
-    v = float(value)
-    if not (math.isfinite(v) and 0 < v <= 86_400 * 365):
-        raise ValueError(value)
-    return v
+def _seconds_between(low: float, high: float) -> Callable[[str], float]:
+    def parse(value: str) -> float:
+        v = float(value)
+        if not (math.isfinite(v) and low <= v <= high):
+            raise ValueError(value)
+        return v
+
+    return parse
 
 
 def _replicas(value: str) -> int:
@@ -79,14 +83,24 @@ def _replicas(value: str) -> int:
 
 
 def _stream_name(value: str) -> str:
-    if not value or len(value) > 255 or any(c in value for c in " \t\r\n.*>/\\"):
+    if (
+        not value
+        or len(value) > 255
+        or not (value.isascii() and value.isprintable())
+        or any(c in value for c in " .*>/\\$")
+    ):
         raise ValueError(value)
     return value
 
 
 def _subject_prefix(value: str) -> str:
     tokens = value.split(".")
-    if any(not t or any(c in t for c in " \t\r\n*>") for t in tokens) or len(value) > 200:
+    if (
+        any(not t or any(c in t for c in " *>") for t in tokens)
+        or not (value.isascii() and value.isprintable())
+        or value.startswith("$")  # $JS, $SYS: the server's own subjects
+        or len(value) > 200
+    ):
         raise ValueError(value)
     return value
 
@@ -96,8 +110,8 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "stream": (_stream_name, "a stream name (no spaces, dots, wildcards or slashes)"),
     "prefix": (_subject_prefix, "a subject prefix (dot-separated tokens, no wildcards)"),
     "replicas": (_replicas, "a whole number from 1 to 5"),
-    "duplicate_window": (_seconds, "a positive number of seconds"),
-    "ack_timeout": (_seconds, "a positive number of seconds"),
+    "duplicate_window": (_seconds_between(0.001, 86_400 * 365), "seconds, from 0.001 to a year"),
+    "ack_timeout": (_seconds_between(0.1, 600), "seconds, from 0.1 to 600"),
     "batched": (_flag, "true or false"),
 }
 
@@ -123,8 +137,9 @@ class JetStreamSettings:
         if not servers or bad:
             raise ConfigError(f"{option} {url!r}: expected nats://host:port[,nats://host:port…]")
         kw: dict[str, Any] = {}
-        for item in filter(None, query.split("&")):
-            key, _, value = item.partition("=")
+        for key, value in parse_qsl(query, keep_blank_values=True):
+            if key in kw:
+                raise ConfigError(f"{option} {url!r}: {key} given twice")
             if key not in _OPTIONS:
                 raise ConfigError(
                     f"{option} {url!r}: unknown option {key!r} (use {', '.join(_OPTIONS)})"
@@ -137,12 +152,15 @@ class JetStreamSettings:
         return cls(servers, **kw)
 
 
+_Int64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
 class WireEvent(msgspec.Struct):
     """The JSON body of a ``ledger.events.<session>`` message."""
 
-    seq: int
+    seq: _Int64  # a forged 2**64 would fail every write of it: not an event
     session_id: uuid.UUID
-    position: int
+    position: _Int64
     agent_id: str
     event_type: str
     payload: Any

@@ -196,3 +196,36 @@ def test_runs_and_signal_commands(db: Database, consumer: ConsumerProcess) -> No
     )
     with psycopg.connect(db.dsn) as conn:
         assert list_runs(conn, "suspended") == []
+
+
+def test_run_arguments_a_reader_would_not_take_are_refused(db: Database) -> None:
+    """A ttl of True or NaN, a signal name that is not a string, one string given as the names
+    to wait for (its letters): each refused by the writer, nothing appended, the run still
+    leasable by exactly one worker."""
+    from ledger_cdc.errors import InvalidEventError
+
+    sid = uuid.uuid4()
+    with db.connect() as conn:
+        submit(conn, sid)
+        for ttl in (True, float("nan"), float("inf"), 0, -5):
+            with pytest.raises(ValueError, match="ttl must be"):
+                lease(conn, sid, "w1", ttl=ttl)
+        with pytest.raises(InvalidEventError, match="Expected `str`"):
+            signal(conn, sid, 123)  # type: ignore[arg-type]
+        run = lease(conn, sid, "w1")
+        with pytest.raises(InvalidEventError, match="the string 'approval'"):
+            run.suspend("waiting", "approval")
+        with pytest.raises(InvalidEventError, match="non-empty strings"):
+            run.suspend("waiting", ["ok", 7])  # type: ignore[list-item]
+        with pytest.raises(InvalidEventError, match="over 1,000"):
+            run.suspend("waiting", [f"s{i}" for i in range(1001)])
+        (n,) = conn.execute(  # type: ignore[misc]
+            "SELECT count(*) FROM agent_events WHERE session_id = %s", (sid,)
+        ).fetchone()
+        assert n == 2  # run.queued, run.leased
+        run.suspend("waiting", ["approval"])
+        signal(conn, sid, "a")  # one of its letters: not what it waits for
+        with pytest.raises(RunNotReadyError):
+            lease(conn, sid, "w2")
+        signal(conn, sid, "approval")
+        assert lease(conn, sid, "w2").ctx.run is not None

@@ -134,3 +134,18 @@ def test_json_depth_of_shapes_that_take_either_path() -> None:
     assert json_depth(comb) == 101  # 50 × ({ and [), and the empty arrays in the last
     assert json_depth(b'{"a": "[[[[\\"{{{", "b": [{"c": "]]]"}]}') == 3
     assert json_depth(chain(10), 5) == 6
+
+
+def test_a_struct_built_with_the_wrong_types_is_refused_by_the_writer() -> None:
+    """A msgspec Struct's constructor checks no type: the writer reads the bytes back as every
+    reader will, so what it stores is never quarantined."""
+    from ledger_cdc.events import RunLeased, RunSuspended, SignalReceived
+
+    for etype, payload in (
+        ("run.leased", RunLeased("w", True)),  # type: ignore[arg-type]
+        ("signal.received", SignalReceived(123)),  # type: ignore[arg-type]
+        ("run.suspended", RunSuspended(None)),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InvalidEventError, match="as built by"):
+            encode_payload(etype, payload)
+    assert encode_payload("run.leased", RunLeased("w", 30)) == b'{"worker":"w","ttl":30}'
