@@ -27,6 +27,7 @@ Sync and async methods share one implementation (SQL steps run by ``client.steps
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import uuid
 from collections import OrderedDict
@@ -51,7 +52,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from ledger_cdc.client.steps import Step, Steps, run, run_async
 from ledger_cdc.client.writer import AsyncLedger, Ledger
-from ledger_cdc.errors import ConfigError
+from ledger_cdc.errors import ConfigError, InvalidEventError
 from ledger_cdc.events import (
     Blob,
     CheckpointSaved,
@@ -66,6 +67,7 @@ from ledger_cdc.events import (
 
 __all__ = ["LANGGRAPH_NAMESPACE", "AsyncLedgerSaver", "LedgerSaver", "thread_session"]
 
+log = logging.getLogger(__name__)
 LANGGRAPH_NAMESPACE = uuid.UUID("5f0e0c3a-8d1b-5a44-9a3e-6c6564676572")
 AGENT = "langgraph"
 _FULL_EVERY = 32  # a full value at least every this many versions of a list channel
@@ -113,7 +115,19 @@ class _Thread:
     )
 
     def fold(self, event_type: str, text: str) -> None:
-        ev = _decoders[event_type].decode(text)
+        dec = _decoders.get(event_type)
+        if dec is None:  # a type of a newer version: not this saver's to read
+            return
+        try:
+            ev = dec.decode(text)
+        except msgspec.DecodeError as e:  # as every reader does: one bad row is skipped
+            log.warning(
+                "thread %r: a %s event that does not fit, skipped: %s",
+                self.thread_id,
+                event_type,
+                e,
+            )
+            return
         if isinstance(ev, ThreadDeleted):
             self.checkpoints.clear()
             self.blobs.clear()
@@ -358,6 +372,31 @@ class LedgerSaver(BaseCheckpointSaver[str]):
     # -- reads ------------------------------------------------------------------------------------
 
     def _tuple(self, t: _Thread, ns: str, cp: CheckpointSaved) -> CheckpointTuple:
+        """The checkpoint as LangGraph takes it; InvalidEventError if what the ledger holds for
+        it cannot be read back (bad base64, a serde tag this version lacks, a wrong shape)."""
+        try:
+            return self._tuple_of(t, ns, cp)
+        except Exception as e:  # whatever a serializer raises
+            raise InvalidEventError(
+                f"checkpoint {cp.checkpoint_id!r} of thread {cp.thread_id!r} cannot be read "
+                f"back: {type(e).__name__}: {str(e)[:200]}"
+            ) from e
+
+    def _metadata(self, cp: CheckpointSaved) -> dict[str, Any]:
+        try:
+            meta = self.serde.loads_typed(cp.metadata.pair())
+        except Exception as e:  # whatever a serializer raises
+            raise InvalidEventError(
+                f"the metadata of checkpoint {cp.checkpoint_id!r} of thread {cp.thread_id!r} "
+                f"cannot be read back: {type(e).__name__}: {str(e)[:200]}"
+            ) from e
+        if not isinstance(meta, dict):
+            raise InvalidEventError(
+                f"the metadata of checkpoint {cp.checkpoint_id!r} is not a mapping"
+            )
+        return meta
+
+    def _tuple_of(self, t: _Thread, ns: str, cp: CheckpointSaved) -> CheckpointTuple:
         checkpoint: Any = self.serde.loads_typed(cp.checkpoint.pair())
         values: dict[str, Any] = {}
         for ch, version in (checkpoint.get("channel_versions") or {}).items():
@@ -484,11 +523,16 @@ class LedgerSaver(BaseCheckpointSaver[str]):
                     if before_id and not cid < before_id:
                         continue
                     cp = t.checkpoints[(ns, cid)]
-                    if filter:
-                        meta = self.serde.loads_typed(cp.metadata.pair())
-                        if not all(meta.get(k) == v for k, v in filter.items()):
-                            continue
-                    out.append(self._tuple(t, ns, cp))
+                    try:
+                        if filter:
+                            meta = self._metadata(cp)
+                            if not all(meta.get(k) == v for k, v in filter.items()):
+                                continue
+                        found = self._tuple(t, ns, cp)
+                    except InvalidEventError as e:  # one unreadable checkpoint: not the list
+                        log.warning("list: %s; skipped", e)
+                        continue
+                    out.append(found)
                     if limit is not None and len(out) >= limit:
                         return out
         return out

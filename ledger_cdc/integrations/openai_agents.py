@@ -16,6 +16,7 @@ pop. The session id is the SDK's string; its ledger session is ``uuid5(OPENAI_NA
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -33,6 +34,7 @@ except ImportError:  # pragma: no cover - without the SDK
 
 __all__ = ["OPENAI_NAMESPACE", "LedgerSession", "conversation_session"]
 
+log = logging.getLogger(__name__)
 OPENAI_NAMESPACE = uuid.UUID("0b1c6f0e-3f1a-5d2e-8f44-6f70656e6169")
 AGENT = "openai-agents"
 
@@ -52,18 +54,22 @@ def conversation_session(session_id: str) -> uuid.UUID:
 def _history_steps(sid: uuid.UUID) -> Steps[tuple[list[tuple[int, int, Any]], int]]:
     """The session's items as (added at, index, item), and the session's last position."""
     rows = yield Step(_EVENTS, (sid,))
-    items: list[tuple[int, int, Any]] = []
+    items: dict[tuple[int, int], Any] = {}  # (added at, index) → item, in order; pop by key
     head = 0
     for position, event_type, text in rows:
         head = position
-        if event_type == "openai.items.added":
-            items.extend((position, i, it) for i, it in enumerate(_added.decode(text).items))
-        elif event_type == "openai.item.popped":
-            p = _popped.decode(text)
-            items = [x for x in items if (x[0], x[1]) != (p.added_at, p.index)]
-        elif event_type == "openai.items.cleared":
-            items = []
-    return items, head
+        try:
+            if event_type == "openai.items.added":
+                added = _added.decode(text).items
+                items.update(((position, i), it) for i, it in enumerate(added))
+            elif event_type == "openai.item.popped":
+                p = _popped.decode(text)
+                items.pop((p.added_at, p.index), None)
+            elif event_type == "openai.items.cleared":
+                items.clear()
+        except msgspec.DecodeError as e:  # as every reader does: one bad row is skipped
+            log.warning("session %s: a %s event that does not fit, skipped: %s", sid, event_type, e)
+    return [(at, i, it) for (at, i), it in items.items()], head
 
 
 class LedgerSession(_Base):

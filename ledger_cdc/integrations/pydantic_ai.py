@@ -20,7 +20,9 @@ applied as the run's events are read.
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
+from collections.abc import Iterable
 from dataclasses import fields
 from datetime import datetime
 from typing import Any
@@ -37,11 +39,12 @@ from pydantic_ai_harness.step_persistence._types import (
 from ledger_cdc.client.recovery import rebuild_context_async
 from ledger_cdc.client.steps import Step, Steps, run_async
 from ledger_cdc.client.writer import AsyncLedger
-from ledger_cdc.errors import IdempotencyConflictError, NoSuchSessionError
+from ledger_cdc.errors import IdempotencyConflictError, InvalidEventError, NoSuchSessionError
 from ledger_cdc.events import HarnessRecord, ToolInvoked, ToolObserved
 
 __all__ = ["PYDANTIC_NAMESPACE", "LedgerStepStore", "run_session"]
 
+log = logging.getLogger(__name__)
 PYDANTIC_NAMESPACE = uuid.UUID("3d3f1c55-9a0b-5e7c-a1d2-707964616e74")
 AGENT = "pydantic-ai"
 
@@ -73,15 +76,32 @@ def _to_json(obj: Any) -> dict[str, Any]:
     return out
 
 
-def _from_json(cls: Any, data: dict[str, Any]) -> Any:
-    kw = dict(data)
-    for f in fields(cls):
-        v = kw.get(f.name)
-        if f.name in ("timestamp", "started_at", "ended_at") and isinstance(v, str):
-            kw[f.name] = datetime.fromisoformat(v)
-        elif f.name == "messages" and v is not None:
-            kw[f.name] = ModelMessagesTypeAdapter.validate_python(v)
-    return cls(**kw)
+def _from_json(cls: Any, data: Any) -> Any:
+    """A stored record as ``cls``: fields it does not declare are left out (a newer writer);
+    one that cannot be made (a field missing or of the wrong shape) is InvalidEventError."""
+    try:
+        kw = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        for name, v in kw.items():
+            if name in ("timestamp", "started_at", "ended_at") and isinstance(v, str):
+                kw[name] = datetime.fromisoformat(v)
+            elif name == "messages" and v is not None:
+                kw[name] = ModelMessagesTypeAdapter.validate_python(v)
+        return cls(**kw)
+    except Exception as e:  # whatever a record's constructor or validator raises
+        raise InvalidEventError(
+            f"a stored {cls.__name__} cannot be read back: {type(e).__name__}: {str(e)[:200]}"
+        ) from e
+
+
+def _readable(cls: Any, texts: Iterable[str]) -> list[Any]:
+    """The records that read back; one that does not is logged and skipped, not the list."""
+    out = []
+    for text in texts:
+        try:
+            out.append(_from_json(cls, _record.decode(text).record))
+        except (InvalidEventError, msgspec.DecodeError) as e:
+            log.warning("%s; skipped", e)
+    return out
 
 
 def _rows_steps(run_id: str, kinds: list[str]) -> Steps[list[tuple[Any, ...]]]:
@@ -175,7 +195,7 @@ class LedgerStepStore:
         latest: dict[Any, str] = {}
         for sid, _, text in rows:
             latest[sid] = text  # the last registration of each run wins
-        records = [_from_json(RunRecord, _record.decode(t).record) for t in latest.values()]
+        records: list[RunRecord] = _readable(RunRecord, latest.values())
         return sorted(
             (
                 r
@@ -195,7 +215,7 @@ class LedgerStepStore:
 
     async def list_events(self, *, run_id: str) -> list[StepEvent]:
         rows = await self._rows(run_id, "pydantic.step")
-        return [_from_json(StepEvent, _record.decode(t).record) for _, _, t in rows]
+        return _readable(StepEvent, (t for _, _, t in rows))
 
     # -- snapshots ------------------------------------------------------------------------------
 

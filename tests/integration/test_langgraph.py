@@ -266,3 +266,58 @@ def test_a_worker_killed_after_its_call_is_resumed_without_calling_again(
     with db.connect() as conn:
         ctx = rebuild_context(conn, thread_session(thread))
     assert ctx.completed_tools["charge"].idempotency_key == f"{thread}:charge"
+
+
+def test_an_unreadable_row_spoils_only_its_checkpoint(db: Database) -> None:
+    """A checkpoint whose stored value cannot be read back (bad base64 here), and an event type
+    of a newer version: get_tuple says which checkpoint with a library error, list skips it,
+    every other checkpoint and thread reads as before."""
+    import json
+
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from ledger_cdc.errors import InvalidEventError
+
+    saver = LedgerSaver.from_dsn(db.dsn)
+    a, b = f"a-{uuid.uuid4()}", f"b-{uuid.uuid4()}"
+    try:
+        good = {}
+        for thread in (a, b):
+            cp = empty_checkpoint()
+            cp["channel_values"] = {"messages": ["hi"]}
+            cp["channel_versions"] = {"messages": saver.get_next_version(None, None)}
+            config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+            good[thread] = saver.put(
+                config, cp, {"source": "input", "step": -1}, cp["channel_versions"]
+            )
+        with db.connect() as owner:
+            (payload,) = owner.execute(  # type: ignore[misc]
+                "SELECT payload::text FROM agent_events WHERE session_id = %s",
+                (thread_session(a),),
+            ).fetchone()
+            bad = json.loads(payload)
+            bad["checkpoint_id"] = "~" + bad["checkpoint_id"]  # sorts after: the latest
+            bad["checkpoint"] = ["json", "!!not base64"]
+            for etype, body in (
+                ("langgraph.checkpoint", bad),
+                ("langgraph.from_the_future", {"x": 1}),
+            ):
+                owner.execute(
+                    "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                    "VALUES (%s, 'langgraph', %s, %s::jsonb)",
+                    (thread_session(a), etype, json.dumps(body)),
+                )
+            owner.commit()
+        fresh = LedgerSaver.from_dsn(db.dsn)
+        try:
+            with pytest.raises(InvalidEventError, match="cannot be read back"):
+                fresh.get_tuple({"configurable": {"thread_id": a}})
+            assert [t.config for t in fresh.list({"configurable": {"thread_id": a}})] == [good[a]]
+            assert {t.config["configurable"]["thread_id"] for t in fresh.list(None)} >= {a, b}
+            got = fresh.get_tuple({"configurable": {"thread_id": b}})
+            assert got is not None and got.checkpoint["channel_values"] == {"messages": ["hi"]}
+            fresh.put_writes(good[b], [("messages", "there")], "task-1")  # still writes
+        finally:
+            fresh.close()
+    finally:
+        saver.close()

@@ -112,3 +112,32 @@ def test_concurrent_writers_keep_the_history_whole(db: Database) -> None:
             (conversation_session(sid),),
         ).fetchone()
     assert row is not None and row[0] == 40 + len(popped)
+
+
+def test_a_row_that_does_not_fit_is_skipped_and_pops_stay_linear(db: Database) -> None:
+    """A malformed row is skipped (the rest of the history reads); many pops of a long
+    history are applied by key, not by rebuilding the list per pop."""
+    import json
+
+    async def go() -> tuple[list[Any], Any]:
+        ledger = await AsyncLedger.connect(db.dsn)
+        ours = LedgerSession(f"conv-{uuid.uuid4()}", ledger)
+        try:
+            await ours.add_items([_item(n) for n in range(3000)])
+            for _ in range(2990):
+                await ours.pop_item()
+            async with ledger.connection() as conn:
+                await conn.execute(
+                    "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                    "VALUES (%s, 'x', 'openai.items.added', %s::jsonb)",
+                    (ours.ledger_session, json.dumps({"items": "abc"})),
+                )
+                await conn.commit()
+            await ours.add_items([_item(9999)])
+            return await ours.get_items(), await ours.pop_item()
+        finally:
+            await ledger.close()
+
+    items, last = asyncio.run(go())
+    assert items == [*[_item(n) for n in range(10)], _item(9999)]
+    assert last == _item(9999)

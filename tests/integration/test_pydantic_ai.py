@@ -195,3 +195,32 @@ def test_an_agent_run_with_step_persistence_is_a_ledger_session(db: Database) ->
             (run_session("agent-run-1"),),
         ).fetchone()
     assert n > 3
+
+
+def test_a_stored_record_a_newer_or_broken_writer_left_is_read_or_skipped(db: Database) -> None:
+    """A run record with a field this version does not declare reads back without it; one
+    that cannot be made (no run_id) is skipped by list_runs, not fatal to it."""
+    import json
+
+    from ledger_cdc.integrations.pydantic_ai import run_session
+
+    async def go() -> list[str]:
+        ledger = await AsyncLedger.connect(db.dsn)
+        try:
+            store = LedgerStepStore(ledger)
+            async with ledger.connection() as conn:
+                for run_id, record in (
+                    ("newer", {"run_id": "newer", "from_the_future": 1}),
+                    ("broken", {"not_a_run": True}),
+                ):
+                    await conn.execute(
+                        "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                        "VALUES (%s, 'x', 'pydantic.run.registered', %s::jsonb)",
+                        (run_session(run_id), json.dumps({"record": record})),
+                    )
+                await conn.commit()
+            return [r.run_id for r in await store.list_runs()]
+        finally:
+            await ledger.close()
+
+    assert asyncio.run(go()) == ["newer"]
