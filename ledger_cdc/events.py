@@ -508,7 +508,8 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
     writer is strict: a field its type does not declare (``"args"`` for ``"arguments"``) is
     refused rather than dropped, and so is a payload deeper or larger than ``limits``."""
     typ = payload_type(event_type)
-    if isinstance(typ, type) and issubclass(typ, msgspec.Struct) and isinstance(payload, typ):
+    built = isinstance(typ, type) and issubclass(typ, msgspec.Struct) and isinstance(payload, typ)
+    if built:
         value = payload
     else:
         try:
@@ -539,13 +540,6 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
         )
     if not data.startswith(b"{"):
         raise InvalidEventError(f"{event_type} payload must be a JSON object, got {data[:40]!r}")
-    if value is payload:
-        # a Struct built by its constructor, which checks no type (RunLeased("w", True)): read
-        # back as every reader will, or refused
-        try:
-            load_payload(event_type, data)
-        except InvalidEventError as e:
-            raise InvalidEventError(f"{e} (as built by {type(payload).__name__}(…))") from None
     if len(data) > limits.max_bytes:
         raise InvalidEventError(
             f"{event_type} payload is {len(data):,} bytes of JSON, over the limit of "
@@ -554,6 +548,13 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
         )
     if too_deep(data, limits.max_depth):
         raise _too_deep(event_type, limits)
+    if built:
+        # a Struct built by its constructor, which checks no type (RunLeased("w", True)): read
+        # back as every reader will, or refused
+        try:
+            load_payload(event_type, data)
+        except InvalidEventError as e:
+            raise InvalidEventError(f"{e} (as built by {type(payload).__name__}(…))") from None
     if value is not payload and isinstance(payload, Mapping):
         unknown: list[str] = []
         _unknown_fields(payload, _type_info(event_type, typ), "$", unknown)
