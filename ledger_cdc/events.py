@@ -13,6 +13,8 @@ import datetime as dt
 import itertools
 import math
 import re
+import types
+import typing
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -533,7 +535,7 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
         ) from e
     # the encoder writes NaN and ±Infinity as null: a ttl of NaN would be stored as null, which
     # readers quarantine (JSON has no such numbers)
-    if b"null" in data and has_non_finite(msgspec.to_builtins(value)):
+    if b"null" in data and has_non_finite(value):
         raise InvalidEventError(
             f"{event_type} payload holds NaN or an infinity, which JSON cannot: use a finite "
             "number (or a string)"
@@ -550,11 +552,14 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
         raise _too_deep(event_type, limits)
     if built:
         # a Struct built by its constructor, which checks no type (RunLeased("w", True)): read
-        # back as every reader will, or refused
+        # back as every reader will (free-form parts left as JSON: any JSON is one), or refused
         try:
-            load_payload(event_type, data)
-        except InvalidEventError as e:
-            raise InvalidEventError(f"{e} (as built by {type(payload).__name__}(…))") from None
+            _checker(typ).decode(data)
+        except msgspec.DecodeError as e:
+            raise InvalidEventError(
+                f"{event_type} payload is invalid: {_short(e)} (as built by "
+                f"{type(payload).__name__}(…))"
+            ) from None
     if value is not payload and isinstance(payload, Mapping):
         unknown: list[str] = []
         _unknown_fields(payload, _type_info(event_type, typ), "$", unknown)
@@ -567,9 +572,19 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
     return refuse_nul(data, f"{event_type} payload")
 
 
+# a msgpack float64 whose exponent is all ones: NaN, inf or -inf (or these bytes inside a string
+# or bytes value: then the walk decides)
+_MSGPACK_NON_FINITE = re.compile(rb"\xcb[\x7f\xff][\xf0-\xff]")
+
+
 def has_non_finite(value: Any) -> bool:
-    """Whether a float NaN or ±inf is anywhere in ``value`` (builtins; depth already bounded by
-    the encoder)."""
+    """Whether a float NaN or ±inf is anywhere in ``value``: one C-speed pass over its msgpack
+    form, and a walk only when that pass cannot rule one out."""
+    try:
+        if _MSGPACK_NON_FINITE.search(msgspec.msgpack.encode(value)) is None:
+            return False
+    except (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError):
+        pass  # an int past 64 bits, a type msgpack lacks: the walk decides
     stack = [value]
     while stack:
         v = stack.pop()
@@ -578,9 +593,57 @@ def has_non_finite(value: Any) -> bool:
                 return True
         elif isinstance(v, dict):
             stack.extend(v.values())
-        elif isinstance(v, list):
+        elif isinstance(v, (list, tuple, set, frozenset)):
             stack.extend(v)
+        elif isinstance(v, msgspec.Struct):
+            stack.extend(getattr(v, f) for f in v.__struct_fields__)
     return False
+
+
+_checkers: dict[Any, msgspec.json.Decoder[Any]] = {}
+
+
+def _checker(typ: Any) -> msgspec.json.Decoder[Any]:
+    """A decoder that checks what ``typ``'s decoder checks, but leaves its free-form parts
+    (``Any``) as raw JSON: validating a writer's Struct costs the typed fields, not its
+    result."""
+    dec = _checkers.get(typ)
+    if dec is None:
+        try:
+            fields = [
+                (
+                    f.encode_name,
+                    _raw_any(f.type),
+                    msgspec.field(default_factory=f.default_factory)
+                    if f.default_factory is not msgspec.NODEFAULT
+                    else f.default,
+                )
+                if f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT
+                else (f.encode_name, _raw_any(f.type))
+                for f in msgspec.structs.fields(typ)
+            ]
+            shallow = msgspec.defstruct(
+                f"_{typ.__name__}Check",
+                fields,
+                array_like=typ.__struct_config__.array_like,
+            )
+            dec = msgspec.json.Decoder(shallow)
+        except (TypeError, ValueError):  # a type this cannot mirror: check it whole
+            dec = msgspec.json.Decoder(typ)
+        _checkers[typ] = dec
+    return dec
+
+
+def _raw_any(t: Any) -> Any:
+    """``t`` with ``Any`` (at the top, in a dict's values or a list's items) as Raw."""
+    if t is Any:
+        return msgspec.Raw
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin is dict and len(args) == 2:
+        return types.GenericAlias(dict, (args[0], _raw_any(args[1])))
+    if origin is list and len(args) == 1:
+        return types.GenericAlias(list, (_raw_any(args[0]),))
+    return t
 
 
 def _too_deep(event_type: str, limits: Limits) -> InvalidEventError:

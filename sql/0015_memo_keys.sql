@@ -3,8 +3,10 @@
 -- whose key is longer failed the consumer's batch. agent_memo stores (and is searched by) each
 -- key as ledger_memo_key makes it: the value itself up to 512 bytes of UTF-8, else 'sha256~'
 -- and its hex digest (ledger_cdc.fold.memo_key, the same rule; a value that already starts with
--- 'sha256~' is digested too, so no two values share a stored form). Every row written so far
--- holds a key of its own form: none was longer, and one starting with 'sha256~' is rewritten.
+-- 'sha256~' is digested too, so no two values share a stored form). Rows written before hold
+-- their keys as they came (up to the index's limit, longer when they compressed): rewritten
+-- below into the stored form, so a lookup finds them. Stop the consumer while `init` applies
+-- this: one of the previous version would go on writing keys as they come.
 CREATE OR REPLACE FUNCTION ledger_memo_key(p_value TEXT) RETURNS TEXT
 LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
     SELECT CASE WHEN octet_length(convert_to(p_value, 'UTF8')) <= 512
@@ -15,11 +17,11 @@ LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
 $$;
 
 UPDATE agent_memo SET call_id = ledger_memo_key(call_id)
-WHERE left(call_id, 7) = 'sha256~';
+WHERE call_id <> ledger_memo_key(call_id);
 UPDATE agent_memo SET idempotency_key = ledger_memo_key(idempotency_key)
-WHERE left(idempotency_key, 7) = 'sha256~';
+WHERE idempotency_key <> ledger_memo_key(idempotency_key);
 UPDATE agent_memo SET prompt_hash = ledger_memo_key(prompt_hash)
-WHERE left(prompt_hash, 7) = 'sha256~';
+WHERE prompt_hash <> ledger_memo_key(prompt_hash);
 
 -- A context's completed calls are keyed by the ids their entries hold (the stored key may be a
 -- digest).

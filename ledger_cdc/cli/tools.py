@@ -950,7 +950,7 @@ def partitions_archive(state: State, dsn: str, older: str, to_dir: Path) -> None
     for a in done:
         state.console.print(
             f"archived {a.name} ({a.start:%Y-%m-%d} – {a.end:%Y-%m-%d}): {a.events} events of "
-            f"{a.sessions} sessions → {a.file} (sha256 {a.file_sha256[:16]}…), "
+            f"{a.sessions} sessions → {safe(a.file)} (sha256 {a.file_sha256[:16]}…), "
             f"{a.snapshots_taken} snapshot(s) taken; partition dropped"
         )
 

@@ -77,6 +77,8 @@ async def follow_jetstream(
     import nats
     from nats.js.errors import NotFoundError
 
+    session_id = uuid.UUID(str(session_id))  # a caller's string compares with the wire's UUID
+
     try:
         nc = await nats.connect(
             servers=settings.servers, connect_timeout=5, max_reconnect_attempts=3

@@ -181,7 +181,7 @@ def _prepare(
             raise InvalidEventError(
                 f"outbox payload for {item.target} is not JSON-serialisable: {e}"
             ) from e
-        if "null" in body and has_non_finite(msgspec.to_builtins(item.payload)):
+        if "null" in body and has_non_finite(item.payload):
             raise InvalidEventError(
                 f"outbox payload for {item.target} holds NaN or an infinity, which JSON cannot"
             )

@@ -46,7 +46,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
-from urllib.parse import parse_qsl
+from urllib.parse import unquote
 
 import msgspec
 
@@ -111,7 +111,7 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "prefix": (_subject_prefix, "a subject prefix (dot-separated tokens, no wildcards)"),
     "replicas": (_replicas, "a whole number from 1 to 5"),
     "duplicate_window": (_seconds_between(0.001, 86_400 * 365), "seconds, from 0.001 to a year"),
-    "ack_timeout": (_seconds_between(0.1, 600), "seconds, from 0.1 to 600"),
+    "ack_timeout": (_seconds_between(0.1, 3600), "seconds, from 0.1 to 3600"),
     "batched": (_flag, "true or false"),
 }
 
@@ -137,7 +137,8 @@ class JetStreamSettings:
         if not servers or bad:
             raise ConfigError(f"{option} {url!r}: expected nats://host:port[,nats://host:port…]")
         kw: dict[str, Any] = {}
-        for key, value in parse_qsl(query, keep_blank_values=True):
+        pairs = (item.partition("=") for item in query.split("&") if item)
+        for key, value in ((unquote(k), unquote(v)) for k, _, v in pairs):  # "+" stays "+"
             if key in kw:
                 raise ConfigError(f"{option} {url!r}: {key} given twice")
             if key not in _OPTIONS:

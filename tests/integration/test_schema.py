@@ -296,3 +296,67 @@ def test_memo_migration_copies_the_calls_folded_before_it(empty_db: Database) ->
         )  # as if rebuilt from a snapshot at the head
         assert memoised_tool(conn, lazy, "c1") == ctx.completed_tools["c1"]
         assert memoised_model(conn, lazy, prompt_hash="p1") == ctx.completed_models["r1"]
+
+
+def test_memo_keys_of_python_and_sql_agree(db: Database) -> None:
+    """fold.memo_key and SQL ledger_memo_key give the same stored form for every value: short,
+    exactly 512 bytes, non-ASCII, past the limit, and spelled like a digest."""
+    from ledger_cdc.fold import memo_key
+
+    values = [
+        "c1",
+        "a" * 512,
+        "a" * 513,
+        "é" * 256,  # 512 bytes of UTF-8
+        "é" * 257,
+        "日本語" * 100,
+        "sha256~",
+        "sha256~abc",
+        "sha256~" + "0" * 64,
+        "x" * 100_000,
+        "🙂" * 128,
+    ]
+    with db.connect() as conn:
+        got = [
+            conn.execute("SELECT ledger_memo_key(%s)", (v,)).fetchone()[0]  # type: ignore[index]
+            for v in values
+        ]
+    assert got == [memo_key(v) for v in values]
+    assert got[0] == "c1" and got[1] == "a" * 512 and got[2].startswith("sha256~")
+    assert len(set(got)) == len(values)
+
+
+def test_migration_0015_rewrites_the_keys_already_stored(empty_db: Database) -> None:
+    """Rows written before 0015 hold their keys as they came (a random 1,500-byte key fits an
+    index entry): after it, each is in the stored form, where a lookup searches."""
+    import secrets
+
+    from ledger_cdc.fold import memo_key
+
+    long_call, long_key, long_prompt = (secrets.token_hex(750) for _ in range(3))
+    sid = uuid.uuid4()
+    with empty_db.connect() as conn:
+        conn.autocommit = True
+        migrate(conn, [m for m in load_migrations() if m.version < 15])
+        for call, key, prompt, pos in (
+            (long_call, long_key, long_prompt, 1),
+            ("short", "k", "p", 2),
+            ("sha256~spelled", None, None, 3),
+        ):
+            conn.execute(
+                "INSERT INTO agent_memo (session_id, kind, call_id, completed_seq, "
+                "completed_position, idempotency_key, prompt_hash, entry) "
+                "VALUES (%s, 'model', %s, %s, %s, %s, %s, '{}')",
+                (sid, call, pos, pos, key, prompt),
+            )
+        assert migrate(conn) == [15]
+        rows = conn.execute(
+            "SELECT call_id, idempotency_key, prompt_hash FROM agent_memo "
+            "ORDER BY completed_position"
+        ).fetchall()
+    assert rows == [
+        (memo_key(long_call), memo_key(long_key), memo_key(long_prompt)),
+        ("short", "k", "p"),
+        (memo_key("sha256~spelled"), None, None),
+    ]
+    assert rows[0][0].startswith("sha256~") and rows[2][0] != "sha256~spelled"
