@@ -56,16 +56,9 @@ def row_event(row: Sequence[Any]) -> LedgerEvent | Rejected:
             for v in (agent, etype, payload, key, bad_time)
         )
     digest = None if digest is None else bytes(digest)
-    if not (
-        type(seq) is int
-        and type(sid) is uuid.UUID
-        and type(pos) is int
-        and type(agent) is str
-        and type(etype) is str
-    ):  # the same single check as the stream's, before naming what is odd
-        rejected = unidentified(seq, sid, pos, agent, etype, key, digest)
-        if rejected is not None:
-            return rejected
+    rejected = unidentified(seq, sid, pos, agent, etype, key, digest)
+    if rejected is not None:  # NULL or retyped by hand (ALTER TABLE): no event of it
+        return rejected
     try:
         if payload is None:
             raise InvalidEventError("payload is NULL")

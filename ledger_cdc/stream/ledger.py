@@ -77,16 +77,9 @@ class LedgerRowDecoder:
         k, h = self._key_i, self._hash_i
         key = None if k is None else row[k]
         digest = None if h is None else row[h]
-        if not (
-            type(seq) is int
-            and type(sid) is uuid.UUID
-            and type(pos) is int
-            and type(agent) is str
-            and type(etype) is str
-        ):  # NULL or retyped by hand (ALTER TABLE): no event can be made of the row
-            rejected = unidentified(seq, sid, pos, agent, etype, key, digest)
-            if rejected is not None:
-                return rejected
+        rejected = unidentified(seq, sid, pos, agent, etype, key, digest)
+        if rejected is not None:  # NULL or retyped by hand (ALTER TABLE): no event of it
+            return rejected
         try:
             if payload is None or payload is UNCHANGED:
                 raise InvalidEventError("payload is missing from the stream")
