@@ -60,6 +60,8 @@ def read_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, ImportedEven
             ev = _line.decode(line)
         except msgspec.DecodeError as e:
             raise InvalidEventError(f"line {n}: {e}") from e
+        except RecursionError:
+            raise InvalidEventError(f"line {n}: nested too deep to be an event") from None
         if ev.created_at.tzinfo is None:
             raise InvalidEventError(f"line {n}: created_at needs a time zone (e.g. …Z)")
         try:

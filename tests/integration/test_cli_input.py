@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,32 @@ def test_inspect_last_zero_shows_no_event(db: Database) -> None:
         r = run_cli("inspect", str(sid), "--last", last, "--json", "--dsn", db.dsn)
         assert_clean_exit(r)
         assert len(r.output.splitlines()) == want, r.output
+
+
+@pytest.mark.server
+def test_import_refuses_a_line_no_reader_could_take(db: Database, tmp_path: Path) -> None:
+    """A line nested past any parser's depth, a time readers would quarantine, bytes that are
+    not JSON: one line naming the line, no traceback, nothing imported."""
+    head = (
+        '{"session_id": "6b1f0000-0000-0000-0000-000000000000", "agent_id": "a", '
+        '"event_type": "tool.invoked", '
+    )
+    for line, says in (
+        (
+            head
+            + '"created_at": "2026-01-01T00:00:00Z", "payload": {"k": '
+            + "[" * 100_000
+            + "]" * 100_000
+            + "}}",
+            "nested too deep",
+        ),
+        (head + '"created_at": "0001-01-01T00:00:00Z", "payload": {}}', "outside"),
+        ("\x00 not json", "line 1"),
+    ):
+        source = tmp_path / "events.jsonl"
+        source.write_text(line + "\n")
+        r = run_cli("import", str(source), "--dsn", db.dsn)
+        assert_clean_exit(r, 4, 5)
+        assert says in r.output and "line 1" in r.output, r.output
+    with db.connect() as conn:
+        assert conn.execute("SELECT count(*) FROM agent_events").fetchone() == (0,)
