@@ -282,6 +282,9 @@ _PERMANENT = (
     "wal_level",
     "is not a valid",
     "requires a value",
+    "definition of service",  # service=… not in the service file
+    "service file",
+    "bad value for",
 )
 _PERMANENT_STATES = ("28", "3D", "3F", "42", "54", "55000", "0A000", "22023")
 _PASSWORD_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)

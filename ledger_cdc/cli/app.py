@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ledger_cdc.cli.base import (
+    DSN,
     Finite,
     State,
     _env,
@@ -29,6 +30,7 @@ from ledger_cdc.errors import LedgerError
 target_dsn_option = option(
     "--target-dsn",
     default=None,
+    type=DSN,
     envvar=_env("TARGET_DSN"),
     help="Database for the projections (default: the ledger database).",
 )

@@ -181,10 +181,29 @@ option = partial(click.option, show_envvar=True)
 names (``LEDGER_CDC_DSN`` serves every command), the others get click's automatic ones
 (``LEDGER_CDC_<COMMAND>_<OPTION>``, from the group's ``auto_envvar_prefix``)."""
 
+
+class Dsn(click.ParamType):
+    """A libpq connection string or URL: not empty (libpq would take its defaults, the local
+    socket) and without a NUL (libpq would read up to it)."""
+
+    name = "DSN"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        text = str(value)
+        if not text.strip():
+            self.fail("is empty: give host, port and database (libpq would take its defaults)")
+        if "\x00" in text:
+            self.fail("holds a NUL character")
+        return text
+
+
+DSN = Dsn()
+
 dsn_option = option(
     "--dsn",
     envvar="LEDGER_CDC_DSN",
     required=True,
+    type=DSN,
     help="libpq connection string or URL of the ledger database.",
 )
 

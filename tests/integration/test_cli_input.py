@@ -125,3 +125,22 @@ def test_import_refuses_a_line_no_reader_could_take(db: Database, tmp_path: Path
         assert says in r.output and "line 1" in r.output, r.output
     with db.connect() as conn:
         assert conn.execute("SELECT count(*) FROM agent_events").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("dsn", ["", "   ", "\x00", "host=127.0.0.1\x00port=1"])
+def test_an_empty_or_nul_dsn_is_a_usage_error(dsn: str) -> None:
+    """libpq would take an empty DSN for its defaults (the local socket) and read a NUL-cut
+    one up to the NUL: refused before any connection."""
+    for args in (["lag"], ["consume"], ["consume", "--dsn", "host=127.0.0.1 port=1"]):
+        option = "--target-dsn" if "--dsn" in args else "--dsn"
+        r = run_cli(*args, option, dsn)
+        assert_clean_exit(r, 2)
+        assert option in r.output, r.output
+
+
+def test_a_service_that_does_not_exist_is_not_retried() -> None:
+    """A DSN naming a service the service file lacks is a configuration error (exit 4 at once),
+    not a server to wait for."""
+    r = run_cli("consume", "--dsn", "service=ledger_cdc_no_such_service")
+    assert_clean_exit(r, 4)
+    assert "definition of service" in r.output, r.output
