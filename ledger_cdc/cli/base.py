@@ -182,7 +182,7 @@ names (``LEDGER_CDC_DSN`` serves every command), the others get click's automati
 (``LEDGER_CDC_<COMMAND>_<OPTION>``, from the group's ``auto_envvar_prefix``)."""
 
 
-class Dsn(click.ParamType):
+class Dsn(click.ParamType):  # type: ignore[type-arg]
     """A libpq connection string or URL: not empty (libpq would take its defaults, the local
     socket) and without a NUL (libpq would read up to it)."""
 
