@@ -448,7 +448,13 @@ class LedgerSaver(BaseCheckpointSaver[str]):
             return _MISSING
         value = self.serde.loads_typed(chain[-1].value.pair())
         for blob in reversed(chain[:-1]):
-            value = list(value) + list(self.serde.loads_typed(blob.value.pair()))
+            added = self.serde.loads_typed(blob.value.pair())
+            if not (isinstance(value, (list, tuple)) and isinstance(added, (list, tuple))):
+                raise InvalidEventError(  # this saver appends to lists only
+                    f"channel {channel!r} version {blob.version!r} appends to a value that is "
+                    "not a list"
+                )
+            value = list(value) + list(added)
         return value
 
     def _blob(self, key: tuple[str, str, str], version: str, values: dict[str, Any]) -> Blob:
