@@ -400,7 +400,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--standby-poll",
     default=0.5,
     show_default=True,
-    type=Finite(0.01),
+    type=Finite(0.001),
     help="Seconds between tries for a slot another consumer holds (hot standby).",
 )
 @option(

@@ -536,7 +536,7 @@ def fork(
     "--poll-interval",
     default=0.5,
     show_default=True,
-    type=Finite(0.01),
+    type=Finite(0.001),
     help="Seconds between polls when nothing is due.",
 )
 @option(
