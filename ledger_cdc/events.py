@@ -64,9 +64,9 @@ __all__ = [
     "WritesPut",
     "admit_time",
     "decode_payload",
+    "encode_json",
     "encode_payload",
     "event_types",
-    "has_non_finite",
     "json_depth",
     "load_payload",
     "payload_type",
@@ -519,27 +519,12 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
         except msgspec.ValidationError as e:
             raise InvalidEventError(f"{event_type} payload does not match {_name(typ)}: {e}") from e
         except RecursionError as e:
-            raise _too_deep(event_type, limits) from e
+            raise _too_deep(f"{event_type} payload", limits) from e
         except TypeError as e:
             raise InvalidEventError(
                 f"{event_type} payload is not JSON-serialisable: {_short(e)}"
             ) from e
-    try:
-        data = _encoder.encode(value)
-    except RecursionError as e:
-        raise _too_deep(event_type, limits) from e
-    except (TypeError, OverflowError, ValueError, msgspec.EncodeError) as e:
-        # ValueError: an int of more digits than Python prints, a lone surrogate (UnicodeError)
-        raise InvalidEventError(
-            f"{event_type} payload is not JSON-serialisable: {_short(e)}"
-        ) from e
-    # the encoder writes NaN and ±Infinity as null: a ttl of NaN would be stored as null, which
-    # readers quarantine (JSON has no such numbers)
-    if b"null" in data and has_non_finite(value):
-        raise InvalidEventError(
-            f"{event_type} payload holds NaN or an infinity, which JSON cannot: use a finite "
-            "number (or a string)"
-        )
+    data = encode_json(value, f"{event_type} payload", limits)
     if not data.startswith(b"{"):
         raise InvalidEventError(f"{event_type} payload must be a JSON object, got {data[:40]!r}")
     if len(data) > limits.max_bytes:
@@ -549,7 +534,7 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
             "reference them"
         )
     if too_deep(data, limits.max_depth):
-        raise _too_deep(event_type, limits)
+        raise _too_deep(f"{event_type} payload", limits)
     if built:
         # a Struct built by its constructor, which checks no type (RunLeased("w", True)): read
         # back as every reader will (free-form parts left as JSON: any JSON is one), or refused
@@ -572,12 +557,30 @@ def encode_payload(event_type: str, payload: Any, limits: Limits = DEFAULT_LIMIT
     return refuse_nul(data, f"{event_type} payload")
 
 
+def encode_json(value: Any, what: str, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """``value`` as JSON, or InvalidEventError naming ``what`` when JSON cannot hold it: nested
+    past the encoder's depth, not serialisable (an int of more digits than Python prints, a
+    lone surrogate), or holding NaN or an infinity (the encoder would write null, which readers
+    quarantine). What every writer of JSON into the ledger checks, event or outbox row."""
+    try:
+        data = _encoder.encode(value)
+    except RecursionError as e:
+        raise _too_deep(what, limits) from e
+    except (TypeError, OverflowError, ValueError, msgspec.EncodeError) as e:
+        raise InvalidEventError(f"{what} is not JSON-serialisable: {_short(e)}") from e
+    if b"null" in data and _has_non_finite(value):
+        raise InvalidEventError(
+            f"{what} holds NaN or an infinity, which JSON cannot: use a finite number (or a string)"
+        )
+    return data
+
+
 # a msgpack float64 whose exponent is all ones: NaN, inf or -inf (or these bytes inside a string
 # or bytes value: then the walk decides)
 _MSGPACK_NON_FINITE = re.compile(rb"\xcb[\x7f\xff][\xf0-\xff]")
 
 
-def has_non_finite(value: Any) -> bool:
+def _has_non_finite(value: Any) -> bool:
     """Whether a float NaN or ±inf is anywhere in ``value``: one C-speed pass over its msgpack
     form, and a walk only when that pass cannot rule one out."""
     try:
@@ -614,12 +617,10 @@ def _checker(typ: Any) -> msgspec.json.Decoder[Any]:
                 (
                     f.encode_name,
                     _raw_any(f.type),
-                    msgspec.field(default_factory=f.default_factory)
-                    if f.default_factory is not msgspec.NODEFAULT
-                    else f.default,
+                    f.default  # NODEFAULT: required, as in typ
+                    if f.default_factory is msgspec.NODEFAULT
+                    else msgspec.field(default_factory=f.default_factory),
                 )
-                if f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT
-                else (f.encode_name, _raw_any(f.type))
                 for f in msgspec.structs.fields(typ)
             ]
             shallow = msgspec.defstruct(
@@ -646,9 +647,9 @@ def _raw_any(t: Any) -> Any:
     return t
 
 
-def _too_deep(event_type: str, limits: Limits) -> InvalidEventError:
+def _too_deep(what: str, limits: Limits) -> InvalidEventError:
     return InvalidEventError(
-        f"{event_type} payload nests deeper than {limits.max_depth} levels (Limits.max_depth): "
+        f"{what} nests deeper than {limits.max_depth} levels (Limits.max_depth): "
         "flatten it or encode the nested part as a string"
     )
 

@@ -318,7 +318,7 @@ def inspect(state: State, dsn: str, session: uuid.UUID, last: int | None, as_jso
     with _connect(dsn) as conn:
         rows = timeline(_events(conn, session))
     if last is not None:
-        rows = rows[len(rows) - last :] if last else []
+        rows = rows[-last:] if last else []
     if as_json:
         for r in rows:
             click.echo(

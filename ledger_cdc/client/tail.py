@@ -13,7 +13,6 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import msgspec
 import psycopg
@@ -49,14 +48,15 @@ async def follow_postgres(
         last = after
         prefix = f"{session_id}:"
         while True:
-            rows: list[Any] = [None] * _PAGE
-            while len(rows) == _PAGE:  # a long history a page at a time, never all at once
+            while True:  # a long history a page at a time, never all at once
                 cur = await conn.execute(_AFTER.encode(), (session_id, last, session_id, _PAGE))
                 rows = await cur.fetchall()
                 for row in rows:
                     ev = row_event(row)
                     last = row[2] if type(row[2]) is int else last
                     yield ev
+                if len(rows) < _PAGE:
+                    break
             async for n in conn.notifies(timeout=recheck):
                 if n.payload.startswith(prefix):
                     break

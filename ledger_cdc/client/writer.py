@@ -19,7 +19,6 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
@@ -37,8 +36,8 @@ from ledger_cdc.errors import (
 from ledger_cdc.events import (
     DEFAULT_LIMITS,
     Limits,
+    encode_json,
     encode_payload,
-    has_non_finite,
     refuse_nul,
     too_deep,
 )
@@ -175,23 +174,14 @@ def _prepare(
         _indexed("outbox target", item.target)
         if item.idempotency_key is not None:
             _indexed("outbox idempotency_key", item.idempotency_key)
-        try:
-            body = msgspec.json.encode(item.payload).decode()
-        except (TypeError, ValueError, msgspec.EncodeError) as e:  # ValueError: as in events
-            raise InvalidEventError(
-                f"outbox payload for {item.target} is not JSON-serialisable: {e}"
-            ) from e
-        if "null" in body and has_non_finite(item.payload):
-            raise InvalidEventError(
-                f"outbox payload for {item.target} holds NaN or an infinity, which JSON cannot"
-            )
-        raw = refuse_nul(body.encode(), f"outbox payload for {item.target}")
+        what = f"outbox payload for {item.target}"
+        raw = refuse_nul(encode_json(item.payload, what, limits), what)
         if len(raw) > limits.max_bytes or too_deep(raw, limits.max_depth):
             raise InvalidEventError(
                 f"outbox payload for {item.target} is over the writer's limits "
                 f"({limits.max_bytes:,} bytes, {limits.max_depth} levels of nesting)"
             )
-        items.append((item.target, body, item.idempotency_key))
+        items.append((item.target, raw.decode(), item.idempotency_key))
     return _Request(
         sid, agent_id, event_type, data, expected_position, idempotency_key, tuple(items)
     )

@@ -100,6 +100,12 @@ _ALL = (
 )
 
 
+def _unreadable(what: str, cp: CheckpointSaved, e: BaseException) -> InvalidEventError:
+    return InvalidEventError(
+        f"{what} of thread {cp.thread_id!r} cannot be read back: {type(e).__name__}: {str(e)[:200]}"
+    )
+
+
 @dataclass
 class _Thread:
     """One thread as its events fold (events before its last deletion are skipped)."""
@@ -377,19 +383,13 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         try:
             return self._tuple_of(t, ns, cp)
         except Exception as e:  # whatever a serializer raises
-            raise InvalidEventError(
-                f"checkpoint {cp.checkpoint_id!r} of thread {cp.thread_id!r} cannot be read "
-                f"back: {type(e).__name__}: {str(e)[:200]}"
-            ) from e
+            raise _unreadable(f"checkpoint {cp.checkpoint_id!r}", cp, e) from e
 
     def _metadata(self, cp: CheckpointSaved) -> dict[str, Any]:
         try:
             meta = self.serde.loads_typed(cp.metadata.pair())
         except Exception as e:  # whatever a serializer raises
-            raise InvalidEventError(
-                f"the metadata of checkpoint {cp.checkpoint_id!r} of thread {cp.thread_id!r} "
-                f"cannot be read back: {type(e).__name__}: {str(e)[:200]}"
-            ) from e
+            raise _unreadable(f"the metadata of checkpoint {cp.checkpoint_id!r}", cp, e) from e
         if not isinstance(meta, dict):
             raise InvalidEventError(
                 f"the metadata of checkpoint {cp.checkpoint_id!r} is not a mapping"
