@@ -1,7 +1,8 @@
 """Agent-sized load: what the consumer costs when events are as big as agents write them.
 
 A seeded profile of ``--sessions`` agents, ``--turns`` turns each: every turn a ``context.loaded``
-holding the whole context window (20 kB at first, growing by the turn's messages up to 500 kB),
+holding the whole context window (20 kB at first, growing by the turn's messages up to 500 kB,
+which the default 80 turns reach: the largest window written is printed),
 then ``model.requested`` + ``model.responded`` (1-8 kB, sometimes with tool calls) in one
 transaction, then for each tool call ``tool.invoked`` and, in its own transaction,
 ``tool.observed`` with a 1-50 kB result; now and then a handoff; a third of the agents idle
@@ -17,7 +18,7 @@ between turns. The same writes run three times, each in a database of its own on
 3. **backlog**: the writes first, then the drain, against ``pg_recvlogical`` on a twin slot:
    ledger WAL MB/s of each.
 
-    sh scripts/dev.sh bench agent_load [--sessions 10] [--turns 30] [--rate 0] [--pg-major 15]
+    sh scripts/dev.sh bench agent_load [--sessions 10] [--turns 80] [--rate 0] [--pg-major 15]
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def wal_by_table(conn: psycopg.Connection[Any], start: int, end: int) -> dict[st
 def main() -> None:
     ap = argparse.ArgumentParser(description="agent-sized load benchmark")
     ap.add_argument("--sessions", type=int, default=10)
-    ap.add_argument("--turns", type=int, default=30)
+    ap.add_argument("--turns", type=int, default=80)
     ap.add_argument("--rate", type=float, default=0.0, help="turns per second in all (0: full)")
     ap.add_argument("--pg-major", type=int, default=None)
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
@@ -249,6 +250,11 @@ def main() -> None:
             events = write_all(pg.dsn("alone"), args)
             t_alone = time.monotonic() - t0
             ledger_wal = lsn(conn) - a0
+        with psycopg.connect(pg.dsn("alone"), autocommit=True) as conn:
+            (widest,) = conn.execute(  # type: ignore[misc]
+                "SELECT max(octet_length(payload::text)) FROM agent_events "
+                "WHERE event_type = 'context.loaded'"
+            ).fetchone()
 
         # 2. live
         out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name  # noqa: SIM115
@@ -298,7 +304,8 @@ def main() -> None:
     rate = f"{args.rate:g} turns/s" if args.rate else "full speed"
     print(
         f"PostgreSQL {pg.major}: {args.sessions} agents × {args.turns} turns = {events:,} events, "
-        f"{mb:.1f} MB of ledger WAL (writes alone {t_alone:.1f}s)"
+        f"{mb:.1f} MB of ledger WAL (writes alone {t_alone:.1f}s); context windows "
+        f"up to {int(widest or 0) / 1000:.0f} kB"
     )
     print(f"  live ({rate}, writes {t_live:.1f}s):")
     print(

@@ -420,7 +420,6 @@ DEFAULT_LIMITS = Limits()
 _NOT_SYNTAX = bytes(b for b in range(256) if b not in b'[]{}"')
 _SQUARE = bytes.maketrans(b"{}", b"[]")
 _RUN = re.compile(rb"\[+|\]+")
-_NOT_OPENING = bytes(b for b in range(256) if b not in b"[{")
 
 
 def json_depth(data: bytes, stop_at: int = READ_MAX_DEPTH) -> int:
@@ -448,8 +447,25 @@ def too_deep(data: bytes, limit: int) -> bool:
     """Whether JSON text nests deeper than ``limit`` (free when it is too short to)."""
     if len(data) <= 2 * limit:  # n levels take 2n brackets
         return False
-    # n levels take n opening brackets: one pass that keeps only those (3× two counts)
-    return len(data.translate(None, _NOT_OPENING)) > limit and json_depth(data, limit) > limit
+    # n levels take n opening brackets: most payloads (a context window of a few hundred
+    # messages) have fewer than the limit in all, which json_depth need not confirm
+    return _openings_over(data, limit) and json_depth(data, limit) > limit
+
+
+def _openings_over(data: bytes, limit: int) -> bool:
+    """Whether ``data`` holds more than ``limit`` opening brackets. Found one by one (find is
+    memchr, many times faster than a pass that counts or translates every byte), at most
+    ``limit + 1`` of them: bounded whatever the data."""
+    n = 0
+    for bracket in (b"{", b"["):
+        find = data.find
+        i = find(bracket)
+        while i >= 0:
+            n += 1
+            if n > limit:
+                return True
+            i = find(bracket, i + 1)
+    return False
 
 
 def _unknown_fields(value: Any, info: mi.Type, path: str, out: list[str]) -> None:

@@ -11,6 +11,7 @@ __all__ = [
     "RUNS_CHANNEL",
     "SESSIONS_CHANNEL",
     "STREAMED_COLUMNS",
+    "shard_names",
 ]
 
 DEFAULT_SLOT = "agent_slot"
@@ -38,3 +39,10 @@ STREAMED_COLUMNS = (
     "created_at",
     "hash",
 )
+
+
+def shard_names(
+    shard: int, publication: str = DEFAULT_PUBLICATION, slot: str = DEFAULT_SLOT
+) -> tuple[str, str]:
+    """(publication, slot) of a shard: ``agent_pub_s2``, ``agent_slot_s2``."""
+    return f"{publication}_s{shard}", f"{slot}_s{shard}"

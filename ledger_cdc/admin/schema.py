@@ -23,7 +23,13 @@ from psycopg import sql
 
 from ledger_cdc.connect import connect
 from ledger_cdc.errors import ConfigError, MigrationError, translate
-from ledger_cdc.names import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, STREAMED_COLUMNS
+from ledger_cdc.names import (
+    DEFAULT_PUBLICATION,
+    DEFAULT_SLOT,
+    LEDGER_TABLE,
+    STREAMED_COLUMNS,
+    shard_names,
+)
 
 __all__ = [
     "DEFAULT_PUBLICATION",
@@ -176,13 +182,6 @@ def shard_filter(shards: int, shard: int) -> sql.Composable:
     return sql.SQL("(get_byte(uuid_send(session_id), 15) % {} = {})").format(
         sql.Literal(shards), sql.Literal(shard)
     )
-
-
-def shard_names(
-    shard: int, publication: str = DEFAULT_PUBLICATION, slot: str = DEFAULT_SLOT
-) -> tuple[str, str]:
-    """(publication, slot) of a shard: ``agent_pub_s2``, ``agent_slot_s2``."""
-    return f"{publication}_s{shard}", f"{slot}_s{shard}"
 
 
 def create_shards(

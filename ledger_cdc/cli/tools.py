@@ -10,11 +10,10 @@ import signal
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
-import psycopg
 from rich.table import Table
 from rich.text import Text
 
@@ -33,6 +32,9 @@ from ledger_cdc.cli.base import (
     safe,
 )
 from ledger_cdc.errors import NoSuchSessionError
+
+if TYPE_CHECKING:
+    import psycopg
 
 
 class SessionId(click.ParamType):  # type: ignore[type-arg]

@@ -85,7 +85,9 @@ class Consumer:
     ``sink`` and ``transport`` default to the PostgreSQL projections of ``config.target_dsn``
     (or ``config.dsn``) and the slot's replication stream; given (an in-memory sink, a stream
     of prepared bytes), the loop runs without a server, and without the preflight checks and
-    periodic tasks, which talk to one."""
+    periodic tasks, which talk to one. ``prefetched`` is the slot's stream already begun by
+    the caller (:meth:`ReplicationStream.prefetch`: ``ledger-cdc consume`` begins it before
+    loading the rest of itself), used if it streams what ``config`` says, closed if not."""
 
     def __init__(
         self,
@@ -94,6 +96,7 @@ class Consumer:
         on_batch: Callable[[Batch, Metrics], None] | None = None,
         sink: Sink | None = None,
         transport: Transport | None = None,
+        prefetched: ReplicationStream | None = None,
     ) -> None:
         self.config = config
         self.metrics = Metrics()
@@ -119,7 +122,7 @@ class Consumer:
                 )
             sink = pg
         self.sink: Sink = sink
-        self.stream: Transport = transport or ReplicationStream(
+        stream = ReplicationStream(
             config.dsn,
             config.slot,
             config.publication,
@@ -127,6 +130,14 @@ class Consumer:
             streaming=config.streaming,
             status_interval=config.status_interval,
         )
+        if prefetched is not None:  # begun by the caller (ReplicationStream.prefetch)
+            if prefetched.same_as(stream):
+                stream = prefetched
+            else:
+                prefetched.close()
+        if transport is not None and stream is prefetched:
+            stream.close()
+        self.stream: Transport = transport or stream
         self.reducers = config.reducers or default_reducers()
         # of the memory limit: 35 % buffered transactions, 15 % the cache, 15 % the batch in
         # hand; the rest is headroom for what a batch transiently adds (its encoded rows)
@@ -319,7 +330,13 @@ class Consumer:
             self._slot_lost(e)
             return
         self.metrics.confirmed_lsn = self.stream.confirmed
-        log.info("streaming slot %s from %s", self.config.slot, format_lsn(checkpoint))
+        early = getattr(self.stream, "adopted", None)
+        log.info(
+            "streaming slot %s from %s%s",
+            self.config.slot,
+            format_lsn(checkpoint),
+            "" if early is None else f" (begun {early[0]:.2f}s ago, {early[1]:,} bytes read ahead)",
+        )
 
     def _slot_lost(self, e: SlotLostError) -> None:
         self.metrics.count("slot_resyncs_total")
@@ -335,6 +352,7 @@ class Consumer:
         stream has everything committed after the snapshot) and no double (what the snapshot
         holds is not in the stream; what a projection already folded is skipped by position)."""
         cfg = self.config
+        self.stream.close()  # (a prefetch would hold the slot the drop below ends)
         self.sink.mark_bootstrap()  # a crash from here on makes the next start redo all of it
         if drop:
             drop_slot(cfg.dsn, cfg.slot, force=True)

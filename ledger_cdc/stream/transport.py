@@ -15,6 +15,7 @@ reply inside ``read_message`` and sends status updates every ``status_interval``
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import select
@@ -136,6 +137,36 @@ class ReplicationStream:
         self.server_version = 0
         self._fed_at = 0.0  # when feedback was last sent (monotonic)
         self._owed = False  # a confirmed LSN not sent yet
+        self._prefetch: _Prefetch | None = None
+        # (seconds since it began, bytes read ahead) of the prefetch the last start took over
+        self.adopted: tuple[float, int] | None = None
+        # read ahead of the loop: what a prefetch read, then what the socket has ready while
+        # that is worked off (so the server goes on sending), up to a byte limit
+        self._ahead: collections.deque[XLogData] = collections.deque()
+        self._ahead_bytes = 0
+        self._ahead_limit = 0
+
+    def same_as(self, other: ReplicationStream) -> bool:
+        """Whether ``other`` streams what this stream would (server, slot, options)."""
+        return (self.dsn, self.slot, self.options, self.status_interval) == (
+            other.dsn,
+            other.slot,
+            other.options,
+            other.status_interval,
+        )
+
+    def prefetch(self, limit_bytes: int) -> None:
+        """Start streaming now, from where the slot stands, on a thread of its own that reads
+        up to ``limit_bytes`` of messages ahead, until :meth:`start` takes them over: the
+        server decodes a backlog while the caller is still loading and checking (``ledger-cdc
+        consume`` starts one before importing the rest of itself). Whatever goes wrong here
+        is silent: :meth:`start` then connects as if nothing had been tried, and reports it.
+
+        Streaming from the slot's own position instead of the caller's checkpoint is safe for
+        a caller that drops what ends at or below its checkpoint, as the consumer's assembler
+        does (``skip_upto``): the server may resend what the slot has not been told of."""
+        self.close()
+        self._prefetch = _Prefetch(self, limit_bytes)
 
     # -- connection -----------------------------------------------------------------------------
 
@@ -190,6 +221,8 @@ class ReplicationStream:
         (``reuse``) on the one :meth:`create_slot_exported` left open."""
         if reuse and self._conn is not None:
             conn, cur = self._conn, self._cur
+        elif not reuse and self._adopt(start_lsn):
+            return
         else:
             self.close()
             conn = self._open()
@@ -238,8 +271,34 @@ class ReplicationStream:
         self.server_version = conn.server_version
         self.confirmed = start_lsn
         self._reported = 0
+        self.adopted = None
+
+    def _adopt(self, start_lsn: int) -> bool:
+        """Take over what :meth:`prefetch` started, if it is streaming (see there)."""
+        pre, self._prefetch = self._prefetch, None
+        taken = None if pre is None else pre.take()
+        if pre is not None and pre.lost is not None:
+            # the stream was up, then lost (a server restart, a cut connection): that is a
+            # stream lost, retried as one, not a start to make as if nothing had happened
+            raise self._failure(pre.lost, "replication stream lost") from pre.lost
+        if pre is None or taken is None:
+            return False
+        self._conn, self._cur, ahead = taken
+        self._ahead = collections.deque(ahead)
+        self._ahead_bytes = sum(len(m.payload) for m in ahead)
+        self._ahead_limit = pre.limit
+        self.adopted = (time.monotonic() - pre.began, self._ahead_bytes)
+        self.server_version = self._conn.server_version
+        self.confirmed = start_lsn
+        self._reported = 0
+        return True
 
     def close(self) -> None:
+        pre, self._prefetch = self._prefetch, None
+        if pre is not None:
+            pre.discard()
+        self._ahead.clear()
+        self._ahead_bytes = 0
         if self._conn is not None:
             if self._owed:  # the last confirmation, before the connection goes
                 self._owed = False
@@ -265,6 +324,15 @@ class ReplicationStream:
         stream loop's per-message overhead, where a backlog is drained, is what this saves.
         """
         out: list[XLogData] = []
+        ahead = self._ahead
+        if ahead:
+            self._read_ahead()  # the server goes on sending while this is worked off
+            popleft = ahead.popleft
+            while ahead and len(out) < limit:
+                msg = popleft()
+                self._ahead_bytes -= len(msg.payload)
+                out.append(msg)
+            return out
         try:
             with self._lock:
                 read = self._cur.read_message
@@ -279,12 +347,30 @@ class ReplicationStream:
             raise self._failure(e, "replication stream lost") from e
         return out
 
+    def _read_ahead(self) -> None:
+        """What the socket has ready, into the read-ahead buffer, up to its byte limit."""
+        ahead = self._ahead
+        try:
+            with self._lock:
+                read = self._cur.read_message
+                while self._ahead_bytes < self._ahead_limit:
+                    msg = read()
+                    if msg is None:
+                        break
+                    ahead.append(msg)
+                    self._ahead_bytes += len(msg.payload)
+        except (psycopg2.Error, AttributeError) as e:
+            self.close()
+            raise self._failure(e, "replication stream lost") from e
+
     def wait(self, timeout: float, *also: int) -> None:
         """Block until the socket (or one of the ``also`` descriptors) is readable, or
         ``timeout`` passes (less if a confirmation is owed: it is sent on time)."""
         if self._conn is None:
             time.sleep(timeout)
             return
+        if self._ahead:
+            return  # read ahead by a prefetch: ready now
         if self._owed:
             due = self._fed_at + FEEDBACK_EVERY - time.monotonic()
             if due <= 0:
@@ -353,3 +439,88 @@ class ReplicationStream:
 
     def describe(self) -> str:
         return f"slot {self.slot} confirmed {format_lsn(self.confirmed)}"
+
+
+class _Prefetch:
+    """A START_REPLICATION begun ahead of its stream's :meth:`~ReplicationStream.start`, read on
+    a daemon thread up to a byte limit, then handed over (:meth:`take`) or closed
+    (:meth:`discard`). The thread owns the connection until then; whoever comes last closes a
+    connection nobody took."""
+
+    def __init__(self, stream: ReplicationStream, limit_bytes: int) -> None:
+        self.limit = max(0, limit_bytes)
+        self.began = time.monotonic()
+        self.messages: list[XLogData] = []
+        self._conn: Any = None
+        self._cur: Any = None
+        self._streaming = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ended = False  # take() or discard() was called
+        self._taken = False
+        self.lost: BaseException | None = None  # what ended it once it was streaming
+        self._thread = threading.Thread(
+            target=self._run, args=(stream,), name="ledger-cdc-prefetch", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, stream: ReplicationStream) -> None:
+        try:
+            conn = stream._open()
+            with self._lock:
+                self._conn = conn
+                if self._ended:
+                    return
+            cur = conn.cursor()
+            cur.start_replication(
+                slot_name=stream.slot,
+                decode=False,
+                start_lsn=0,
+                options=stream.options,
+                status_interval=stream.status_interval,
+            )
+            self._cur, self._streaming = cur, True
+            size = 0
+            while size < self.limit and not self._stop.is_set():
+                msg = cur.read_message()
+                if msg is None:
+                    select.select([conn], [], [], 0.01)
+                    continue
+                self.messages.append(msg)
+                size += len(msg.payload)
+        except Exception as e:  # start() connects again, and reports what fails
+            if self._streaming:  # lost while streaming: as any stream lost, for start() to say
+                self.lost = e
+            self._streaming = False
+        finally:
+            with self._lock:
+                if self._ended and not self._taken:
+                    self._close()
+
+    def take(self, timeout: float = 2.0) -> tuple[Any, Any, list[XLogData]] | None:
+        """(connection, cursor, messages read) if it is streaming; None otherwise (closed)."""
+        self._stop.set()
+        self._thread.join(timeout)
+        with self._lock:
+            self._ended = True
+            if self._thread.is_alive():
+                return None  # closed by the thread when it ends
+            if not self._streaming or self._conn is None or self._conn.closed:
+                self._close()
+                return None
+            self._taken = True
+            return self._conn, self._cur, self.messages
+
+    def discard(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._ended = True
+            if not self._thread.is_alive():
+                self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+        self._conn = self._cur = None
+        self.messages = []
