@@ -616,6 +616,9 @@ class Consumer:
 
     def _confirm_durable(self) -> None:
         lsn = self.sink.durable()
+        held = self.assembler.oldest_prepared_lsn()
+        if held is not None and lsn > held:  # (see there: a prepare held in memory)
+            lsn = held
         if lsn > self.stream.confirmed:
             self.stream.confirm(lsn, force=False)
             self.metrics.confirmed_lsn = lsn

@@ -221,6 +221,13 @@ class Assembler(Generic[T]):
         """True while any transaction has started but not ended (stream, prepare, or Begin)."""
         return bool(self._current or self._streams or self._prepared)
 
+    def oldest_prepared_lsn(self) -> int | None:
+        """The first LSN of the oldest transaction prepared and not yet committed or rolled
+        back. No confirmation may pass it: with a two-phase slot, the server takes a confirmed
+        position past a PREPARE for "applied", and after a restart sends only its COMMIT
+        PREPARED, while its changes were held here, in memory, and are gone."""
+        return min((b.first_lsn for b, _ in self._prepared.values()), default=None)
+
     def oldest_in_flight_lsn(self) -> int | None:
         """The lowest LSN of a change held for a transaction not yet committed."""
         lsns = [b.first_lsn for b in self._streams.values()]
@@ -286,9 +293,9 @@ class Assembler(Generic[T]):
             assert isinstance(msg, CommitPrepared)
             held = self._prepared.pop(msg.gid, None)
             if held is None:
-                # prepared before a restart that confirmed it: its changes are not resent. We
-                # never confirm past an open prepare, so this only happens for a transaction
-                # with no changes for us (or one already applied).
+                # prepared before a restart that confirmed it: its changes are not resent. No
+                # confirmation passes an open prepare (oldest_prepared_lsn), so this only
+                # happens for a transaction with no changes for us (or one already applied).
                 return []
             buf, xid = held
             return self._emit(buf, xid, msg.commit_lsn, msg.end_lsn, msg.commit_ts, msg.gid, False)

@@ -42,6 +42,7 @@ from ledger_cdc.errors import (
 
 __all__ = [
     "FEEDBACK_EVERY",
+    "MESSAGE_OVERHEAD",
     "ReplicationStream",
     "SlotBusyError",
     "SlotError",
@@ -66,6 +67,10 @@ class XLogData(Protocol):
     wal_end: int
     payload: bytes
 
+
+MESSAGE_OVERHEAD = 160
+"""Bytes a message read ahead holds beyond its payload (psycopg2's message object, the payload's
+bytes object, the buffer's slot): the read-ahead bound counts them."""
 
 FEEDBACK_EVERY = 0.1
 """Seconds between two status messages that confirm a position (unless one is forced)."""
@@ -217,8 +222,15 @@ class ReplicationStream:
         return (int(hi, 16) << 32) | int(lo, 16), str(snapshot_name)
 
     def start(self, start_lsn: int, *, reuse: bool = False) -> None:
-        """START_REPLICATION at ``start_lsn`` (0: where the slot stands), on a new connection or
-        (``reuse``) on the one :meth:`create_slot_exported` left open."""
+        """Stream from where the slot stands, the caller standing at ``start_lsn`` (what it has
+        applied: :attr:`confirmed` starts there), on a new connection or (``reuse``) on the
+        one :meth:`create_slot_exported` left open.
+
+        The server is asked for the slot's own position, not ``start_lsn``: given a later one,
+        it would skip what was decoded before it, and with a two-phase slot that includes the
+        changes of a transaction prepared before it and committed since, which the consumer
+        held in memory only. What the slot resends before ``start_lsn`` is the caller's to
+        drop (the consumer's assembler does: ``skip_upto``)."""
         if reuse and self._conn is not None:
             conn, cur = self._conn, self._cur
         elif not reuse and self._adopt(start_lsn):
@@ -231,7 +243,7 @@ class ReplicationStream:
             cur.start_replication(
                 slot_name=self.slot,
                 decode=False,
-                start_lsn=start_lsn,
+                start_lsn=0,
                 options=self.options,
                 status_interval=self.status_interval,
             )
@@ -285,7 +297,7 @@ class ReplicationStream:
             return False
         self._conn, self._cur, ahead = taken
         self._ahead = collections.deque(ahead)
-        self._ahead_bytes = sum(len(m.payload) for m in ahead)
+        self._ahead_bytes = sum(len(m.payload) + MESSAGE_OVERHEAD for m in ahead)
         self._ahead_limit = pre.limit
         self.adopted = (time.monotonic() - pre.began, self._ahead_bytes)
         self.server_version = self._conn.server_version
@@ -330,7 +342,7 @@ class ReplicationStream:
             popleft = ahead.popleft
             while ahead and len(out) < limit:
                 msg = popleft()
-                self._ahead_bytes -= len(msg.payload)
+                self._ahead_bytes -= len(msg.payload) + MESSAGE_OVERHEAD
                 out.append(msg)
             return out
         try:
@@ -358,7 +370,7 @@ class ReplicationStream:
                     if msg is None:
                         break
                     ahead.append(msg)
-                    self._ahead_bytes += len(msg.payload)
+                    self._ahead_bytes += len(msg.payload) + MESSAGE_OVERHEAD
         except (psycopg2.Error, AttributeError) as e:
             self.close()
             raise self._failure(e, "replication stream lost") from e
@@ -487,7 +499,7 @@ class _Prefetch:
                     select.select([conn], [], [], 0.01)
                     continue
                 self.messages.append(msg)
-                size += len(msg.payload)
+                size += len(msg.payload) + MESSAGE_OVERHEAD
         except Exception as e:  # start() connects again, and reports what fails
             if self._streaming:  # lost while streaming: as any stream lost, for start() to say
                 self.lost = e

@@ -190,6 +190,31 @@ def test_two_phase_commit_and_rollback(db: Database) -> None:
     assert_projections_equal_refold(db.dsn)
 
 
+def test_a_prepare_open_across_a_restart_of_a_two_phase_slot_is_folded(db: Database) -> None:
+    """A two-phase slot sends a transaction's changes at its PREPARE and takes a confirmed
+    position past it for "applied": the consumer, which holds them in memory, must not confirm
+    past an open prepare, or after a restart it gets only the COMMIT PREPARED."""
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot", two_phase=True)
+    first, prepared, later = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    insert = (
+        "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+        'VALUES (%s, \'a\', \'tool.invoked\', \'{"call_id": "c", "tool": "t"}\')'
+    )
+    with InThread(db.dsn, precreate_slot=False), db.connect() as conn:
+        conn.execute(insert, (first,))
+        wait_caught_up(db.dsn)
+        conn.execute("BEGIN")
+        conn.execute(insert, (prepared,))
+        conn.execute("PREPARE TRANSACTION 'across'")
+        conn.execute(insert, (later,))  # committed after the prepare, confirmed on the stop
+        until(lambda: len(stored_projections(conn)) == 2, timeout=60)
+    with InThread(db.dsn, precreate_slot=False), db.connect() as conn:
+        conn.execute("COMMIT PREPARED 'across'")
+        wait_caught_up(db.dsn)
+    assert_projections_equal_refold(db.dsn)
+
+
 def test_alter_table_mid_stream(db: Database) -> None:
     sid = uuid.uuid4()
     with InThread(db.dsn), Ledger(db.dsn) as ledger:
