@@ -39,6 +39,7 @@ and what to do about it, and never holds a password.
 from __future__ import annotations
 
 import re
+import urllib.parse
 import uuid
 
 from ledger_cdc import lsn as _lsn
@@ -289,6 +290,7 @@ _PERMANENT = (
 _PERMANENT_STATES = ("28", "3D", "3F", "42", "54", "55000", "0A000", "22023")
 _PASSWORD_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 _PASSWORD_URL = re.compile(r"(://[^:/@\s]*:)([^@\s]*)(@)")
+_DSN_PASSWORD_URL = re.compile(r"(://[^:/@]*:)([^@]*)(@)")
 
 
 def redact(text: str, dsn: str | None = None) -> str:
@@ -296,13 +298,17 @@ def redact(text: str, dsn: str | None = None) -> str:
     if dsn:
         secret = _password_of(dsn)
         if secret:
-            text = text.replace(secret, "***")
+            # as written, and as libpq quotes it decoded (a URL's %20 is a space in its errors)
+            for form in {secret, urllib.parse.unquote(secret)}:
+                text = text.replace(form, "***")
     text = _PASSWORD_KV.sub(r"\1***", text)
     return _PASSWORD_URL.sub(r"\1***\3", text)
 
 
 def _password_of(dsn: str) -> str | None:
-    m = _PASSWORD_URL.search(dsn)
+    # a DSN is one value, not prose: its URL password runs to the '@' (spaces and all, which
+    # libpq then refuses, quoting it)
+    m = _DSN_PASSWORD_URL.search(dsn)
     if m and m.group(2):
         return m.group(2)
     m = _PASSWORD_KV.search(dsn)

@@ -91,8 +91,10 @@ class VerifyReport:
 
 
 _PROJECTION = (
-    b"SELECT last_seq, format_version, context::text FROM agent_sessions WHERE session_id = %s"
+    b"SELECT last_seq, format_version, context::text, status, last_position, event_count, "
+    b"run_status, lease_worker, lease_until FROM agent_sessions WHERE session_id = %s"
 )
+_COLUMNS = ("status", "last_position", "event_count", "run_status", "lease_worker", "lease_until")
 
 
 def _attach(conn: psycopg.Connection[Any], ctx: SessionContext) -> None:
@@ -115,7 +117,48 @@ def _check_projection(
     if row[1] not in PROJECTION_FORMATS:
         report.notes.append(f"session {sid}: projection has format {row[1]}: not compared")
         return
-    stored = decode_context(row[2])
+    # the columns readers filter on (runs, pending_runs, status queries) hold what the context
+    # says: the refold's values, as the consumer writes them
+    run = ctx.run
+    lease = run.lease if run is not None else None
+    expected = (
+        str(ctx.status),
+        ctx.last_position,
+        ctx.event_count,
+        None if run is None else str(run.status),
+        None if lease is None else lease.worker,
+        None if lease is None else lease.until,
+    )
+    for name, exp, act in zip(_COLUMNS, expected, row[3:], strict=True):
+        if exp != act:
+            report.differences.append(
+                Difference(
+                    sid,
+                    "projection",
+                    int(row[0]),
+                    position,
+                    f"column {name}",
+                    exp,
+                    act,
+                    f"projection column {name} differs from a refold of the log",
+                )
+            )
+    try:
+        stored = decode_context(row[2])
+    except msgspec.DecodeError as e:  # (ValidationError included) edited into another shape
+        report.differences.append(
+            Difference(
+                sid,
+                "projection",
+                int(row[0]),
+                position,
+                None,
+                None,
+                None,
+                f"projection is unreadable: {e}",
+            )
+        )
+        return
     whole = row[1] != PROJECTION_FORMAT  # format 1 holds every completed call
     _compare_stored(
         conn, report, "projection", ctx, stored, int(row[0]), position, limit, whole=whole

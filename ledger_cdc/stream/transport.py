@@ -197,6 +197,16 @@ class ReplicationStream:
         privileges, wal_level, a missing publication) stops it; anything else is retried."""
         err = translate(e, dsn=self.dsn, doing=doing)
         if isinstance(err, ConfigError):
+            text = str(err)
+            if 'publication "' in text and "does not exist" in text:
+                # the checks before streaming found it: the server decodes with the catalog of
+                # each change's time, when it did not exist (dropped, then made again)
+                return ConfigError(
+                    f"{text} (the slot holds changes made while the publication did not "
+                    "exist, and cannot read past them: make it again from the table with "
+                    f"`ledger-cdc slot drop {self.slot} --force`, then `ledger-cdc consume "
+                    "--create-slot`)"
+                )
             return err
         return TransportError(str(err))
 

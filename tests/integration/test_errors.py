@@ -56,6 +56,7 @@ def _bad_dsns(db: Database) -> list[tuple[str, str]]:
     return [
         ("not a dsn", "DSN"),
         ("postgresql://u:S3cretPW@[127.0.0.1:5432/db", "DSN"),
+        (f"postgresql://u:S3cretPW x@127.0.0.1:{port}/{db.name}", "spaces"),  # quoted by libpq
         (f"{url}?bogus_param=1", "DSN"),
         (f"host=127.0.0.1 port=99999 dbname={db.name}", "port"),
         (f"postgresql://ledger_pw:WrongPW@127.0.0.1:{port}/{db.name}", "password"),

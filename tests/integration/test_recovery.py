@@ -456,6 +456,33 @@ def _cli(db: Database, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_verify_catches_edited_projection_columns_and_an_unreadable_context(
+    consumed: Database,
+) -> None:
+    """The columns readers filter on (status, run_status, …) hold what the context says, and a
+    context edited into something no reader can decode is a difference, not a crash."""
+    a, b = uuid.uuid4(), uuid.uuid4()
+    _agent_run(consumed, a, finish_tool=True)
+    _agent_run(consumed, b)
+    wait_caught_up(consumed.dsn)
+    assert verify(consumed.dsn).ok
+    with consumed.connect() as conn:
+        conn.execute(
+            "UPDATE agent_sessions SET status = 'failed', run_status = 'pending', "
+            "event_count = event_count + 5 WHERE session_id = %s",
+            (a,),
+        )
+        conn.execute("UPDATE agent_sessions SET context = '\"x\"' WHERE session_id = %s", (b,))
+    report = verify(consumed.dsn)
+    found = {(d.session_id, d.field) for d in report.differences}
+    assert {(a, "column status"), (a, "column run_status"), (a, "column event_count")} <= found
+    assert any(
+        d.session_id == b and "projection is unreadable" in d.detail for d in report.differences
+    )
+    out = _cli(consumed, "verify", "--all")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+
+
 def test_verify_catches_corrupted_projection_snapshot_and_chain(consumed: Database) -> None:
     a, b = uuid.uuid4(), uuid.uuid4()
     _agent_run(consumed, a, finish_tool=True)
