@@ -3,8 +3,10 @@
 The only place that knows both the pgoutput tuple and the ledger's columns. Values are loaded by
 psycopg's loaders (one ``load_sequence`` per row); the jsonb payload is left as bytes by the loader
 and decoded once, by msgspec, straight into the payload Struct registered for the event type.
-Columns are found by name, so a ledger table with extra or reordered columns still decodes; a
-Relation without the ledger's required columns is refused.
+Columns are found by name, so a ledger table with extra or reordered columns still decodes. A
+Relation without some of the ledger's required columns (a publication's column list changed by
+hand) stops nothing: each of its rows is quarantined with the columns it lacks, and the next
+Relation, once the publication streams them again, decodes as before.
 """
 
 from __future__ import annotations
@@ -40,18 +42,15 @@ class LedgerRowDecoder:
 
     def __init__(self, relation: Relation) -> None:
         names = [c.name for c in relation.columns]
-        missing = [n for n in REQUIRED_COLUMNS if n not in names]
-        if missing:
-            raise DecodeError(
-                f"relation {relation.namespace}.{relation.name} lacks ledger columns "
-                f"{', '.join(missing)}",
-                message_type="Relation",
-            )
+        # what the stream lacks (a column list without them): every row is quarantined
+        self.missing = [n for n in REQUIRED_COLUMNS if n not in names]
         self.relation = relation
         self._loader = RowLoader(relation, _ADAPTERS)
         self._ncols = len(names)
         self._load_sequence = self._loader._text.load_sequence
-        self._pick = operator.itemgetter(*(names.index(n) for n in REQUIRED_COLUMNS))
+        self._pick = operator.itemgetter(
+            *(names.index(n) if n in names else 0 for n in REQUIRED_COLUMNS)
+        )
         # absent optional columns read as None (a publication made before hash was streamed)
         self._key_i, self._hash_i = (names.index(n) if n in names else None for n in _OPTIONAL)
 
@@ -63,6 +62,13 @@ class LedgerRowDecoder:
         cannot be read (the rule every reader shares: :func:`ledger_cdc.events.load_payload`,
         :func:`~ledger_cdc.events.admit_time`). Raises only DecodeError, for a tuple that does
         not fit the relation at all."""
+        if self.missing:
+            return self._rejected(
+                values,
+                wal_start,
+                f"the stream lacks its {', '.join(self.missing)} (the "
+                "publication's column list): not folded; the row stays in agent_events",
+            )
         if type(values) is tuple and len(values) == self._ncols:
             try:
                 row = self._load_sequence(values)  # the common case: one C call
@@ -89,7 +95,9 @@ class LedgerRowDecoder:
             return Rejected(seq, sid, pos, agent, etype, f"event seq {seq}: {e}", None, key, digest)
         return LedgerEvent(seq, sid, pos, agent, etype, value, created, key, digest)
 
-    def _rejected(self, values: tuple[Any, ...], wal_start: int) -> Rejected:
+    def _rejected(
+        self, values: tuple[Any, ...], wal_start: int, why: str | None = None
+    ) -> Rejected:
         """A row some column of which cannot be loaded: load what can be, one column at a time
         (the identity columns are NOT NULL integers, uuids and text, which always load)."""
         loaded: dict[str, Any] = {}
@@ -101,7 +109,8 @@ class LedgerRowDecoder:
                 bad.append(f"{name} ({_first_line(e)})")
                 loaded[name] = None
         seq, pos = loaded.get("seq"), loaded.get("position")
-        created = values[self._loader.names.index("created_at")]
+        names = self._loader.names
+        created = values[names.index("created_at")] if "created_at" in names else None
         raw_time = bytes(created).decode("utf-8", "replace") if isinstance(created, bytes) else None
         return Rejected(
             seq if isinstance(seq, int) else 0,
@@ -109,7 +118,7 @@ class LedgerRowDecoder:
             pos if isinstance(pos, int) else 0,
             str(loaded.get("agent_id") or ""),
             str(loaded.get("event_type") or ""),
-            f"event seq {seq}: cannot read {', '.join(bad) or 'the row'}",
+            f"event seq {seq}: {why or 'cannot read ' + (', '.join(bad) or 'the row')}",
             raw_time,
             loaded.get("idempotency_key"),
             loaded.get("hash") if isinstance(loaded.get("hash"), bytes) else None,

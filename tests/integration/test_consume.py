@@ -233,6 +233,42 @@ def test_alter_table_mid_stream(db: Database) -> None:
     assert ctx.completed_tools["1"].result == 5 and ctx.event_count == 2
 
 
+def test_a_column_list_without_the_payload_quarantines_rows_and_stops_nothing(
+    db: Database, tmp_path: Path
+) -> None:
+    """The owner narrows the publication's column list by hand, then puts it back: the rows
+    streamed without their payload are dead letters, the stream goes on, and a restarted
+    consumer (whose slot still holds that Relation) starts."""
+    sid = uuid.uuid4()
+    full = (
+        "ALTER PUBLICATION agent_pub SET TABLE agent_events "
+        "(seq, session_id, position, agent_id, event_type, payload, idempotency_key, "
+        "created_at, hash)"
+    )
+    log = tmp_path / "c.log"
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+    with ConsumerProcess(db.dsn, log=log), Ledger(db.dsn) as ledger, db.connect() as conn:
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
+        wait_caught_up(db.dsn)
+        conn.execute(
+            "ALTER PUBLICATION agent_pub SET TABLE agent_events "
+            "(seq, session_id, position, agent_id, event_type, created_at)"
+        )
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "2", "tool": "t"})
+        conn.execute(full)
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "3", "tool": "t"})
+        wait_caught_up(db.dsn)
+    with ConsumerProcess(db.dsn, log=log), Ledger(db.dsn) as ledger:
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "4", "tool": "t"})
+        wait_caught_up(db.dsn)
+    with db.connect() as conn:
+        (ctx,) = stored_projections(conn).values()
+        dead = conn.execute("SELECT reason FROM ledger_dead_letters").fetchall()
+    assert sorted(ctx.pending_tools) == ["1", "3", "4"] and ctx.last_position == 4
+    assert len(dead) == 1 and "lacks its payload" in dead[0][0], dead
+
+
 def test_poison_payload_goes_to_dead_letters_and_stream_goes_on(db: Database) -> None:
     sid = uuid.uuid4()
     with InThread(db.dsn) as consumer, Ledger(db.dsn) as ledger:
