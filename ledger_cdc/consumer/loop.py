@@ -27,12 +27,14 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from psycopg import sql
 
 from ledger_cdc.admin.schema import drop_slot
+from ledger_cdc.client.recovery import rebuild_context
 from ledger_cdc.consumer.config import ConsumerConfig
 from ledger_cdc.consumer.metrics import Metrics
 from ledger_cdc.consumer.policy import FlushPolicy
@@ -47,7 +49,13 @@ from ledger_cdc.consumer.tasks import (
     vacuum,
 )
 from ledger_cdc.errors import ConfigError, FencedError, LedgerError, RetryableError
-from ledger_cdc.fold import default_reducers
+from ledger_cdc.fold import (
+    CompletedModel,
+    CompletedTool,
+    SessionContext,
+    default_reducers,
+    encode_stored,
+)
 from ledger_cdc.lsn import format_lsn
 from ledger_cdc.retry import Backoff
 from ledger_cdc.sink.base import BOOTSTRAPPING, Sink
@@ -57,6 +65,7 @@ from ledger_cdc.sink.batch import (
     BatchBuilder,
     SessionCache,
     SnapshotPolicy,
+    context_size,
 )
 from ledger_cdc.sink.postgres import PgSink
 from ledger_cdc.sink.worker import SinkWorker
@@ -75,6 +84,24 @@ __all__ = ["Consumer", "ConsumerConfig", "Metrics", "count_unfolded"]
 log = logging.getLogger("ledger_cdc.consumer")
 
 _PG_EPOCH = 946684800.0  # 2000-01-01 in Unix seconds
+
+
+def _memo_rows(conn: Any, ctx: SessionContext) -> list[tuple[uuid.UUID, int, Any]]:
+    """The agent_memo rows of every call ``ctx`` (folded with its memo) completed."""
+    calls: list[CompletedTool | CompletedModel] = [
+        *ctx.completed_tools.values(),
+        *ctx.completed_models.values(),
+    ]
+    seqs = [c.observed_seq if isinstance(c, CompletedTool) else c.responded_seq for c in calls]
+    at = dict(
+        conn.execute(
+            "SELECT seq, position FROM agent_events WHERE session_id = %s AND seq = ANY(%s)",
+            (ctx.session_id, seqs),
+        ).fetchall()
+    )
+    return [(ctx.session_id, at[s], c) for s, c in zip(seqs, calls, strict=True) if s in at]
+
+
 _HEALTHY_AFTER = 30.0  # seconds of streaming after which a failure starts the backoff over
 PROBE_EVERY = 0.05  # seconds between looks at the sink's WAL flush while batches await it
 
@@ -145,7 +172,7 @@ class Consumer:
         self._budget = max(1, limit * 15 // 100)
         self._cache = SessionCache(limit * 15 // 100)
         self.builder = BatchBuilder(
-            load=self.sink.load_contexts_sized,
+            load=self._load_contexts,
             cache=self._cache,
             budget=self._budget,
             reducers=self.reducers,
@@ -613,6 +640,41 @@ class Consumer:
         if last_commit_ts:
             m.last_commit_ts = _PG_EPOCH + last_commit_ts / 1e6
             m.last_applied_at = committed_at
+
+    def _load_contexts(
+        self, session_ids: Iterable[uuid.UUID]
+    ) -> dict[uuid.UUID, tuple[SessionContext, int]]:
+        """The sink's projections of these sessions; one the sink could not use (see
+        PgSink.load_contexts_sized) is rebuilt from the ledger — its latest usable snapshot and
+        the tail, as rebuild_context does — and logged, instead of folding on from nothing
+        (wrong) or failing the batch for good."""
+        found = self.sink.load_contexts_sized(session_ids)
+        unusable: dict[uuid.UUID, str] = getattr(self.sink, "unusable", {})
+        while unusable:
+            sid, why = unusable.popitem()
+            try:
+                with connected(self.config.dsn, "ledger database (rebuild)") as conn:
+                    ctx = rebuild_context(conn, sid, memo=True)
+                    memo = _memo_rows(conn, ctx)
+            except LedgerError as e:
+                log.error(
+                    "projection of session %s is unusable (%s) and cannot be rebuilt from the "
+                    "ledger (%s): folded on from nothing; `verify` will show it",
+                    sid,
+                    why,
+                    e,
+                )
+                continue
+            log.warning(
+                "projection of session %s is unusable (%s): rebuilt from the ledger at position %d",
+                sid,
+                why,
+                ctx.last_position,
+            )
+            self.metrics.count("projections_rebuilt_total")
+            found[sid] = (ctx, context_size(ctx, encode_stored(ctx)))
+            self.builder.rebuilt[sid] = memo  # written with the next batch of its events
+        return found
 
     def _confirm_durable(self) -> None:
         lsn = self.sink.durable()

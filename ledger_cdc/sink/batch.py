@@ -321,6 +321,11 @@ class BatchBuilder:
         self.spill_dir = spill_dir
         self.on_anomaly = on_anomaly
         self._loaded_bytes = 0  # contexts loaded since the part in hand began (_Part.used)
+        # sessions the loader rebuilt from the ledger (their stored projection unusable), with
+        # the memo rows of every call they completed: the next batch that has one of their
+        # events writes them (even an event already folded), and those rows (agent_memo keeps
+        # the ones it has)
+        self.rebuilt: dict[uuid.UUID, list[tuple[uuid.UUID, int, Any]]] = {}
 
     # -- a batch of whole transactions -----------------------------------------------------------
 
@@ -434,24 +439,14 @@ class BatchBuilder:
             self._load([sid])
             ctx = self.cache.get(sid)
             assert ctx is not None
-        if ev.position <= ctx.last_position:
-            return  # already folded (a projection ahead of a lost checkpoint)
         changed = f.changed
-        if sid not in changed:
-            r = ctx.run
-            f.runs_before[sid] = None if r is None else (r.status, r.leases)
-            if before is None:  # a chunk records what the session was before the transaction
-                f.batch.touched.append(
-                    (
-                        sid,
-                        ctx.event_count,
-                        ctx.status,
-                        None if r is None else r.status,
-                        None if r is None else r.leases,
-                    )
-                )
-        if before is not None and sid not in before:
-            before[sid] = (ctx.event_count, ctx.status)
+        if ev.position <= ctx.last_position:  # already folded (a projection ahead of a lost
+            if sid in self.rebuilt:  # checkpoint, or one rebuilt from the ledger: written)
+                self._touch(f, sid, ctx, before)
+                head = ev.hash if ev.position == ctx.last_position else None
+                changed[sid] = (ctx, txn.commit_lsn, head or changed.get(sid, (0, 0, None))[2])
+            return
+        self._touch(f, sid, ctx, before)
         reason = self.reducers.fold_one(ctx, ev)
         changed[sid] = (ctx, txn.commit_lsn, ev.hash)
         if ev.seq > f.max_seq:
@@ -469,6 +464,31 @@ class BatchBuilder:
             # a bootstrap (xid 0) folds rows read from the table, not a streamed commit: their
             # LSN is unknown (0), so the fan-out looks up what the stream already holds of them
             f.batch.published.append((ev, txn.commit_lsn if txn.xid else 0))
+
+    @staticmethod
+    def _touch(
+        f: _Part,
+        sid: uuid.UUID,
+        ctx: SessionContext,
+        before: dict[uuid.UUID, tuple[int, str]] | None,
+    ) -> None:
+        """What a session was before the batch (its run, for notifications; in a chunk, its
+        counters) and before the transaction (the snapshot rule), recorded once each."""
+        if sid not in f.changed:
+            r = ctx.run
+            f.runs_before[sid] = None if r is None else (r.status, r.leases)
+            if before is None:  # a chunk records what the session was before the transaction
+                f.batch.touched.append(
+                    (
+                        sid,
+                        ctx.event_count,
+                        ctx.status,
+                        None if r is None else r.status,
+                        None if r is None else r.leases,
+                    )
+                )
+        if before is not None and sid not in before:
+            before[sid] = (ctx.event_count, ctx.status)
 
     def _cut_snapshots(self, f: _Part, before: dict[uuid.UUID, tuple[int, str]]) -> None:
         """Snapshots are cut here, between transactions, never inside one."""
@@ -495,6 +515,9 @@ class BatchBuilder:
         change notices; the cache brought back within its budget."""
         batch = f.batch
         for sid, (ctx, commit_lsn, head) in f.changed.items():
+            memo = self.rebuilt.pop(sid, None) if self.rebuilt else None
+            if memo:
+                batch.memo.extend(memo)
             data = encode_stored(ctx, reference=self.by_reference)
             batch.sessions[sid] = (ctx, data, commit_lsn, head)
             # the cached context is now what a load of this projection gives: its completed

@@ -22,7 +22,14 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 import psycopg
 
-from ledger_cdc.errors import FencedError, format_lsn, parse_lsn, translate
+from ledger_cdc.errors import (
+    FencedError,
+    WindowMissingError,
+    first_line,
+    format_lsn,
+    parse_lsn,
+    translate,
+)
 from ledger_cdc.fold import (
     FORMAT_VERSION,
     PROJECTION_FORMAT,
@@ -125,9 +132,11 @@ SELECT s.session_id, s.format_version, s.context::text,
         FROM jsonb_array_elements(CASE jsonb_typeof(s.context -> 'sources')
                                   WHEN 'array' THEN s.context -> 'sources' END)
              WITH ORDINALITY AS x(src, o)
-        WHERE x.src ->> 3 = 'true')
+        WHERE x.src ->> 3 = 'true'),
+       s.last_position, s.event_count
 FROM agent_sessions s WHERE s.session_id = ANY(%s)
 """
+_BIGINT = 1 << 63
 _LARGE = 1024 * 1024  # a JSON value past this is staged by a statement of its own (binary)
 # Rows with a large value go by a binary COPY of their own, the value streamed from its bytes
 # (text COPY would copy it into a str and again to escape it): see _copy_binary.
@@ -339,6 +348,8 @@ class PgSink:
         self.checkpoint: int | None = None
         self.epoch: int | None = None
         self.publishers: list[Any] = []  # e.g. JetStreamPublisher: begin(events, sessions)
+        # sessions whose projection load_contexts_sized could not use, and why
+        self.unusable: dict[uuid.UUID, str] = {}
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
@@ -418,16 +429,33 @@ class PgSink:
         self, session_ids: Iterable[uuid.UUID]
     ) -> dict[uuid.UUID, tuple[SessionContext, int]]:
         """Each session's projected context, whole (its window's messages read back), with its
-        estimated size in memory, for the sessions that have one of a format read."""
+        estimated size in memory, for the sessions that have one this version can use. One it
+        cannot (edited into another shape, numbers past a bigint, counters that disagree with
+        its row, references to nothing, a format this version does not know) is left out and
+        named in :attr:`unusable` with the reason, for the consumer to rebuild from the ledger:
+        folded on from nothing, it would be wrong, and every batch would fail to write it."""
         ids = list(session_ids)
         if not ids:
             return {}
         out: dict[uuid.UUID, tuple[SessionContext, int]] = {}
-        for sid, version, text, window, said in self.conn.execute(LOAD_PROJECTIONS, (ids,)):
-            if version in PROJECTION_FORMATS:
+        for sid, version, text, window, said, last, count in self.conn.execute(
+            LOAD_PROJECTIONS, (ids,)
+        ):
+            if version not in PROJECTION_FORMATS:
+                self.unusable[sid] = f"format {version}, which this version does not read"
+                continue
+            try:
                 ctx = decode_context(text)
                 attach(ctx, window, said)
-                out[sid] = (ctx, context_size(ctx, text))
+            except (msgspec.DecodeError, WindowMissingError, ValueError, TypeError) as e:
+                self.unusable[sid] = f"cannot be read back ({first_line(e)})"
+                continue
+            if (ctx.session_id, ctx.last_position, ctx.event_count) != (sid, last, count) or not (
+                0 <= ctx.last_seq < _BIGINT and 0 <= ctx.memo_position <= last
+            ):
+                self.unusable[sid] = "its counters disagree with its row or pass a bigint"
+                continue
+            out[sid] = (ctx, context_size(ctx, text))
         return out
 
     def load_contexts(self, session_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, SessionContext]:

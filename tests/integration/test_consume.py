@@ -269,6 +269,43 @@ def test_a_column_list_without_the_payload_quarantines_rows_and_stops_nothing(
     assert len(dead) == 1 and "lacks its payload" in dead[0][0], dead
 
 
+@pytest.mark.parametrize(
+    "edit",
+    [
+        "context = '\"x\"'",
+        "context = '[1, 2]'",
+        "context = jsonb_set(context, '{event_count}', '1000000000000000000000000000000')",
+        "context = jsonb_set(context, '{pending_tools}', '{\"c\": 5}')",
+        "context = jsonb_set(context, '{sources}', '[[999, 2, 600, true]]')",
+        "format_version = 999",
+    ],
+)
+def test_a_projection_edited_out_of_shape_is_rebuilt_from_the_ledger(
+    db: Database, tmp_path: Path, edit: str
+) -> None:
+    """A projection no reader can use (edited by hand, or written by another version) is
+    rebuilt from the ledger when its session next has an event: the consumer neither stops,
+    nor folds on from nothing, nor retries a write that cannot succeed."""
+    sid = uuid.uuid4()
+    log = tmp_path / "c.log"
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+    with ConsumerProcess(db.dsn, "--snapshot-every", "2", log=log), Ledger(db.dsn) as ledger:
+        for i in range(3):
+            ledger.append(sid, "a", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
+        wait_caught_up(db.dsn)
+    with db.connect() as conn:  # edited while no consumer holds the session in memory
+        conn.execute(f"UPDATE agent_sessions SET {edit} WHERE session_id = %s", (sid,))
+    with ConsumerProcess(db.dsn, "--snapshot-every", "2", log=log), Ledger(db.dsn) as ledger:
+        ledger.append(sid, "a", "tool.observed", {"call_id": "c1", "result": 1})
+        wait_caught_up(db.dsn)
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "c9", "tool": "t"})
+        wait_caught_up(db.dsn)
+    assert "rebuilt from the ledger" in log.read_text()
+    assert_projections_equal_refold(db.dsn)
+    assert_verify_exact(db.dsn)
+
+
 def test_poison_payload_goes_to_dead_letters_and_stream_goes_on(db: Database) -> None:
     sid = uuid.uuid4()
     with InThread(db.dsn) as consumer, Ledger(db.dsn) as ledger:
