@@ -433,7 +433,8 @@ class JetStreamPublisher:
 
     async def _high_water(self) -> int | None:
         """The high LSN the stream's last message carries (0 for an empty stream; None when
-        it carries none)."""
+        it carries none, or when another slot published it: shards share a stream, and one
+        that is behind marks only what it knows, below what this slot may have stored)."""
         from nats.js.errors import NotFoundError
 
         info = await self._js.stream_info(self.settings.stream)
@@ -444,7 +445,10 @@ class JetStreamPublisher:
             msg = await self._js.get_msg(self.settings.stream, seq=last)
         except NotFoundError:
             return None
-        value = (msg.headers or {}).get(_LSN_HEADER, "")
+        headers = msg.headers or {}
+        if not headers.get("Nats-Msg-Id", "").startswith(f"{self.slot}:"):
+            return None
+        value = headers.get(_LSN_HEADER, "")
         return int(value) if value.isdigit() else None
 
     async def _batching(self, info: Any) -> bool:

@@ -663,3 +663,28 @@ def test_a_hung_node_killed_and_restarted_never_stops_the_consumer(
             consumer.kill()
         for n in servers:
             n.kill()
+
+
+def test_shards_sharing_a_stream_republish_nothing_twice_past_the_window(
+    srv: NatsServer,
+) -> None:
+    """Two shards share the stream; one that is behind publishes last, its mark lower than what
+    the other stored before dying uncheckpointed: that other, restarted past the duplicate
+    window, must not take the lower mark for its own and republish what the stream holds."""
+    url = srv.url + "?duplicate_window=0.5"
+    early, late, theirs = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    events = [(ev, 1000 + lsn) for ev, lsn in _events(early, 1, 5)]  # LSNs 1101..1105
+    events += [(ev, 1005 + lsn) for ev, lsn in _events(late, 1, 5)]  # LSNs 1106..1110
+    b = JetStreamPublisher(JetStreamSettings.from_url(url), "agent_slot_s1")
+    b.connect()  # shard 1 up first, the stream empty then
+    a = JetStreamPublisher(JetStreamSettings.from_url(url), "agent_slot_s0")
+    a.publish(events, [])  # stored; then shard 0 dies before its checkpoint
+    a.close()
+    b.publish([(ev, 1105) for ev, _ in _events(theirs, 1, 1)], [])  # behind: marks 1105
+    b.close()
+    time.sleep(2.0)  # four duplicate windows
+    again = JetStreamPublisher(JetStreamSettings.from_url(url), "agent_slot_s0")
+    again.publish(events, [])
+    again.close()
+    assert again.published == 0 and again.skipped == 10
+    assert sorted(_positions([srv.url], "check")) == sorted([1, *range(1, 6), *range(1, 6)])
