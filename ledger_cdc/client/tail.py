@@ -79,9 +79,15 @@ async def follow_jetstream(
 
     session_id = uuid.UUID(str(session_id))  # a caller's string compares with the wire's UUID
 
+    async def quiet(e: Exception) -> None:  # (nats-py's own handler prints a traceback)
+        log.debug("NATS: %s", e)
+
     try:
         nc = await nats.connect(
-            servers=settings.servers, connect_timeout=5, max_reconnect_attempts=3
+            servers=settings.servers,
+            connect_timeout=5,
+            max_reconnect_attempts=3,
+            error_cb=quiet,
         )
     except Exception as e:
         raise DatabaseUnavailable(

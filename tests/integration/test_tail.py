@@ -165,3 +165,29 @@ def _stream_window(url: str) -> float | None:
             await nc.close()
 
     return asyncio.run(go())
+
+
+def test_tail_from_an_unreachable_nats_fails_in_one_line(db: Database) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ledger_cdc.cli",
+            "tail",
+            str(uuid.uuid4()),
+            "--dsn",
+            db.dsn,
+            "--nats",
+            "nats://127.0.0.1:1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 4, out.stderr
+    assert "Traceback" not in out.stderr and "ConnectionRefusedError" not in out.stderr
+    assert [line for line in out.stderr.splitlines() if line.strip()] == [
+        "error: cannot reach NATS at nats://127.0.0.1:1: NoServersError: nats: no servers "
+        "available for connection"
+    ], out.stderr
