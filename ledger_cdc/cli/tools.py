@@ -504,7 +504,8 @@ def fork(
     default=32,
     show_default=True,
     type=click.IntRange(1),
-    help="Rows claimed per transaction.",
+    help="Rows claimed per statement (at most --concurrency: a claim counts as an attempt of "
+    "each row it takes, so it takes only rows it calls at once).",
 )
 @option(
     "--concurrency",

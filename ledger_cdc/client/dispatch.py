@@ -234,6 +234,10 @@ class Dispatcher:
         self.name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max(1, config.concurrency), "ledger-dispatch")
+        # a claim counts as an attempt of every row it takes: it takes no more rows than are
+        # called at once, or a dispatcher killed mid-batch would charge attempts to rows it
+        # never called, and park them unsent
+        self._claim_size = max(1, min(config.batch_size, config.concurrency))
         self._conn: psycopg.Connection[Any] | None = None
 
     def stop(self) -> None:
@@ -303,7 +307,7 @@ class Dispatcher:
             "lease": cfg.claim_seconds,
             "targets": targets,
             "max": cfg.max_attempts,
-            "n": cfg.batch_size,
+            "n": self._claim_size,
         }
         rows = self._sql(_CLAIM, params)
         if not rows:
@@ -404,7 +408,7 @@ class Dispatcher:
                     log.warning("%s; retrying in %.1fs", e, delay)
                     self._stop.wait(delay)
                     continue
-                if handled == self.config.batch_size:
+                if handled == self._claim_size:
                     continue  # a full batch: more are probably due
                 if once or (idle_exit and handled == 0 and not self._pending_retries()):
                     break

@@ -101,6 +101,32 @@ def test_killed_between_call_and_mark_retries_with_the_same_key(db: Database) ->
     assert attempts == 2  # every call is counted, the one whose outcome was never written too
 
 
+def test_a_dispatcher_killed_mid_batch_charges_attempts_only_to_rows_it_called(
+    db: Database,
+) -> None:
+    """A claim counts as an attempt of each row it takes: it takes no more than are called at
+    once, so a dispatcher killed mid-batch leaves the rows it never called uncharged (they used
+    to be charged, and parked unsent after --max-attempts such kills)."""
+    keys = _outbox_rows(db, 10)
+    with Target(lambda k, n: -1 if n == 1 else 200) as target:  # first calls hang
+        args = ("--target", f"tool:search={target.url}", "--claim-seconds", "1")
+        first = _dispatcher(db, *args, "--concurrency", "2", "--batch-size", "32")
+        try:
+            until(lambda: len(target.requests) >= 2, 30)
+            first.send_signal(signal.SIGKILL)
+            first.wait(10)
+        finally:
+            first.kill()
+        called = {r["key"] for r in target.requests}
+        charged = {k for k, (_, _, attempts, _) in _rows(db).items() if attempts}
+        assert charged == called and len(called) == 2
+        second = _dispatcher(db, *args, "--until-idle")
+        out, _ = second.communicate(timeout=120)
+        assert second.returncode == 0, out
+    rows = _rows(db)
+    assert all(rows[k][0] and not rows[k][1] for k in keys), rows
+
+
 def test_two_dispatchers_never_send_a_row_twice(db: Database) -> None:
     keys = _outbox_rows(db, 240)
     with Target(delay=0.01) as target:
