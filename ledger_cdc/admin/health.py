@@ -255,6 +255,12 @@ def check_slots(
             behind = _unfolded(conn, ck[3], ck[4])
             if behind is not None:
                 h.lag_seconds, h.unfolded_events = behind
+        elif h.lag_bytes and database == conn.info.dbname:
+            # never consumed (no checkpoint yet): every ledger event waits, the oldest first
+            # (before PostgreSQL 17 nothing else tells how long the slot has stood unread)
+            behind = _unfolded(conn, 0, None)
+            if behind is not None and behind[1]:
+                h.lag_seconds, h.unfolded_events = behind
         if not h.active:
             h.inactive_seconds = inactive.get(name, h.checkpoint_age_seconds)
         if h.safe_wal_size is not None and rate:

@@ -407,3 +407,24 @@ def test_lag_sees_a_dead_consumer_by_time(db: Database, tmp_path: Path) -> None:
             assert consumer.metrics.extra["slot_lag_seconds"] == 0.0
     code, (h,) = lag(db.dsn, "--slot", "agent_slot", "--warn-seconds", "2")
     assert h["lag_seconds"] == 0 and h["unfolded_events"] == 0
+
+
+def test_lag_sees_a_slot_no_consumer_ever_read(db: Database) -> None:
+    """No checkpoint yet (no consumer ever ran): the events the slot holds are as old as the
+    oldest of them, and past --warn-seconds that is a warning (before PostgreSQL 17 the server
+    does not say since when the slot is inactive either)."""
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+    with Ledger(db.dsn) as ledger:
+        for i in range(5):
+            ledger.append(uuid.uuid4(), "a", "tool.invoked", {"call_id": str(i), "tool": "t"})
+    until(
+        lambda: (
+            (lag(db.dsn, "--slot", "agent_slot", "--warn-seconds", "2")[1][0]["lag_seconds"] or 0)
+            >= 2
+        ),
+        30,
+    )
+    code, (h,) = lag(db.dsn, "--slot", "agent_slot", "--warn-seconds", "2")
+    assert code == 1 and h["unfolded_events"] == 5, h
+    assert any("behind" in r for r in h["reasons"])
