@@ -328,6 +328,7 @@ class JetStreamPublisher:
         self._js: Any = None
         self._stream_ready = False
         self._broken = False
+        self._closing: set[asyncio.Future[None]] = set()  # clients whose connect was cut short
         self.published = 0
         self.skipped = 0  # messages not published: the stream already held their position
         self.heads_read = 0  # subjects whose last message was read (what may be in the stream)
@@ -384,7 +385,7 @@ class JetStreamPublisher:
                 await asyncio.wait_for(nc.close(), 2)
 
     async def _connect(self) -> None:
-        import nats
+        from nats.aio.client import Client
         from nats.js.api import StreamConfig
         from nats.js.errors import NotFoundError
 
@@ -392,20 +393,31 @@ class JetStreamPublisher:
         if self._broken or (self._nc is not None and not self._nc.is_connected):
             await self._reset()
         if self._nc is None:
-            self._nc = await nats.connect(
-                servers=s.servers,
-                connect_timeout=5,
-                # a hung server is noticed within about ping_interval × (max_outstanding + 1)
-                ping_interval=_PING_INTERVAL,
-                max_outstanding_pings=2,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                allow_reconnect=True,
-                name=f"ledger-cdc:{self.slot}",
-                error_cb=self._on_error,
-                disconnected_cb=self._on_disconnected,
-                reconnected_cb=self._on_reconnected,
-            )
+            # made first and connected after: a connect cancelled midway (its publish timed
+            # out against a hung server) leaves a client whose sockets and tasks live on,
+            # unless it is closed
+            nc = Client()
+            try:
+                await nc.connect(
+                    servers=s.servers,
+                    connect_timeout=5,
+                    # a hung server is noticed within about ping_interval × (max_outstanding + 1)
+                    ping_interval=_PING_INTERVAL,
+                    max_outstanding_pings=2,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,  # type: ignore[arg-type]
+                    allow_reconnect=True,
+                    name=f"ledger-cdc:{self.slot}",
+                    error_cb=self._on_error,
+                    disconnected_cb=self._on_disconnected,
+                    reconnected_cb=self._on_reconnected,
+                )
+            except BaseException:
+                closing = asyncio.ensure_future(nc.close())  # not awaited: this task may be
+                self._closing.add(closing)  # cancelled (kept: a task nobody holds may vanish)
+                closing.add_done_callback(self._closing.discard)
+                raise
+            self._nc = nc
             self._js = self._nc.jetstream(timeout=s.ack_timeout)
             self._stream_ready = False
             await self._acks()
