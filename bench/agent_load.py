@@ -342,7 +342,7 @@ def main() -> None:
         f"{t_ref / t_drain:.2f}× pg_recvlogical end to end"
     )
     print(
-        f"    of which start-up (imports, connections, START_REPLICATION) {t_start:.2f}s; "
+        f"    of which start-up (imports, checks, the early stream taken over) {t_start:.2f}s; "
         f"streaming alone {backlog / streaming:.1f} MB/s = {t_ref / streaming:.2f}× pg_recvlogical"
     )
 

@@ -73,7 +73,7 @@ def main() -> None:
             f"{r_ours / r_ref:.2f}× pg_recvlogical"
         )
         print(
-            f"    of which start-up (imports, connections, START_REPLICATION) {t_start:.2f}s; "
+            f"    of which start-up (imports, checks, the early stream taken over) {t_start:.2f}s; "
             f"streaming alone {r_stream:,.0f} txn/s = {r_stream / r_ref:.2f}× pg_recvlogical"
         )
         print(

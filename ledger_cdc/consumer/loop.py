@@ -247,6 +247,7 @@ class Consumer:
                     except RetryableError as e:
                         self._back_off(str(e))
                 self._start_tasks()
+                self._connect_publishers()
             while not self._stop.is_set():
                 try:
                     self._attempt()
@@ -260,6 +261,17 @@ class Consumer:
             self.stream.close()
             self.sink.shutdown()
             self._await_confirmed()
+
+    def _connect_publishers(self) -> None:
+        """Each publisher (JetStream) connected, its stream made or checked, before streaming:
+        a stream whose settings it may not change stops the consumer now, not at its first
+        event, and the first batch does not wait for the connection. One out of reach for now
+        is left to its first batch, which tries again."""
+        for pub in getattr(self.sink, "publishers", []):
+            try:
+                pub.connect(timeout=5)
+            except RetryableError as e:
+                log.warning("%s; the first batch tries again", e)
 
     def _await_confirmed(self, timeout: float = 5.0) -> None:
         """After a stop: until the server shows the last confirmed position in the slot (the

@@ -50,7 +50,7 @@ from urllib.parse import unquote
 
 import msgspec
 
-from ledger_cdc.errors import ConfigError, InvalidEventError, JetStreamError
+from ledger_cdc.errors import ConfigError, InvalidEventError, JetStreamError, LedgerError
 from ledger_cdc.events import LedgerEvent, Rejected, admit_time, load_payload
 
 __all__ = ["JetStreamError", "JetStreamPublisher", "JetStreamSettings", "WireEvent"]
@@ -533,10 +533,12 @@ class JetStreamPublisher:
         url = getattr(self._nc, "connected_url", None)
         log.info("NATS: reconnected to %s", getattr(url, "netloc", url))
 
-    def connect(self) -> None:
+    def connect(self, timeout: float = 30) -> None:
+        """Connect, and make or check the stream (raises JetStreamError if it takes longer
+        than ``timeout``: retried by the next publish)."""
         try:
-            self._run(self._connect(), 30)
-        except JetStreamError:
+            self._run(self._connect(), timeout)
+        except LedgerError:  # (a stream it may not change: ConfigError, as it is)
             raise
         except Exception as e:
             raise JetStreamError(

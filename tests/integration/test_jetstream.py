@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -17,9 +19,10 @@ from typing import Any
 import psycopg
 import pytest
 
+from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.client.recovery import load_events
 from ledger_cdc.sink.jetstream import JetStreamPublisher, JetStreamSettings
-from tests.support.cdc import ConsumerProcess, Writers, until, wait_caught_up
+from tests.support.cdc import ROOT, ConsumerProcess, Writers, until, wait_caught_up
 from tests.support.harness import Database
 from tests.support.natsserver import NatsServer, cluster, read_all, wait_jetstream
 
@@ -688,3 +691,35 @@ def test_shards_sharing_a_stream_republish_nothing_twice_past_the_window(
     again.close()
     assert again.published == 0 and again.skipped == 10
     assert sorted(_positions([srv.url], "check")) == sorted([1, *range(1, 6), *range(1, 6)])
+
+
+def test_a_stream_whose_settings_cannot_change_stops_consume_before_any_event(
+    db: Database, srv: NatsServer
+) -> None:
+    """The stream is made or checked when the consumer starts, not at its first event: a
+    single node refuses replicas=3, and consume says so at once, in one line, exit 4."""
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+    JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot").connect()  # R1
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ledger_cdc.cli",
+            "consume",
+            "--dsn",
+            db.dsn,
+            "--log-format",
+            "text",
+            "--sink",
+            "postgres",
+            "--sink",
+            srv.url + "?replicas=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 4, out.stderr
+    assert "Traceback" not in out.stderr and "exists with other settings" in out.stderr
