@@ -97,13 +97,21 @@ async def follow_jetstream(
         js = nc.jetstream()
         subject = f"{settings.prefix}.events.{session_id}"
         try:
-            sub = await js.subscribe(subject, stream=settings.stream, ordered_consumer=True)
+            info = await js.stream_info(settings.stream)
         except NotFoundError as e:
             raise ConfigError(
                 f"JetStream stream {settings.stream!r} does not exist at "
                 f"{', '.join(settings.servers)} (a consumer creates it: ledger-cdc consume "
                 "--sink nats://…; or give ?stream= of the one it uses)"
             ) from e
+        carried = list(getattr(info.config, "subjects", None) or [])
+        if f"{settings.prefix}.events.*" not in carried:  # (would wait for ever, saying nothing)
+            raise ConfigError(
+                f"JetStream stream {settings.stream!r} does not carry {settings.prefix}.events.* "
+                f"(its subjects: {', '.join(carried) or 'none'}): give ?prefix= of the one "
+                "its consumer publishes under"
+            )
+        sub = await js.subscribe(subject, stream=settings.stream, ordered_consumer=True)
         dec = msgspec.json.Decoder(WireEvent)
         while True:
             try:

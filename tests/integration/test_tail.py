@@ -139,6 +139,10 @@ def test_tail_from_jetstream_honours_the_urls_stream_and_prefix(
             _write(db, uuid.uuid4(), 1, 1)
             until(lambda: conn.execute("SELECT count(*) FROM agent_sessions").fetchone() == (1,))
             rows = _follow(db, sid, "--nats", url)
+            # a prefix the stream does not carry: one line, not a wait for ever
+            wrong = _tail(db, sid, "--nats", f"{srv.url}?stream=AGENTS&prefix=other")
+            _, err = wrong.communicate(timeout=60)
+            assert wrong.returncode == 4 and "other.events.*" in err, err
             c.kill()
         assert [r["position"] for r in rows] == [1, 2, 3, 4]
         # a consumer with another duplicate window updates the existing stream to it
