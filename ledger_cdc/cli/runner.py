@@ -150,8 +150,9 @@ def run_consumer(
         reporter.join(2)
         if server is not None:
             server.stop()
-        root.info(
-            "stopped at %s after %d events",
-            format_lsn(consumer.metrics.confirmed_lsn),
-            consumer.metrics.events,
-        )
+    # (not after an error: that is the one line it ends with)
+    root.info(
+        "stopped at %s after %d events",
+        format_lsn(consumer.metrics.confirmed_lsn),
+        consumer.metrics.events,
+    )
