@@ -67,7 +67,7 @@ class DeadLetter:
     seq: int | None
     session_id: uuid.UUID | None
     lsn: int
-    kind: str  # quarantined | update | delete | truncate
+    kind: str  # quarantined | update | delete | truncate | gap
     reason: str
     row: dict[str, Any] | None = None
 
@@ -446,6 +446,8 @@ class BatchBuilder:
                 head = ev.hash if ev.position == ctx.last_position else None
                 changed[sid] = (ctx, txn.commit_lsn, head or changed.get(sid, (0, 0, None))[2])
             return
+        if ev.position > ctx.last_position + 1:
+            self._gap(f, it, txn, ctx, ev)
         self._touch(f, sid, ctx, before)
         reason = self.reducers.fold_one(ctx, ev)
         changed[sid] = (ctx, txn.commit_lsn, ev.hash)
@@ -464,6 +466,29 @@ class BatchBuilder:
             # a bootstrap (xid 0) folds rows read from the table, not a streamed commit: their
             # LSN is unknown (0), so the fan-out looks up what the stream already holds of them
             f.batch.published.append((ev, txn.commit_lsn if txn.xid else 0))
+
+    @staticmethod
+    def _gap(
+        f: _Part,
+        it: Item,
+        txn: Transaction[Item],
+        ctx: SessionContext,
+        ev: LedgerEvent | Rejected,
+    ) -> None:
+        """A session's positions skipped in the stream (a publication that left its rows out for
+        a while: rows the ledger holds and the stream never sent): recorded and logged, and the
+        fold goes on (`verify` shows what the projection lacks; a resync folds it)."""
+        first, last = ctx.last_position + 1, ev.position - 1
+        why = (
+            f"positions {first}..{last} of session {ev.session_id} never came through the "
+            f"stream before position {ev.position} (was the ledger left out of the publication "
+            "for a while?): folded on without them"
+        )
+        log.warning("%s", why)
+        lsn = it.lsn if type(it) is Held else txn.commit_lsn
+        f.batch.dead_letters.append(
+            DeadLetter(ev.seq, ev.session_id, lsn, "gap", why, {"seq": ev.seq})
+        )
 
     @staticmethod
     def _touch(

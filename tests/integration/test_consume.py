@@ -14,6 +14,7 @@ import pytest
 from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.errors import parse_lsn
+from ledger_cdc.fold import SessionContext
 from tests.support.cdc import (
     ConsumerProcess,
     InThread,
@@ -304,6 +305,28 @@ def test_a_projection_edited_out_of_shape_is_rebuilt_from_the_ledger(
     assert "rebuilt from the ledger" in log.read_text()
     assert_projections_equal_refold(db.dsn)
     assert_verify_exact(db.dsn)
+
+
+def test_positions_the_stream_never_sent_are_recorded_and_the_fold_goes_on(
+    db: Database,
+) -> None:
+    """The owner stops publishing inserts for a while: the rows are in the ledger, the stream
+    never sends them. The next event of the session shows the gap: a dead letter of kind gap
+    says which positions, and the session goes on."""
+    sid = uuid.uuid4()
+    with InThread(db.dsn), Ledger(db.dsn) as ledger, db.connect() as conn:
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
+        wait_caught_up(db.dsn)
+        conn.execute("ALTER PUBLICATION agent_pub SET (publish = 'update, delete, truncate')")
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "2", "tool": "t"})
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "3", "tool": "t"})
+        conn.execute(
+            "ALTER PUBLICATION agent_pub SET (publish = 'insert, update, delete, truncate')"
+        )
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "4", "tool": "t"})
+        until(lambda: stored_projections(conn).get(sid, SessionContext(sid)).last_position == 4)
+        dead = conn.execute("SELECT kind, seq, reason FROM ledger_dead_letters").fetchall()
+    assert [(k, r.split(" of ")[0]) for k, _, r in dead] == [("gap", "positions 2..3")], dead
 
 
 def test_poison_payload_goes_to_dead_letters_and_stream_goes_on(db: Database) -> None:
