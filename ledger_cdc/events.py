@@ -457,8 +457,8 @@ def _openings_over(data: bytes, limit: int) -> bool:
     memchr, many times faster than a pass that counts or translates every byte), at most
     ``limit + 1`` of them: bounded whatever the data."""
     n = 0
+    find = data.find
     for bracket in (b"{", b"["):
-        find = data.find
         i = find(bracket)
         while i >= 0:
             n += 1

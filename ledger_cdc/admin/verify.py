@@ -41,6 +41,7 @@ from ledger_cdc.fold import (
     fold_one,
     reducer_version,
 )
+from ledger_cdc.sink.postgres import run_columns
 
 __all__ = ["Difference", "VerifyReport", "verify"]
 
@@ -117,52 +118,31 @@ def _check_projection(
     if row[1] not in PROJECTION_FORMATS:
         report.notes.append(f"session {sid}: projection has format {row[1]}: not compared")
         return
+    seq = int(row[0])
+
+    def differs(path: str | None, exp: Any, act: Any, detail: str) -> None:
+        report.differences.append(
+            Difference(sid, "projection", seq, position, path, exp, act, detail)
+        )
+
     # the columns readers filter on (runs, pending_runs, status queries) hold what the context
     # says: the refold's values, as the consumer writes them
-    run = ctx.run
-    lease = run.lease if run is not None else None
-    expected = (
-        str(ctx.status),
-        ctx.last_position,
-        ctx.event_count,
-        None if run is None else str(run.status),
-        None if lease is None else lease.worker,
-        None if lease is None else lease.until,
-    )
+    expected = (str(ctx.status), ctx.last_position, ctx.event_count, *run_columns(ctx))
     for name, exp, act in zip(_COLUMNS, expected, row[3:], strict=True):
         if exp != act:
-            report.differences.append(
-                Difference(
-                    sid,
-                    "projection",
-                    int(row[0]),
-                    position,
-                    f"column {name}",
-                    exp,
-                    act,
-                    f"projection column {name} differs from a refold of the log",
-                )
+            differs(
+                f"column {name}",
+                exp,
+                act,
+                f"projection column {name} differs from a refold of the log",
             )
     try:
         stored = decode_context(row[2])
     except msgspec.DecodeError as e:  # (ValidationError included) edited into another shape
-        report.differences.append(
-            Difference(
-                sid,
-                "projection",
-                int(row[0]),
-                position,
-                None,
-                None,
-                None,
-                f"projection is unreadable: {e}",
-            )
-        )
+        differs(None, None, None, f"projection is unreadable: {e}")
         return
     whole = row[1] != PROJECTION_FORMAT  # format 1 holds every completed call
-    _compare_stored(
-        conn, report, "projection", ctx, stored, int(row[0]), position, limit, whole=whole
-    )
+    _compare_stored(conn, report, "projection", ctx, stored, seq, position, limit, whole=whole)
 
 
 def _compare_stored(

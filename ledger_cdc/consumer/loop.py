@@ -85,6 +85,9 @@ log = logging.getLogger("ledger_cdc.consumer")
 
 _PG_EPOCH = 946684800.0  # 2000-01-01 in Unix seconds
 
+_HEALTHY_AFTER = 30.0  # seconds of streaming after which a failure starts the backoff over
+PROBE_EVERY = 0.05  # seconds between looks at the sink's WAL flush while batches await it
+
 
 def _memo_rows(conn: Any, ctx: SessionContext) -> list[tuple[uuid.UUID, int, Any]]:
     """The agent_memo rows of every call ``ctx`` (folded with its memo) completed."""
@@ -100,10 +103,6 @@ def _memo_rows(conn: Any, ctx: SessionContext) -> list[tuple[uuid.UUID, int, Any
         ).fetchall()
     )
     return [(ctx.session_id, at[s], c) for s, c in zip(seqs, calls, strict=True) if s in at]
-
-
-_HEALTHY_AFTER = 30.0  # seconds of streaming after which a failure starts the backoff over
-PROBE_EVERY = 0.05  # seconds between looks at the sink's WAL flush while batches await it
 
 
 class Consumer:
@@ -149,22 +148,22 @@ class Consumer:
                 )
             sink = pg
         self.sink: Sink = sink
-        stream = ReplicationStream(
-            config.dsn,
-            config.slot,
-            config.publication,
-            proto_version=config.proto_version,
-            streaming=config.streaming,
-            status_interval=config.status_interval,
-        )
-        if prefetched is not None:  # begun by the caller (ReplicationStream.prefetch)
-            if prefetched.same_as(stream):
-                stream = prefetched
-            else:
-                prefetched.close()
-        if transport is not None and stream is prefetched:
-            stream.close()
-        self.stream: Transport = transport or stream
+        if transport is None:
+            stream = ReplicationStream(
+                config.dsn,
+                config.slot,
+                config.publication,
+                proto_version=config.proto_version,
+                streaming=config.streaming,
+                status_interval=config.status_interval,
+            )
+            # begun by the caller (ReplicationStream.prefetch): used if it streams the same
+            if prefetched is not None and prefetched.same_as(stream):
+                stream, prefetched = prefetched, None
+            transport = stream
+        if prefetched is not None:
+            prefetched.close()
+        self.stream: Transport = transport
         self.reducers = config.reducers or default_reducers()
         # of the memory limit: 35 % buffered transactions, 15 % the cache, 15 % the batch in
         # hand; the rest is headroom for what a batch transiently adds (its encoded rows)

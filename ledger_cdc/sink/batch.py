@@ -443,8 +443,9 @@ class BatchBuilder:
         if ev.position <= ctx.last_position:  # already folded (a projection ahead of a lost
             if sid in self.rebuilt:  # checkpoint, or one rebuilt from the ledger: written)
                 self._touch(f, sid, ctx, before)
+                prev = changed.get(sid)
                 head = ev.hash if ev.position == ctx.last_position else None
-                changed[sid] = (ctx, txn.commit_lsn, head or changed.get(sid, (0, 0, None))[2])
+                changed[sid] = (ctx, txn.commit_lsn, head or (prev[2] if prev else None))
             return
         if ev.position > ctx.last_position + 1:
             self._gap(f, it, txn, ctx, ev)

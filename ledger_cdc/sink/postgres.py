@@ -55,7 +55,19 @@ __all__ = [
     "FencedError",
     "PgSink",
     "SnapshotRow",
+    "run_columns",
 ]
+
+
+def run_columns(ctx: SessionContext) -> tuple[str | None, str | None, dt.datetime | None]:
+    """A projection's run_status, lease_worker and lease_until, as its context says."""
+    run = ctx.run
+    lease = None if run is None else run.lease
+    return (
+        None if run is None else str(run.status),
+        None if lease is None else lease.worker,
+        None if lease is None else lease.until,
+    )
 
 
 # Rows go in by COPY (one C-level call per row) into session-local staging tables, then one
@@ -663,8 +675,6 @@ class PgSink:
             large: list[tuple[Any, ...]] = []
             with cur.copy(_COPY_SESSIONS) as copy:
                 for sid, (ctx, data, commit_lsn, head) in batch.sessions.items():
-                    run = ctx.run
-                    lease = run.lease if run is not None else None
                     row = (
                         sid,
                         ctx.status,
@@ -674,9 +684,7 @@ class PgSink:
                         PROJECTION_FORMAT,
                         data,
                         format_lsn(commit_lsn),
-                        run.status if run is not None else None,
-                        lease.worker if lease is not None else None,
-                        lease.until if lease is not None else None,
+                        *run_columns(ctx),
                         head,
                     )
                     if len(data) > _LARGE:
@@ -883,8 +891,7 @@ def _batch_doc(batch: Batch, by_reference: bool, checkpoint: dict[str, Any]) -> 
     the JSON they already are (msgspec.Raw: not encoded again)."""
     sessions = []
     for sid, (ctx, data, commit_lsn, head) in batch.sessions.items():
-        run = ctx.run
-        lease = run.lease if run is not None else None
+        run_status, lease_worker, lease_until = run_columns(ctx)
         sessions.append(
             {
                 "session_id": sid,
@@ -895,9 +902,9 @@ def _batch_doc(batch: Batch, by_reference: bool, checkpoint: dict[str, Any]) -> 
                 "format_version": PROJECTION_FORMAT,
                 "context": msgspec.Raw(data),
                 "commit_lsn": format_lsn(commit_lsn),
-                "run_status": None if run is None else str(run.status),
-                "lease_worker": None if lease is None else lease.worker,
-                "lease_until": None if lease is None else lease.until,
+                "run_status": run_status,
+                "lease_worker": lease_worker,
+                "lease_until": lease_until,
                 "last_hash": _hex(head),
             }
         )

@@ -72,6 +72,12 @@ MESSAGE_OVERHEAD = 160
 """Bytes a message read ahead holds beyond its payload (psycopg2's message object, the payload's
 bytes object, the buffer's slot): the read-ahead bound counts them."""
 
+
+def _held(msg: XLogData) -> int:
+    """Bytes a message read ahead takes, as the read-ahead bound counts them."""
+    return len(msg.payload) + MESSAGE_OVERHEAD
+
+
 FEEDBACK_EVERY = 0.1
 """Seconds between two status messages that confirm a position (unless one is forced)."""
 
@@ -241,22 +247,19 @@ class ReplicationStream:
         changes of a transaction prepared before it and committed since, which the consumer
         held in memory only. What the slot resends before ``start_lsn`` is the caller's to
         drop (the consumer's assembler does: ``skip_upto``)."""
+        taken = None if reuse else self._take_prefetch()
+        if taken is not None:
+            conn, cur = taken
+            self._started(conn, cur, start_lsn)
+            return
         if reuse and self._conn is not None:
             conn, cur = self._conn, self._cur
-        elif not reuse and self._adopt(start_lsn):
-            return
         else:
             self.close()
             conn = self._open()
             cur = conn.cursor()
         try:
-            cur.start_replication(
-                slot_name=self.slot,
-                decode=False,
-                start_lsn=0,
-                options=self.options,
-                status_interval=self.status_interval,
-            )
+            self._start_replication(cur)
         except psycopg2.errors.UndefinedObject as e:
             conn.close()
             self._conn = self._cur = None
@@ -289,31 +292,44 @@ class ReplicationStream:
             conn.close()
             self._conn = self._cur = None
             raise self._failure(e, "START_REPLICATION failed") from e
+        self.adopted = None
+        self._started(conn, cur, start_lsn)
+
+    def _start_replication(self, cur: Any) -> None:
+        """START_REPLICATION from where the slot stands (see :meth:`start`)."""
+        cur.start_replication(
+            slot_name=self.slot,
+            decode=False,
+            start_lsn=0,
+            options=self.options,
+            status_interval=self.status_interval,
+        )
+
+    def _started(self, conn: Any, cur: Any, start_lsn: int) -> None:
         self._conn, self._cur = conn, cur
         self.server_version = conn.server_version
         self.confirmed = start_lsn
         self._reported = 0
-        self.adopted = None
 
-    def _adopt(self, start_lsn: int) -> bool:
-        """Take over what :meth:`prefetch` started, if it is streaming (see there)."""
+    def _take_prefetch(self) -> tuple[Any, Any] | None:
+        """(connection, cursor) of what :meth:`prefetch` started, if it is streaming, with what
+        it read ahead in the buffer (see there)."""
         pre, self._prefetch = self._prefetch, None
-        taken = None if pre is None else pre.take()
-        if pre is not None and pre.lost is not None:
+        if pre is None:
+            return None
+        taken = pre.take()
+        if pre.lost is not None:
             # the stream was up, then lost (a server restart, a cut connection): that is a
             # stream lost, retried as one, not a start to make as if nothing had happened
             raise self._failure(pre.lost, "replication stream lost") from pre.lost
-        if pre is None or taken is None:
-            return False
-        self._conn, self._cur, ahead = taken
+        if taken is None:
+            return None
+        conn, cur, ahead = taken
         self._ahead = collections.deque(ahead)
-        self._ahead_bytes = sum(len(m.payload) + MESSAGE_OVERHEAD for m in ahead)
+        self._ahead_bytes = sum(map(_held, ahead))
         self._ahead_limit = pre.limit
         self.adopted = (time.monotonic() - pre.began, self._ahead_bytes)
-        self.server_version = self._conn.server_version
-        self.confirmed = start_lsn
-        self._reported = 0
-        return True
+        return conn, cur
 
     def close(self) -> None:
         pre, self._prefetch = self._prefetch, None
@@ -352,7 +368,7 @@ class ReplicationStream:
             popleft = ahead.popleft
             while ahead and len(out) < limit:
                 msg = popleft()
-                self._ahead_bytes -= len(msg.payload) + MESSAGE_OVERHEAD
+                self._ahead_bytes -= _held(msg)
                 out.append(msg)
             return out
         try:
@@ -380,7 +396,7 @@ class ReplicationStream:
                     if msg is None:
                         break
                     ahead.append(msg)
-                    self._ahead_bytes += len(msg.payload) + MESSAGE_OVERHEAD
+                    self._ahead_bytes += _held(msg)
         except (psycopg2.Error, AttributeError) as e:
             self.close()
             raise self._failure(e, "replication stream lost") from e
@@ -494,13 +510,7 @@ class _Prefetch:
                 if self._ended:
                     return
             cur = conn.cursor()
-            cur.start_replication(
-                slot_name=stream.slot,
-                decode=False,
-                start_lsn=0,
-                options=stream.options,
-                status_interval=stream.status_interval,
-            )
+            stream._start_replication(cur)
             self._cur, self._streaming = cur, True
             size = 0
             while size < self.limit and not self._stop.is_set():
@@ -509,7 +519,7 @@ class _Prefetch:
                     select.select([conn], [], [], 0.01)
                     continue
                 self.messages.append(msg)
-                size += len(msg.payload) + MESSAGE_OVERHEAD
+                size += _held(msg)
         except Exception as e:  # start() connects again, and reports what fails
             if self._streaming:  # lost while streaming: as any stream lost, for start() to say
                 self.lost = e
