@@ -235,6 +235,9 @@ class Consumer:
         # rescan it again and again while every message allocates. Collect far less often.
         gc.set_threshold(50_000, 50, 1000)
         cfg = self.config
+        # publishers (JetStream) connect on their own threads while the checks below run
+        publishers = getattr(self.sink, "publishers", []) if not self._standalone else []
+        connecting = [(pub, pub.start_connect()) for pub in publishers]
         try:
             if not self._standalone:
                 while not self._stop.is_set():  # permanent problems stop here, within seconds
@@ -246,7 +249,7 @@ class Consumer:
                     except RetryableError as e:
                         self._back_off(str(e))
                 self._start_tasks()
-                self._connect_publishers()
+                self._connect_publishers(connecting)
             while not self._stop.is_set():
                 try:
                     self._attempt()
@@ -261,14 +264,14 @@ class Consumer:
             self.sink.shutdown()
             self._await_confirmed()
 
-    def _connect_publishers(self) -> None:
+    def _connect_publishers(self, connecting: list[tuple[Any, Any]]) -> None:
         """Each publisher (JetStream) connected, its stream made or checked, before streaming:
         a stream whose settings it may not change stops the consumer now, not at its first
         event, and the first batch does not wait for the connection. One out of reach for now
         is left to its first batch, which tries again."""
-        for pub in getattr(self.sink, "publishers", []):
+        for pub, started in connecting:
             try:
-                pub.connect(timeout=5)
+                pub.connect(timeout=5, started=started)
             except RetryableError as e:
                 log.warning("%s; the first batch tries again", e)
 

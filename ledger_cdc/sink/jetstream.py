@@ -533,11 +533,19 @@ class JetStreamPublisher:
         url = getattr(self._nc, "connected_url", None)
         log.info("NATS: reconnected to %s", getattr(url, "netloc", url))
 
-    def connect(self, timeout: float = 30) -> None:
+    def start_connect(self) -> concurrent.futures.Future[None]:
+        """Begin :meth:`connect` on the publisher's own thread (the caller does its own work
+        meanwhile); pass the result to :meth:`connect` before publishing."""
+        return asyncio.run_coroutine_threadsafe(self._connect(), self._loop)
+
+    def connect(
+        self, timeout: float = 30, started: concurrent.futures.Future[None] | None = None
+    ) -> None:
         """Connect, and make or check the stream (raises JetStreamError if it takes longer
-        than ``timeout``: retried by the next publish)."""
+        than ``timeout``: retried by the next publish); ``started``: what
+        :meth:`start_connect` began, awaited instead."""
         try:
-            self._run(self._connect(), timeout)
+            self._result(started or self.start_connect(), timeout)
         except LedgerError:  # (a stream it may not change: ConfigError, as it is)
             raise
         except Exception as e:
