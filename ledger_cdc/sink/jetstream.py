@@ -127,6 +127,9 @@ class JetStreamSettings:
     # fast-ingest batches for batches of _FAST_MIN messages or more (the stream is given
     # allow_batched); false: every message acknowledged on its own, the stream left as it is
     batched: bool = True
+    # the options the URL gave: only those are imposed on a stream that exists (one made by
+    # an operator with 3 replicas is not cut back to the default 1 by a URL that says nothing)
+    given: frozenset[str] = frozenset()
 
     @classmethod
     def from_url(cls, url: str, option: str = "--sink") -> JetStreamSettings:
@@ -150,7 +153,7 @@ class JetStreamSettings:
                 kw[key] = parse(value)
             except ValueError:
                 raise ConfigError(f"{option} {url!r}: {key}={value!r} is not {what}") from None
-        return cls(servers, **kw)
+        return cls(servers, **kw, given=frozenset(kw))
 
 
 _Int64 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -487,19 +490,28 @@ class JetStreamPublisher:
         return bool(getattr(info.config, "allow_batched", None))
 
     async def _reconcile(self, info: Any, subjects: list[str]) -> Any:
-        """An existing stream whose settings differ from the URL's is updated to them (replicas,
-        duplicate window, our subjects), or refused with what differs. Returns its info."""
+        """An existing stream whose settings differ from what the URL gives (replicas,
+        duplicate window: those it names; our subjects, always) is updated to them, or refused
+        with what differs. Returns its info."""
         s = self.settings
         config = info.config
-        want_subjects = sorted(set(config.subjects or []) | set(subjects))
+        have_replicas = config.num_replicas
+        have_window = float(config.duplicate_window or 0)
+        want = {
+            "replicas": s.replicas if "replicas" in s.given else have_replicas,
+            "duplicate_window": (
+                s.duplicate_window if "duplicate_window" in s.given else have_window
+            ),
+            "subjects": sorted(set(config.subjects or []) | set(subjects)),
+        }
         differs = {
-            k: (have, want)
-            for k, have, want in (
-                ("replicas", config.num_replicas, s.replicas),
-                ("duplicate_window", float(config.duplicate_window or 0), s.duplicate_window),
-                ("subjects", sorted(config.subjects or []), want_subjects),
+            k: (have, want[k])
+            for k, have in (
+                ("replicas", have_replicas),
+                ("duplicate_window", have_window),
+                ("subjects", sorted(config.subjects or [])),
             )
-            if have != want
+            if have != want[k]
         }
         if not differs:
             return info
@@ -507,9 +519,9 @@ class JetStreamPublisher:
             info = await self._js.update_stream(
                 dataclasses.replace(
                     config,
-                    num_replicas=s.replicas,
-                    duplicate_window=s.duplicate_window,
-                    subjects=want_subjects,
+                    num_replicas=want["replicas"],
+                    duplicate_window=want["duplicate_window"],
+                    subjects=want["subjects"],
                 )
             )
             log.info("JetStream stream %s updated: %s", s.stream, differs)

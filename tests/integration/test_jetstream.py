@@ -487,6 +487,44 @@ def _stream_config(url: str, **change: Any) -> dict[str, Any]:
     return asyncio.run(go())
 
 
+def _duplicate_window(url: str) -> float:
+    import nats
+
+    async def go() -> float:
+        nc = await nats.connect(url)
+        try:
+            info = await nc.jetstream().stream_info("LEDGER")
+            return float(info.config.duplicate_window or 0)
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
+def test_a_stream_keeps_the_settings_the_url_does_not_name(srv: NatsServer) -> None:
+    """An existing stream is updated to the options its URL names, and keeps those it does
+    not: a URL without ``duplicate_window`` (or ``replicas``) does not put an operator's
+    setting back to the default."""
+    sid = uuid.uuid4()
+    first = JetStreamPublisher(
+        JetStreamSettings.from_url(srv.url + "?duplicate_window=300"), "agent_slot"
+    )
+    first.publish(_events(sid, 1, 2), [])
+    first.close()
+    assert _duplicate_window(srv.url) == 300
+    plain = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
+    plain.publish(_events(sid, 3, 4), [])
+    plain.close()
+    assert _duplicate_window(srv.url) == 300  # not the default 120
+    named = JetStreamPublisher(
+        JetStreamSettings.from_url(srv.url + "?duplicate_window=30"), "agent_slot"
+    )
+    named.publish(_events(sid, 5, 6), [])
+    named.close()
+    assert _duplicate_window(srv.url) == 30
+    assert _positions([srv.url], "a") == list(range(1, 7))
+
+
 def test_a_large_batch_goes_as_one_fast_ingest_batch_and_a_small_one_message_by_message(
     srv: NatsServer,
 ) -> None:
