@@ -495,24 +495,19 @@ class JetStreamPublisher:
         with what differs. Returns its info."""
         s = self.settings
         config = info.config
-        have_replicas = config.num_replicas
-        have_window = float(config.duplicate_window or 0)
+        have = {
+            "replicas": config.num_replicas,
+            "duplicate_window": float(config.duplicate_window or 0),
+            "subjects": sorted(config.subjects or []),
+        }
         want = {
-            "replicas": s.replicas if "replicas" in s.given else have_replicas,
+            "replicas": s.replicas if "replicas" in s.given else have["replicas"],
             "duplicate_window": (
-                s.duplicate_window if "duplicate_window" in s.given else have_window
+                s.duplicate_window if "duplicate_window" in s.given else have["duplicate_window"]
             ),
-            "subjects": sorted(set(config.subjects or []) | set(subjects)),
+            "subjects": sorted(set(have["subjects"]) | set(subjects)),
         }
-        differs = {
-            k: (have, want[k])
-            for k, have in (
-                ("replicas", have_replicas),
-                ("duplicate_window", have_window),
-                ("subjects", sorted(config.subjects or [])),
-            )
-            if have != want[k]
-        }
+        differs = {k: (have[k], want[k]) for k in have if have[k] != want[k]}
         if not differs:
             return info
         try:

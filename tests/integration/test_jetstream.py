@@ -24,7 +24,13 @@ from ledger_cdc.client.recovery import load_events
 from ledger_cdc.sink.jetstream import JetStreamPublisher, JetStreamSettings
 from tests.support.cdc import ROOT, ConsumerProcess, Writers, until, wait_caught_up
 from tests.support.harness import Database
-from tests.support.natsserver import NatsServer, cluster, read_all, wait_jetstream
+from tests.support.natsserver import (
+    NatsServer,
+    cluster,
+    read_all,
+    stream_config,
+    wait_jetstream,
+)
 
 
 def _check_exactly_once(db: Database, servers: list[str]) -> int:
@@ -469,36 +475,11 @@ def _positions(urls: list[str], durable: str) -> list[int]:
 
 def _stream_config(url: str, **change: Any) -> dict[str, Any]:
     """The LEDGER stream's config (after ``change``, when given) as the server reports it."""
-    import dataclasses
-
-    import nats
-
-    async def go() -> dict[str, Any]:
-        nc = await nats.connect(url)
-        try:
-            js = nc.jetstream()
-            info = await js.stream_info("LEDGER")
-            if change:
-                info = await js.update_stream(dataclasses.replace(info.config, **change))
-            return {"allow_batched": bool(info.config.allow_batched)}
-        finally:
-            await nc.close()
-
-    return asyncio.run(go())
+    return {"allow_batched": bool(stream_config(url, **change).allow_batched)}
 
 
 def _duplicate_window(url: str) -> float:
-    import nats
-
-    async def go() -> float:
-        nc = await nats.connect(url)
-        try:
-            info = await nc.jetstream().stream_info("LEDGER")
-            return float(info.config.duplicate_window or 0)
-        finally:
-            await nc.close()
-
-    return asyncio.run(go())
+    return float(stream_config(url).duplicate_window or 0)
 
 
 def test_a_stream_keeps_the_settings_the_url_does_not_name(srv: NatsServer) -> None:

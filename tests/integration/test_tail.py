@@ -13,7 +13,7 @@ from pathlib import Path
 from ledger_cdc.client.writer import Ledger
 from tests.support.cdc import ROOT, ConsumerProcess, until
 from tests.support.harness import Database
-from tests.support.natsserver import NatsServer, wait_jetstream
+from tests.support.natsserver import NatsServer, stream_config, wait_jetstream
 
 
 def _tail(db: Database, sid: uuid.UUID, *extra: str) -> subprocess.Popen[str]:
@@ -155,20 +155,8 @@ def test_tail_from_jetstream_honours_the_urls_stream_and_prefix(
         srv.kill()
 
 
-def _stream_window(url: str) -> float | None:
-    import asyncio
-
-    import nats
-
-    async def go() -> float | None:
-        nc = await nats.connect(servers=[url])
-        try:
-            si = await nc.jetstream().stream_info("AGENTS")
-            return float(si.config.duplicate_window or 0)
-        finally:
-            await nc.close()
-
-    return asyncio.run(go())
+def _stream_window(url: str) -> float:
+    return float(stream_config(url, "AGENTS").duplicate_window or 0)
 
 
 def test_tail_from_an_unreachable_nats_fails_in_one_line(db: Database) -> None:

@@ -132,6 +132,26 @@ def wait_jetstream(servers: list[str], timeout: float = 60) -> None:
     asyncio.run(probe())
 
 
+def stream_config(url: str, stream: str = "LEDGER", **change: Any) -> Any:
+    """A stream's config as the server reports it (after ``change``, when given)."""
+    import dataclasses
+
+    import nats
+
+    async def go() -> Any:
+        nc = await nats.connect(servers=[url])
+        try:
+            js = nc.jetstream()
+            info = await js.stream_info(stream)
+            if change:
+                info = await js.update_stream(dataclasses.replace(info.config, **change))
+            return info.config
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())
+
+
 def read_all(servers: list[str], subject: str, durable: str = "check") -> list[Any]:
     """Every message of ``subject`` through a durable pull consumer, acknowledged one by one."""
     import nats
