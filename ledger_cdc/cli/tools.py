@@ -547,7 +547,8 @@ def fork(
     default=10.0,
     show_default=True,
     type=Finite(0.001),
-    help="HTTP request timeout (s).",
+    help="Deadline of one call (s): an HTTP target's whole request and answer (not each "
+    "read); a Python target still running by then is recorded as failed.",
 )
 @option(
     "--claim-seconds",
@@ -626,6 +627,7 @@ def dispatch(
             backoff_cap=backoff_cap,
             poll_interval=poll_interval,
             claim_seconds=claim_seconds,
+            call_timeout=timeout,
         )
     )
 
@@ -696,16 +698,25 @@ def outbox(ctx: click.Context, dsn: str, show: str | None, limit: int, as_json: 
 
 
 @outbox.command("requeue")
-@click.argument("ids", type=int, nargs=-1, required=True)
+@click.argument("ids", type=click.IntRange(1, 2**63 - 1), nargs=-1, required=True)
 @click.pass_context
 @handles_errors
 def outbox_requeue(ctx: click.Context, ids: tuple[int, ...]) -> None:
-    """Unpark rows (after fixing their target): they are tried again at once."""
+    """Unpark rows (after fixing their target): they are tried again at once. Rows already
+    dispatched, being called now (a live claim) or not found are left as they are (exit 1)."""
     from ledger_cdc.client.dispatch import requeue
 
     with _connect(ctx.meta["dsn"]) as conn:
-        n = requeue(conn, ids)
-    click.echo(f"requeued {n} row(s)")
+        done = requeue(conn, ids)
+    click.echo(f"requeued {len(done)} row(s)")
+    left = sorted(set(ids) - set(done))
+    if left:
+        click.echo(
+            f"not requeued: {', '.join(map(str, left))} (dispatched, being called now, "
+            "or no such row: see `ledger-cdc outbox`)",
+            err=True,
+        )
+        sys.exit(EXIT_PROBLEM)
 
 
 # -- runs -----------------------------------------------------------------------------------------

@@ -24,21 +24,25 @@ the next.
 Guarantee: at least once per row, always with the same idempotency key (``Idempotency-Key``
 header for HTTP targets); exactly once in effect for a target that deduplicates by that key. A
 second call of one row only happens after its claim expired (its dispatcher died or hung past
-the claim without renewing). No order is promised between rows.
+the claim without renewing), or after a call that did not return within ``call_timeout`` was
+recorded as failed. No order is promised between rows.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import http.client
 import logging
 import os
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
@@ -84,8 +88,103 @@ Target = Callable[[OutboxMessage], object]
 """A target performs the call; returning means success, raising means failure (retried)."""
 
 
+_MAX_ANSWER = 64 * 1024  # bytes of a 2xx answer read (then dropped): its status is the answer
+
+
+class _Deadline:
+    """Shuts a call's sockets down when its time is up. A socket timeout bounds one read, not
+    the call: a target that trickles a byte every second would otherwise hold the call (and
+    its claim, renewed meanwhile) for ever."""
+
+    def __init__(self, seconds: float) -> None:
+        self.passed = False
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._socks.append(sock)
+            if self.passed:
+                _shut(sock)
+
+    def _fire(self) -> None:
+        with self._lock:
+            self.passed = True
+            for sock in self._socks:
+                _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _watched(deadline: _Deadline, connect: Any) -> Any:
+    """``socket.create_connection`` whose socket the deadline watches from the start (before a
+    TLS handshake, which a slow server could trickle too)."""
+
+    def create_connection(*args: Any, **kwargs: Any) -> socket.socket:
+        sock: socket.socket = connect(*args, **kwargs)
+        deadline.watch(sock)
+        return sock
+
+    return create_connection
+
+
+class _HTTPConnection(http.client.HTTPConnection):
+    def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._create_connection = _watched(deadline, socket.create_connection)
+
+
+class _HTTPSConnection(http.client.HTTPSConnection):
+    def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._create_connection = _watched(deadline, socket.create_connection)
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self._deadline = deadline
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_HTTPConnection, deadline=self._deadline), req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self._deadline = deadline
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        conn = functools.partial(_HTTPSConnection, deadline=self._deadline)
+        return self.do_open(conn, req, context=self._context)  # type: ignore[attr-defined]
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer that is not 2xx: following it would resend the call as a GET
+    without its payload (301-303), or to another host, and count that as done."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 class HttpTarget:
-    """POST the payload as JSON to ``url`` with ``Idempotency-Key``; any 2xx is success."""
+    """POST the payload as JSON to ``url`` with ``Idempotency-Key``; any 2xx is success.
+
+    ``timeout`` bounds the whole call (connect, send, answer), not each read. Redirects are
+    not followed (a 3xx is a failure, so give the final URL); at most 64 KiB of the answer is
+    read. Proxies come from the usual ``http_proxy`` / ``https_proxy`` / ``no_proxy``."""
 
     def __init__(self, url: str, *, timeout: float = 10.0, headers: Mapping[str, str] = {}):
         if not url.startswith(("http://", "https://")):
@@ -108,16 +207,31 @@ class HttpTarget:
                 **self.headers,
             },
         )
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                resp.read()
-        except urllib.error.HTTPError as e:
-            body = e.read(200).decode("utf-8", "replace").strip()
-            detail = f": {body}" if body else ""
-            raise LedgerError(f"HTTP {e.code} from {self.url}{detail}") from e
-        except (urllib.error.URLError, TimeoutError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise LedgerError(f"{self.url} unreachable: {reason}") from e
+        with _Deadline(self.timeout) as deadline:
+            opener = urllib.request.build_opener(
+                _NoRedirect, _HTTPHandler(deadline), _HTTPSHandler(deadline)
+            )
+            try:
+                # a 2xx status is the answer: the body is drained (within the deadline, at
+                # most 64 KiB) and dropped
+                with (
+                    opener.open(req, timeout=self.timeout) as resp,
+                    contextlib.suppress(http.client.HTTPException, OSError),
+                ):
+                    resp.read(_MAX_ANSWER)
+            except urllib.error.HTTPError as e:
+                body = ""
+                with contextlib.suppress(http.client.HTTPException, OSError):
+                    body = e.read(200).decode("utf-8", "replace").strip()
+                if 300 <= e.code < 400:
+                    body = f"redirects are not followed (to {e.headers.get('Location')!r})"
+                detail = f": {body}" if body else ""
+                raise LedgerError(f"HTTP {e.code} from {self.url}{detail}") from e
+            except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+                if deadline.passed:
+                    raise LedgerError(f"{self.url}: no answer within {self.timeout:g}s") from e
+                reason = getattr(e, "reason", e)
+                raise LedgerError(f"{self.url} unreachable: {reason}") from e
 
     def __repr__(self) -> str:
         return f"HttpTarget({self.url!r})"
@@ -158,6 +272,9 @@ class DispatchConfig:
     backoff_cap: float = 300.0
     poll_interval: float = 0.5  # between polls that found nothing due
     claim_seconds: float = 30.0  # a claim's lease, renewed while its calls are in flight
+    # a call not returned by then is recorded as failed and its claim no longer renewed (an
+    # HttpTarget ends itself at its own timeout; this bounds a Python target that hangs)
+    call_timeout: float = 60.0
 
 
 @dataclass
@@ -233,7 +350,6 @@ class Dispatcher:
         self.metrics = DispatchMetrics()
         self.name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(max(1, config.concurrency), "ledger-dispatch")
         # a claim counts as an attempt of every row it takes: it takes no more rows than are
         # called at once, or a dispatcher killed mid-batch would charge attempts to rows it
         # never called, and park them unsent
@@ -269,7 +385,6 @@ class Dispatcher:
             raise translate(e, dsn=self.config.dsn, doing="outbox database") from e
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
         if self._conn is not None:
             self._conn.close()
 
@@ -344,21 +459,54 @@ class Dispatcher:
                 self._lost({m.id})
         return len(rows)
 
+    def _start(self, msg: OutboxMessage) -> Future[str | None]:
+        """One call on a daemon thread of its own: a call abandoned at its deadline must not
+        hold a pool's worker, nor the process at exit."""
+        fut: Future[str | None] = Future()
+
+        def work() -> None:
+            try:
+                fut.set_result(self._call(msg))
+            except BaseException as e:  # a target's SystemExit is its failure too
+                fut.set_result(f"{type(e).__name__}: {e}")
+
+        threading.Thread(target=work, name=f"ledger-dispatch-{msg.id}", daemon=True).start()
+        return fut
+
     def _call_all(self, msgs: list[OutboxMessage]) -> list[str | None]:
-        """Call every target (in the pool), renewing this dispatcher's claims until all return.
-        No database transaction is open meanwhile."""
-        futures = [self._pool.submit(self._call, m) for m in msgs]
+        """Call every target at once, renewing this dispatcher's claims until all return or
+        ``call_timeout`` passes (those still out are failures). No transaction is open
+        meanwhile. A renewal that fails is tried again at once on a new connection (the
+        usual cause: the session was terminated), then every few tenths of a second: a claim
+        lapses only if the database stays out of reach."""
+        futures = [self._start(m) for m in msgs]
         ids = [m.id for m in msgs]
         every = max(0.05, self.config.claim_seconds / 3)
-        while True:
-            _, pending = wait(futures, timeout=every)
+        # a second of grace: a target with a deadline of its own (HttpTarget) says first
+        give_up = time.monotonic() + self.config.call_timeout + 1.0
+        failing = False
+        while (left := give_up - time.monotonic()) > 0:
+            _, pending = wait(futures, timeout=min(min(every, 0.2) if failing else every, left))
             if not pending:
                 break
             try:
-                self._sql(_RENEW, {"lease": self.config.claim_seconds, "ids": ids, "me": self.name})
-            except RetryableError as e:  # renewing failed for now: the claim may lapse
-                log.warning("could not renew outbox claims (%s); retrying", e)
-        return [f.result() for f in futures]
+                self._renew(ids)
+                failing = False
+            except RetryableError as e:  # the claims lapse if this lasts a claim long
+                if not failing:
+                    log.warning("could not renew outbox claims (%s); retrying", e)
+                failing = True
+        late = (
+            f"no answer within {self.config.call_timeout:g}s (the call may still reach the target)"
+        )
+        return [f.result() if f.done() else late for f in futures]
+
+    def _renew(self, ids: list[int]) -> None:
+        params = {"lease": self.config.claim_seconds, "ids": ids, "me": self.name}
+        try:
+            self._sql(_RENEW, params)
+        except RetryableError:  # most often a terminated session: again, on a new connection
+            self._sql(_RENEW, params)
 
     def _lost(self, ids: set[int]) -> None:
         if ids:
@@ -455,11 +603,14 @@ def outbox_rows(
     return [dict(zip(keys, r, strict=True)) for r in rows]
 
 
-def requeue(conn: psycopg.Connection[Any], ids: Iterable[int]) -> int:
-    """Unpark rows (after fixing their target) so they are tried again at once."""
+def requeue(conn: psycopg.Connection[Any], ids: Iterable[int]) -> list[int]:
+    """Unpark rows (after fixing their target) so they are tried again at once; returns those
+    requeued. A dispatched row, and one a dispatcher is calling now (a live claim), are left
+    alone: clearing a live claim would let a second dispatcher call it at the same time."""
     cur = conn.execute(
         "UPDATE agent_outbox SET parked = false, attempts = 0, next_attempt_at = NULL, "
-        "claimed_by = NULL, claim_until = NULL WHERE id = ANY(%s) AND NOT dispatched",
+        "claimed_by = NULL, claim_until = NULL WHERE id = ANY(%s) AND NOT dispatched "
+        "AND (claim_until IS NULL OR claim_until < now()) RETURNING id",
         (list(ids),),
     )
-    return cur.rowcount
+    return sorted(int(r[0]) for r in cur.fetchall())

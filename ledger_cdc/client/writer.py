@@ -224,7 +224,16 @@ def _append_steps(req: _Request) -> Steps[AppendResult]:
     ids: list[int] = []
     for i, (target, body, key) in enumerate(req.outbox):
         okey = key or f"{sid}:{pos}:{i}"
-        (oid,) = (yield Step(_INSERT_OUTBOX, (seq, sid, target, body, okey)))[0]
+        try:
+            (oid,) = (yield Step(_INSERT_OUTBOX, (seq, sid, target, body, okey)))[0]
+        except pg_errors.UniqueViolation:
+            # a target deduplicates by the key alone: a second row with it would be dropped
+            # there as "already done". Nothing is written (the event neither).
+            raise AppendError(
+                f"session {sid}: outbox key {okey!r} already names another outbox row; an "
+                "outbox key is unique across the ledger (the target deduplicates by it "
+                "alone): derive it from the session and call, e.g. f'{session}:{call_id}'"
+            ) from None
         ids.append(int(oid))
     return AppendResult(int(seq), int(pos), sid, False, tuple(ids), created)
 

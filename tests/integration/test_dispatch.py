@@ -17,8 +17,16 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from ledger_cdc.client.dispatch import (
+    DispatchConfig,
+    Dispatcher,
+    DispatchMetrics,
+    HttpTarget,
+    OutboxMessage,
+)
 from ledger_cdc.client.writer import Ledger, OutboxItem
-from tests.support.cdc import ROOT, until
+from ledger_cdc.errors import AppendError
+from tests.support.cdc import ROOT, run_cli, until
 from tests.support.harness import Database
 from tests.support.httptarget import Target
 
@@ -322,7 +330,7 @@ def test_a_claim_outlives_a_hanging_call_and_a_terminated_session(db: Database) 
         return 200
 
     with Target(behaviour) as target:
-        args = ("--target", f"tool:search={target.url}", "--claim-seconds", "1", "--timeout", "60")
+        args = ("--target", f"tool:search={target.url}", "--claim-seconds", "2", "--timeout", "60")
         first = _dispatcher(db, *args, "--until-idle")
         try:
             assert target.first_request.wait(30)
@@ -333,7 +341,7 @@ def test_a_claim_outlives_a_hanging_call_and_a_terminated_session(db: Database) 
                     "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
                 )
             second = _dispatcher(db, *args, "--until-idle")
-            deadline = time.monotonic() + 4  # four claims long: the claim must be renewed
+            deadline = time.monotonic() + 6  # three claims long: the claim must be renewed
             while time.monotonic() < deadline:
                 if target.seen[key] != 1:
                     released.set()
@@ -351,6 +359,99 @@ def test_a_claim_outlives_a_hanging_call_and_a_terminated_session(db: Database) 
         assert all("Traceback" not in o for o in outs), outs
     dispatched, parked, attempts, error = _rows(db)[key]
     assert dispatched and not parked and attempts == 1 and error is None
+
+
+def _dispatch_once(db: Database, target: object, **config: float) -> tuple[float, DispatchMetrics]:
+    """One in-process pass over what is due; returns (seconds taken, metrics)."""
+    d = Dispatcher(DispatchConfig(db.dsn, {"tool:search": target}, **config))  # type: ignore[dict-item]
+    t0 = time.monotonic()
+    metrics = d.run(once=True)
+    return time.monotonic() - t0, metrics
+
+
+def test_a_redirect_is_a_failure_not_a_dispatch(db: Database) -> None:
+    """A 302 is not followed (urllib would resend the POST as a GET without its payload, to
+    wherever it points, and call that done): the row stays due, with the reason."""
+    (key,) = _outbox_rows(db, 1)
+    with Target(lambda k, n: 302) as target:
+        _, metrics = _dispatch_once(db, HttpTarget(target.url, timeout=10))
+        assert [r for r in target.requests if r["key"] is None] == []  # no GET to /elsewhere
+    dispatched, parked, attempts, error = _rows(db)[key]
+    assert not dispatched and not parked and attempts == 1 and metrics.failures == 1
+    assert error is not None and "HTTP 302" in error and "redirects are not followed" in error
+
+
+def test_a_trickling_answer_meets_the_whole_call_deadline(db: Database) -> None:
+    """A target that answers a byte a second never trips a per-read timeout: the deadline is
+    the whole call's, so the pass ends and the row is failed, not held for ever."""
+    (key,) = _outbox_rows(db, 1)
+    with Target(lambda k, n: -2) as target:
+        took, _ = _dispatch_once(db, HttpTarget(target.url, timeout=1.5), claim_seconds=1.0)
+    assert took < 15, took
+    dispatched, _, attempts, error = _rows(db)[key]
+    assert not dispatched and attempts == 1
+    assert error is not None and "no answer within 1.5s" in error
+
+
+def test_a_hanging_python_target_is_given_up_at_the_call_timeout(db: Database) -> None:
+    (key,) = _outbox_rows(db, 1)
+    release = threading.Event()
+
+    def hangs(msg: OutboxMessage) -> None:
+        release.wait(120)
+
+    try:
+        took, _ = _dispatch_once(db, hangs, call_timeout=1.0, claim_seconds=1.0)
+    finally:
+        release.set()
+    assert took < 15, took
+    with db.connect() as conn:
+        claimed_by, error = conn.execute(
+            "SELECT claimed_by, last_error FROM agent_outbox WHERE idempotency_key = %s", (key,)
+        ).fetchone()  # type: ignore[misc]
+    assert claimed_by is None and "no answer within 1s" in error
+
+
+def test_requeue_leaves_a_row_that_is_being_called(db: Database) -> None:
+    """`outbox requeue` of a row a dispatcher is calling now would clear its live claim and let
+    a second dispatcher call it at the same time: it is left alone, and said (exit 1)."""
+    (key,) = _outbox_rows(db, 1)
+    with Target(lambda k, n: -1) as target:
+        first = _dispatcher(
+            db, "--target", f"tool:search={target.url}", "--once", "--timeout", "60"
+        )
+        try:
+            assert target.first_request.wait(30)
+            with db.connect() as conn:
+                (rid,) = conn.execute("SELECT id FROM agent_outbox").fetchone()  # type: ignore[misc]
+            p = run_cli("outbox", "--dsn", db.dsn, "requeue", str(rid), str(rid + 1000))
+            assert p.exit_code == 1, p.output
+            assert (
+                "requeued 0 row(s)" in p.stdout and f"not requeued: {rid}, {rid + 1000}" in p.stderr
+            )
+            with db.connect() as conn:
+                live = conn.execute("SELECT claim_until > now() FROM agent_outbox").fetchone()
+            assert live == (True,)
+        finally:
+            target.release.set()
+            out, _ = first.communicate(timeout=60)
+    assert target.seen == {key: 1}, out
+    assert _rows(db)[key][:3] == (True, False, 1)
+
+
+def test_an_outbox_key_taken_by_another_session_is_refused_at_once(db: Database) -> None:
+    """An outbox key is unique across the ledger (a target deduplicates by it alone). Reusing one
+    in another session is an AppendError with the reason — nothing written — not a database
+    outage retried for ever."""
+    first, second = uuid.uuid4(), uuid.uuid4()
+    call = {"call_id": "c", "tool": "t"}
+    with Ledger(db.dsn) as ledger:
+        ledger.append(first, "a", "tool.invoked", call, outbox=[OutboxItem("t", {}, "k-1")])
+        with pytest.raises(AppendError, match="outbox key 'k-1' already names another"):
+            ledger.append(second, "a", "tool.invoked", call, outbox=[OutboxItem("t", {}, "k-1")])
+    with db.connect() as conn:
+        n = conn.execute("SELECT count(*) FROM agent_events WHERE session_id = %s", (second,))
+        assert n.fetchone() == (0,)
 
 
 def test_the_dispatcher_role_is_enough(db: Database) -> None:

@@ -12,7 +12,9 @@ from typing import Any
 
 
 class Target:
-    """``behaviour(key, nth_time_seen) -> status`` decides each answer (default: 200)."""
+    """``behaviour(key, nth_time_seen) -> status`` decides each answer (default: 200; a 3xx
+    redirects to ``/elsewhere``; -1 hangs until released; -2 sends a 200 a byte every half
+    second, status line and all, until released)."""
 
     def __init__(self, behaviour: Callable[[str, int], int] | None = None, delay: float = 0.0):
         self.behaviour = behaviour or (lambda key, n: 200)
@@ -47,13 +49,35 @@ class Target:
                         status = 200
                     if target.delay:
                         time.sleep(target.delay)
+                    if status == -2:  # a 200 that trickles in, a byte every half second
+                        self._trickle()
+                        return
                     self.send_response(status)
+                    if 300 <= status < 400:
+                        self.send_header("Location", "/elsewhere")
                     self.send_header("Content-Length", "2")
                     self.end_headers()
                     self.wfile.write(b"ok" if status < 400 else b"no")
                 finally:
                     with target.lock:
                         target.in_flight[key] -= 1
+
+            def do_GET(self) -> None:  # only a followed redirect would come here
+                with target.lock:
+                    target.requests.append({"key": None, "get": self.path})
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def _trickle(self) -> None:
+                for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok":
+                    if target.release.wait(0.5):
+                        return
+                    try:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                    except OSError:
+                        return
 
             def log_message(self, *args: Any) -> None:
                 pass
