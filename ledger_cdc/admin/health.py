@@ -21,9 +21,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ledger_cdc.admin.schema import LEDGER_SCHEMA_SQL
+from ledger_cdc.admin.schema import publication_table
 from ledger_cdc.errors import format_lsn, parse_lsn
-from ledger_cdc.names import LEDGER_TABLE
 
 __all__ = [
     "CRITICAL",
@@ -144,23 +143,21 @@ FROM (SELECT created_at FROM agent_events WHERE seq > %s {filter} ORDER BY seq L
 """
 
 
+def publication_filter(conn: psycopg.Connection[Any], publication: str | None) -> sql.Composable:
+    """``AND (row filter)`` of the ledger table in ``publication`` (a shard's), as the catalog
+    gives it (not user input); empty when there is none or no publication is named."""
+    row = publication_table(conn, publication) if publication else None
+    if row is None or not row[1]:
+        return sql.SQL("")
+    return sql.SQL("AND ({})").format(sql.SQL(row[1]))
+
+
 def _unfolded(
     conn: psycopg.Connection[Any], folded_seq: int, publication: str | None
 ) -> tuple[float, int] | None:
     """(age in seconds of the oldest ledger event past ``folded_seq``, how many: up to 10,000)."""
-    filt: sql.Composable = sql.SQL("")
     try:
-        if publication:
-            row = conn.execute(
-                sql.SQL(
-                    "SELECT rowfilter FROM pg_publication_tables "
-                    "WHERE pubname = %s AND tablename = %s AND schemaname = {}"
-                ).format(sql.SQL(LEDGER_SCHEMA_SQL)),
-                (publication, LEDGER_TABLE, LEDGER_TABLE),
-            ).fetchone()
-            if row is not None and row[0]:
-                # a shard's row filter, as the catalog gives it (not user input)
-                filt = sql.SQL("AND ({})").format(sql.SQL(row[0]))
+        filt = publication_filter(conn, publication)
         found = conn.execute(sql.SQL(_UNFOLDED).format(filter=filt), (folded_seq,)).fetchone()
     except (psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedTable):
         return None

@@ -243,17 +243,27 @@ def create_publication(
     return True
 
 
-def _update_columns(conn: psycopg.Connection[Any], name: str) -> None:
-    """An existing publication of the ledger that lacks a column of STREAMED_COLUMNS (made by an
-    earlier version) gets the current column list, its row filter kept (LEDGER_SCHEMA_SQL: the
-    ledger's, not another schema's table of the same name)."""
+def publication_table(
+    conn: psycopg.Connection[Any], publication: str
+) -> tuple[list[str] | None, str | None] | None:
+    """The ledger table's column list and row filter in ``publication`` (None if it is not
+    there), as the catalog gives them (LEDGER_SCHEMA_SQL: the ledger's, not another schema's
+    table of the same name)."""
     row = conn.execute(
         sql.SQL(
             "SELECT attnames, rowfilter FROM pg_publication_tables "
             "WHERE pubname = %s AND tablename = %s AND schemaname = {}"
         ).format(sql.SQL(LEDGER_SCHEMA_SQL)),
-        (name, LEDGER_TABLE, LEDGER_TABLE),
+        (publication, LEDGER_TABLE, LEDGER_TABLE),
     ).fetchone()
+    return None if row is None else (row[0], row[1])
+
+
+def _update_columns(conn: psycopg.Connection[Any], name: str) -> None:
+    """An existing publication of the ledger that lacks a column of STREAMED_COLUMNS (made by an
+    earlier version) gets the current column list, its row filter kept (LEDGER_SCHEMA_SQL: the
+    ledger's, not another schema's table of the same name)."""
+    row = publication_table(conn, name)
     if row is None or not set(STREAMED_COLUMNS) - set(row[0] or ()):
         return
     conn.execute(

@@ -7,12 +7,15 @@ stored object claims, with every stored snapshot and with the projection, field 
 the memo table (``agent_memo``) with the calls the refold completed, call by call. It also
 recomputes each session's hash chain and reports the first event that no longer matches — an
 edited row (the append-only guard bypassed) or a broken link. Everything is read in one
-REPEATABLE READ snapshot, so a consumer writing meanwhile cannot cause false differences.
+REPEATABLE READ snapshot, so a consumer writing meanwhile cannot cause false differences. A
+projection missing or behind its log in that snapshot is judged afterwards, by the slot: see
+:func:`_judge_behind`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +24,9 @@ from typing import Any
 
 import msgspec
 import psycopg
+from psycopg import sql
 
+from ledger_cdc.admin.health import publication_filter
 from ledger_cdc.admin.partitions import archived_heads, check_archive
 from ledger_cdc.admin.timeline import field_differences
 from ledger_cdc.client.read import COLUMNS, row_event
@@ -297,15 +302,26 @@ def verify(
     fields_per_object: int = 5,
     on_session: Callable[[uuid.UUID], None] | None = None,
     archive_dir: Path | None = None,
+    consumer_wait: float = 10.0,
 ) -> VerifyReport:
-    """Refold ``sessions`` (all if None) and compare; see the module docstring."""
+    """Refold ``sessions`` (all if None) and compare; see the module docstring.
+
+    ``consumer_wait``: how long to wait for a running consumer to apply past the snapshot
+    before judging the sessions whose projection was missing or behind in it (0: judged by
+    what the slots confirm now; negative: not judged, only noted)."""
     ids = None if sessions is None else list(sessions)
     report = VerifyReport()
     version = reducer_version()
+    behind: dict[uuid.UUID, int] = {}
     with connect(dsn) as conn:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         conn.read_only = True
         with conn.transaction():
+            # the first statement takes the snapshot: every transaction it sees committed
+            # before this WAL position
+            seen_at = conn.execute(
+                "SELECT CASE WHEN pg_is_in_recovery() THEN NULL ELSE pg_current_wal_lsn() END"
+            ).fetchone()
             where = "WHERE session_id = ANY(%s)" if ids is not None else ""
             params: tuple[Any, ...] = (ids,) if ids is not None else ()
             projected: dict[uuid.UUID, int] = {
@@ -338,6 +354,7 @@ def verify(
                     version,
                     fields_per_object,
                     archived.get(sid),
+                    behind,
                 )
             for sid in sorted((set(projected) | set(snapped)) - seen):
                 if sid in archived:  # its whole history left with an archive
@@ -394,7 +411,87 @@ def verify(
                     )
                 if archived:
                     report.notes.append(f"archives checked against their sha256 in {archive_dir}")
+        if behind and seen_at is not None and seen_at[0] is not None and consumer_wait >= 0:
+            _judge_behind(conn, report, behind, seen_at[0], consumer_wait)
     return report
+
+
+_APPLIED = """
+SELECT c.publication, coalesce(s.confirmed_flush_lsn >= %s::pg_lsn, false), s.active
+FROM ledger_checkpoints c JOIN pg_replication_slots s ON s.slot_name = c.slot_name
+WHERE s.database = current_database()
+"""
+
+
+def _judge_behind(
+    conn: psycopg.Connection[Any],
+    report: VerifyReport,
+    behind: dict[uuid.UUID, int],
+    seen_at: str,
+    wait: float,
+) -> None:
+    """Sessions whose projection was missing or behind their log in the snapshot: a consumer
+    merely lagging, or a projection deleted or put back by hand? Once a consumer's slot is
+    confirmed past the snapshot's WAL position (a consumer confirms only what its committed
+    projections cover), every session its publication carries must have its projection at
+    least at the head the snapshot saw; one that has not was deleted or rolled back. Sessions
+    no consumer can vouch for (none running, or not past it within ``wait`` s) stay notes."""
+    deadline = time.monotonic() + wait
+    try:
+        while True:
+            with conn.transaction():
+                slots = conn.execute(_APPLIED, (seen_at,)).fetchall()
+            waiting = [r for r in slots if not r[1] and r[2]]
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        judged: set[uuid.UUID] = set()
+        with conn.transaction():
+            for publication, passed, _ in slots:
+                if passed:
+                    judged.update(
+                        sid
+                        for (sid,) in conn.execute(
+                            sql.SQL(
+                                "SELECT DISTINCT session_id FROM agent_events "
+                                "WHERE session_id = ANY(%s) {}"
+                            ).format(publication_filter(conn, publication)),
+                            (list(behind),),
+                        )
+                    )
+            now = dict(
+                conn.execute(
+                    "SELECT session_id, last_position FROM agent_sessions "
+                    "WHERE session_id = ANY(%s)",
+                    (list(judged),),
+                ).fetchall()
+            )
+    except psycopg.errors.InsufficientPrivilege as e:
+        report.notes.append(f"projections missing or behind the log not judged: {e}")
+        return
+    if len(judged) < len(behind):
+        report.notes.append(
+            f"{len(behind) - len(judged)} session(s) with a projection missing or behind the log "
+            f"not judged: no running consumer had applied past the snapshot within {wait:g}s"
+        )
+    for sid in sorted(judged):
+        head, at = behind[sid], now.get(sid)
+        if at is not None and int(at) >= head:
+            continue
+        report.differences.append(
+            Difference(
+                sid,
+                "projection",
+                None,
+                None if at is None else int(at),
+                "last_position",
+                head,
+                None if at is None else int(at),
+                f"the consumer applied past this session's events (to position {head}) but "
+                + ("its projection is missing" if at is None else f"its projection is at {at}")
+                + ": deleted or put back by hand",
+            )
+        )
 
 
 def _sessions(
@@ -431,6 +528,7 @@ def _verify_session(
     version: str,
     limit: int,
     archived: tuple[int, bytes, str] | None = None,
+    behind: dict[uuid.UUID, int] | None = None,
 ) -> None:
     report.sessions += 1
     report.events += len(rows)
@@ -500,6 +598,8 @@ def _verify_session(
         report.notes.append(
             f"session {sid}: projection at position {projection_at} of {head} (consumer behind?)"
         )
+    if behind is not None and (projection_at is None or projection_at < head):
+        behind[sid] = head
 
 
 def _verify_archived(

@@ -191,6 +191,15 @@ def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_
     default=None,
     help="Also check the archived partitions' files against their recorded sha256.",
 )
+@option(
+    "--consumer-wait",
+    default=10.0,
+    show_default=True,
+    type=Finite(0.0),
+    help="Seconds to wait for a running consumer to apply past verify's snapshot, to tell a "
+    "projection deleted or put back by hand from one not yet written (0: judge by what the "
+    "slots have confirmed already).",
+)
 @option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @click.pass_obj
 @handles_errors
@@ -201,6 +210,7 @@ def verify(
     all_sessions: bool,
     no_chain: bool,
     archive_dir: Path | None,
+    consumer_wait: float,
     as_json: bool,
 ) -> None:
     """Refold sessions from zero and compare with their projection and every stored snapshot,
@@ -210,8 +220,10 @@ def verify(
     With --archive-dir, archived partitions' files are checked against their recorded sha256;
     history before an archived bound is verified by its chain link and manifest, not refolded.
 
-    A projection behind the log (consumer lagging) is compared at its own position and noted,
-    not counted as a difference.
+    A projection behind the log is compared at its own position. Whether it lags or was
+    deleted or put back by hand is told by the consumer: once a running consumer's checkpoint
+    passes verify's snapshot, a projection still missing or behind is a difference; until then
+    (no consumer running, or not past it within --consumer-wait) it is a note.
     """
     from ledger_cdc.admin.verify import verify as do_verify
 
@@ -224,6 +236,7 @@ def verify(
             None if all_sessions else list(sessions),
             chain=not no_chain,
             archive_dir=archive_dir,
+            consumer_wait=consumer_wait,
         )
     else:
         with con.status("refolding…") as status:
@@ -239,6 +252,7 @@ def verify(
                 None if all_sessions else list(sessions),
                 chain=not no_chain,
                 archive_dir=archive_dir,
+                consumer_wait=consumer_wait,
                 on_session=progress,
             )
     if as_json:

@@ -3,6 +3,7 @@ schema change, poison payloads, guard bypass, idle heartbeat, clean shutdown."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from pathlib import Path
@@ -19,8 +20,10 @@ from tests.support.cdc import (
     ConsumerProcess,
     InThread,
     Writers,
+    assert_clean_exit,
     assert_projections_equal_refold,
     assert_verify_exact,
+    run_cli,
     stored_projections,
     until,
     wait_caught_up,
@@ -491,6 +494,53 @@ def test_verify_is_exact_after_a_restart(db: Database, tmp_path: Path) -> None:
             ledger.append(sid, "a", "tool.invoked", {"call_id": "m", "tool": "t"})
             wait_caught_up(db.dsn)
     assert_verify_exact(db.dsn)
+
+
+def test_verify_tells_a_deleted_or_put_back_projection_from_a_lagging_one(
+    db: Database, tmp_path: Path
+) -> None:
+    """A projection deleted, or put back to an older (self-consistent) state, looks like a
+    consumer behind. With a consumer running, verify waits until it has applied past its
+    snapshot: a projection still missing or behind then is a difference. With none running,
+    it stays a note (nothing can tell)."""
+    a, b, c = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+    with ConsumerProcess(db.dsn, log=tmp_path / "c.log"), Ledger(db.dsn) as ledger:
+        for sid in (a, b, c):
+            ledger.append(sid, "x", "tool.invoked", {"call_id": "c1", "tool": "t"})
+        wait_caught_up(db.dsn)
+        with db.connect() as conn:
+            old = conn.execute(
+                "SELECT * FROM agent_sessions WHERE session_id = %s", (b,)
+            ).fetchone()
+            cols = [
+                d.name for d in conn.execute("SELECT * FROM agent_sessions LIMIT 0").description
+            ]
+        ledger.append(b, "x", "tool.observed", {"call_id": "c1", "result": 1})
+        wait_caught_up(db.dsn)
+        assert_clean_exit(run_cli("verify", "--all", "--dsn", db.dsn))
+        with db.connect() as conn:
+            conn.execute("DELETE FROM agent_sessions WHERE session_id = %s", (a,))
+            conn.execute("DELETE FROM agent_sessions WHERE session_id = %s", (b,))
+            conn.execute(
+                f"INSERT INTO agent_sessions ({', '.join(cols)}) "
+                f"VALUES ({', '.join(['%s'] * len(cols))})",
+                [psycopg.types.json.Jsonb(v) if isinstance(v, dict) else v for v in old],
+            )
+        r = run_cli("verify", "--all", "--json", "--dsn", db.dsn)
+        assert_clean_exit(r, 1)
+        found = {d["session_id"]: d for d in json.loads(r.stdout)["differences"]}
+        assert set(found) == {str(a), str(b)}, r.stdout
+        assert "projection is missing" in found[str(a)]["detail"]
+        assert found[str(b)]["expected"] == 2 and found[str(b)]["actual"] == 1
+    # the slot was confirmed past the edits: still a difference with the consumer stopped
+    assert_clean_exit(run_cli("verify", "--all", "--dsn", db.dsn, "--consumer-wait", "0"), 1)
+    with Ledger(db.dsn) as ledger:  # an event no consumer has applied: nothing can tell now
+        ledger.append(c, "x", "tool.observed", {"call_id": "c1", "result": 1})
+    r = run_cli("verify", "--all", "--json", "--dsn", db.dsn)
+    assert_clean_exit(r)
+    assert "3 session(s) with a projection missing or behind the log not judged" in r.stdout
 
 
 def test_the_consumer_vacuums_the_projections_it_rewrites(db: Database, tmp_path: Path) -> None:
