@@ -27,10 +27,13 @@ import re
 import threading
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
+import psycopg
 
 from ledger_cdc.client.read import COLUMNS, row_event
+from ledger_cdc.connect import connect
 from ledger_cdc.errors import ConfigError, FencedError, LedgerError
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.fold import default_reducers
@@ -128,6 +131,9 @@ class FoldWorker:
         self._uncommitted = 0  # the last stream sequence read and folded, not yet committed
         self.folded = 0  # events of this partition folded
         self.position = 0  # the stream sequence committed
+        # payloads left out of the stream are read from the ledger: the sink's connection when
+        # the projections are in the ledger's database, else one of its own
+        self._ledger: psycopg.Connection[Any] | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -141,16 +147,23 @@ class FoldWorker:
                 asyncio.run(self._attempt())
             except FencedError as e:
                 log.warning("%s", e)
-                self.sink.close()
+                self._close()
             except ConfigError:
                 raise
             except Exception as e:  # connection, server, sink; nats-py's own errors
                 log.warning("fold %s: %s; reconnecting", self.name, _first_line(e))
-                self.sink.close()
+                self._close()
             else:
                 break
             self._stop.wait(backoff.failed())
+        self._close()
         self.sink.shutdown()
+
+    def _close(self) -> None:
+        self.sink.close()
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
 
     async def _attempt(self) -> None:
         import nats
@@ -374,14 +387,39 @@ class FoldWorker:
         is read from agent_events."""
         w = self._dec.decode(data)
         lsn = parse_lsn(w.commit_lsn) if w.commit_lsn else 0
+        payload = bytes(w.payload)
+        _storable(w, payload)
         if w.omitted and w.rejected is None:
-            self._worker.wait()  # the sink's connection, not in use by its thread
-            row = self.sink.conn.execute(_ONE, (w.session_id, w.position)).fetchone()
+            row = self._ledger_conn().execute(_ONE, (w.session_id, w.position)).fetchone()
             if row is not None:
                 return row_event(row), lsn
             why = f"published without its payload ({w.omitted} bytes), not in agent_events"
             return wire_event(msgspec.structs.replace(w, rejected=why), b""), lsn
-        return wire_event(w, bytes(w.payload)), lsn
+        return wire_event(w, payload), lsn
+
+    def _ledger_conn(self) -> psycopg.Connection[Any]:
+        if self.config.target_dsn is None:
+            self._worker.wait()  # the sink's connection, not in use by its thread
+            return self.sink.conn
+        if self._ledger is None or self._ledger.closed:
+            self._ledger = connect(self.config.dsn, autocommit=True)
+        return self._ledger
+
+
+# an escaped NUL (\u0000 after an even run of backslashes, or none) in JSON text
+_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
+
+
+def _storable(w: WireEvent, payload: bytes) -> None:
+    """PostgreSQL's text and jsonb hold no NUL character, so a message carrying one was never a
+    ledger row (anyone who may publish on the subjects can forge one), and folding it would fail
+    every write of its batch, for ever: ValueError, and the message is skipped."""
+    for name in ("agent_id", "event_type", "idempotency_key", "rejected"):
+        value = getattr(w, name)
+        if value is not None and "\x00" in value:
+            raise ValueError(f"its {name} holds a NUL character, which no ledger row can")
+    if b"\\u0000" in payload and _NUL_ESCAPE.search(payload):
+        raise ValueError("its payload holds a NUL character (\\u0000), which no ledger row can")
 
 
 async def _quiet(e: Exception) -> None:

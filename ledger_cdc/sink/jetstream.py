@@ -286,10 +286,10 @@ async def subscribe_raw(nc: Any, subject: str, handler: RawHandler, pending: int
     if sid is not None and process is not None:
 
         async def _process_msg(
-            msg_sid: int, subj: bytes, reply: bytes, data: bytes, headers: bytes
+            msg_sid: int, subj: bytes, reply: bytes, data: bytes, headers: bytes | None
         ) -> None:
-            if msg_sid == sid:
-                handler(subj, reply, data, headers)
+            if msg_sid == sid:  # a message published without headers has None
+                handler(subj, reply, data, headers or b"")
             else:
                 await process(msg_sid, subj, reply, data, headers)
 
@@ -365,7 +365,7 @@ class JetStreamPublisher:
     def _result(self, fut: concurrent.futures.Future[Any], timeout: float) -> Any:
         try:
             return fut.result(timeout)
-        except TimeoutError as e:
+        except (TimeoutError, concurrent.futures.TimeoutError) as e:  # distinct before 3.11
             fut.cancel()
             self._broken = True
             raise JetStreamError(f"JetStream did not acknowledge within {timeout:.0f}s") from e

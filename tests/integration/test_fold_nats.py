@@ -4,16 +4,26 @@ nats-server, the relay, the workers), SIGKILLed mid-stream."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import psycopg
 import pytest
 
+from ledger_cdc.client.read import COLUMNS, row_event
+from ledger_cdc.client.writer import Ledger
+from ledger_cdc.consumer.fold_nats import FoldConfig, FoldWorker
 from ledger_cdc.lsn import parse_lsn
+from ledger_cdc.sink.jetstream import JetStreamPublisher, JetStreamSettings
 from tests.support.cdc import (
     ROOT,
     ConsumerProcess,
@@ -150,6 +160,144 @@ def test_relay_and_fold_worker_go_on_after_the_nats_server_is_killed_and_restart
         for p in procs:
             if p.alive():
                 p.kill()
+        srv.kill()
+
+
+def _publish_raw(url: str, messages: list[tuple[str, bytes, dict[str, str] | None]]) -> None:
+    """Messages put on the stream by anyone allowed to publish on its subjects."""
+    import nats
+
+    async def go() -> None:
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        for subject, body, headers in messages:
+            await js.publish(subject, body, headers=headers)
+        await nc.close()
+
+    asyncio.run(go())
+
+
+def _fold_until(worker: FoldWorker, done: Callable[[], bool], timeout: float = 30) -> None:
+    t = threading.Thread(target=worker.run, daemon=True)
+    t.start()
+    try:
+        until(done, timeout=timeout)
+    finally:
+        worker.stop()
+        t.join(30)
+    assert not t.is_alive()
+
+
+def _event_count(dsn: str, sid: uuid.UUID) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT (context->>'event_count')::int FROM agent_sessions WHERE session_id = %s",
+            (sid,),
+        ).fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def test_messages_that_no_ledger_row_could_be_are_skipped_not_retried(
+    db: Database, tmp_path: Path
+) -> None:
+    """Anyone allowed to publish on the subjects can put anything there. A message without
+    headers is read like any other; one with a commit LSN out of range, or with a NUL (which
+    PostgreSQL's text and jsonb cannot hold) anywhere is no event: skipped with a warning. Each
+    used to stop the worker in a loop that retried it for ever; the events after them must be
+    folded."""
+    if db.server.major < 18:
+        pytest.skip("the stream's path is the same on every PostgreSQL: run once, on 18")
+    srv = NatsServer(tmp_path / "js")
+    try:
+        wait_jetstream([srv.url])
+        sid = uuid.uuid4()
+        with Ledger(db.dsn) as ledger:
+            for i in range(3):
+                ledger.append(sid, "a", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
+        with db.connect() as conn:
+            events = [
+                row_event(r)
+                for r in conn.execute(f"SELECT {COLUMNS} FROM agent_events ORDER BY position")
+            ]
+        pub = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
+        pub.connect()
+        pub.publish([(events[0], 0x1000)], [])
+        other = uuid.UUID(int=(uuid.uuid4().int & ~0xFF) | sid.bytes[15])  # same partition
+        good = {
+            "seq": 999999,
+            "session_id": str(other),
+            "position": 1,
+            "agent_id": "x",
+            "event_type": "tool.invoked",
+            "payload": {"call_id": "q", "tool": "t"},
+            "created_at": "2025-01-01T00:00:00Z",
+            "commit_lsn": "0/1800",
+        }
+        forged = [
+            ({}, None),  # no headers at all
+            ({"commit_lsn": "FFFFFFFFFF/0"}, {"X": "1"}),
+            ({"commit_lsn": "-1/0"}, {"X": "1"}),
+            ({"agent_id": "a\x00b"}, {"X": "1"}),
+            ({"event_type": "tool.invoked\x00"}, {"X": "1"}),
+            ({"idempotency_key": "k\x00"}, {"X": "1"}),
+            ({"payload": {"call_id": "q\x00", "tool": "t"}}, {"X": "1"}),
+        ]
+        _publish_raw(
+            srv.url,
+            [(f"ledger.events.{other}", msgspec.json.encode({**good, **c}), h) for c, h in forged],
+        )
+        pub.publish([(events[1], 0x2000), (events[2], 0x3000)], [])
+        pub.close()
+        log = tmp_path / "fold.log"
+        handler = logging.FileHandler(log)
+        logging.getLogger("ledger_cdc.fold").addHandler(handler)
+        try:
+            worker = FoldWorker(FoldConfig(url=srv.url, dsn=db.dsn, reconnect_cap=0.5))
+            _fold_until(worker, lambda: _event_count(db.dsn, sid) == 3)
+        finally:
+            logging.getLogger("ledger_cdc.fold").removeHandler(handler)
+        text = log.read_text()
+        assert "reconnecting" not in text, text
+        assert text.count("is not an event, skipped") == len(forged) - 1, text
+        assert _event_count(db.dsn, other) == 1  # the one without headers is well formed
+    finally:
+        srv.kill()
+
+
+def test_a_payload_left_out_of_the_stream_is_read_from_the_ledger_not_the_target(
+    db: Database, second_db: Database, tmp_path: Path
+) -> None:
+    """`fold --target-dsn`: projections go elsewhere, but a payload too big for the stream is
+    read back from the ledger's database (it was read from the target, where it is not, and the
+    event quarantined)."""
+    if db.server.major < 18:
+        pytest.skip("the stream's path is the same on every PostgreSQL: run once, on 18")
+    srv = NatsServer(tmp_path / "js", config="max_payload: 8192\n")
+    try:
+        wait_jetstream([srv.url])
+        sid = uuid.uuid4()
+        with Ledger(db.dsn) as ledger:
+            ledger.append(sid, "a", "tool.invoked", {"call_id": "c0", "tool": "t"})
+            ledger.append(
+                sid, "a", "context.loaded", {"messages": [{"role": "user", "content": "x" * 20000}]}
+            )
+            ledger.append(sid, "a", "tool.invoked", {"call_id": "c1", "tool": "t"})
+        with db.connect() as conn:
+            rows = conn.execute(f"SELECT {COLUMNS} FROM agent_events ORDER BY position")
+            events = [row_event(r) for r in rows]
+        pub = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
+        pub.connect()
+        pub.publish([(e, 0x1000 * (i + 1)) for i, e in enumerate(events)], [])
+        pub.close()
+        config = FoldConfig(url=srv.url, dsn=db.dsn, target_dsn=second_db.dsn, reconnect_cap=0.5)
+        _fold_until(FoldWorker(config), lambda: _event_count(second_db.dsn, sid) == 3)
+        with second_db.connect() as conn:
+            assert conn.execute("SELECT count(*) FROM ledger_dead_letters").fetchone() == (0,)
+            ctx = conn.execute(
+                "SELECT context FROM agent_sessions WHERE session_id = %s", (sid,)
+            ).fetchone()
+        assert ctx is not None and "x" * 20000 in json.dumps(ctx[0])
+    finally:
         srv.kill()
 
 

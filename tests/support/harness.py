@@ -157,6 +157,12 @@ def empty_db(server: Server) -> Iterator[Database]:
 
 
 @pytest.fixture
+def second_db(server: Server) -> Iterator[Database]:
+    """Another database with the ledger schema, on the same server as ``db``."""
+    yield from _new_database(server, server.template)
+
+
+@pytest.fixture
 def db(server: Server) -> Iterator[Database]:
     """A fresh database with the ledger schema and publication (copied from a template)."""
     yield from _new_database(server, server.template)
