@@ -43,7 +43,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ledger_cdc.errors import ArchiveRefusedError, ConfigError
+from ledger_cdc.errors import ArchiveRefusedError, ConfigError, InvalidEventError
 from ledger_cdc.fold import (
     FORMAT_VERSION,
     PROJECTION_FORMATS,
@@ -131,7 +131,15 @@ ORDER BY c.relname
 def _bounds(expr: str) -> tuple[dt.datetime, dt.datetime]:
     # FOR VALUES FROM ('2026-11-01 00:00:00+00') TO ('2026-12-01 00:00:00+00')
     parts = expr.split("'")
-    return dt.datetime.fromisoformat(parts[1]), dt.datetime.fromisoformat(parts[3])
+    return _timestamp(parts[1]), _timestamp(parts[3])
+
+
+def _timestamp(text: str) -> dt.datetime:
+    """A timestamptz as PostgreSQL prints it; its ``+00`` offset is given minutes for Python
+    3.10, whose ``fromisoformat`` reads ``+00:00`` only."""
+    if len(text) > 3 and text[-3] in "+-" and text[-2:].isdigit():
+        text += ":00"
+    return dt.datetime.fromisoformat(text)
 
 
 def list_partitions(conn: psycopg.Connection[Any]) -> list[Partition]:
@@ -154,26 +162,15 @@ def ensure(
     conn: psycopg.Connection[Any], ahead: int = 3, *, at: dt.datetime | None = None
 ) -> list[str]:
     """Create the partitions for the interval holding ``at`` (now) and the next ``ahead``
-    intervals, if missing. Returns the names created. Idempotent, safe to run concurrently."""
-    unit = _unit(conn)
-    created = []
+    intervals (at most 120), if missing. Returns the names created. Idempotent, safe to run
+    concurrently, and open to the consumer's role: ``ledger_ensure_partitions`` (SECURITY
+    DEFINER, sql/0016_archiving.sql) creates them as the ledger's owner."""
+    if not 0 <= ahead <= 120:
+        raise ConfigError(f"partitions ahead must be 0 to 120, got {ahead}")
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (0x1ED6E2C1,))
-        existing = {p.name for p in list_partitions(conn)}
-        row = conn.execute(
-            "SELECT date_trunc(%s, coalesce(%s::timestamptz, now()) AT TIME ZONE 'UTC')",
-            (unit, at),
-        ).fetchone()
-        assert row is not None
-        start: dt.datetime = row[0].replace(tzinfo=dt.timezone.utc)
-        for _ in range(ahead + 1):
-            end = _next(start, unit)
-            name = f"agent_events_p{start:%Y%m%d}"
-            if name not in existing:
-                _create(conn, name, start, end)
-                created.append(name)
-            start = end
-    return created
+        return [
+            str(r[0]) for r in conn.execute("SELECT ledger_ensure_partitions(%s, %s)", (ahead, at))
+        ]
 
 
 def ensure_for(conn: psycopg.Connection[Any], times: Iterable[dt.datetime]) -> list[str]:
@@ -206,34 +203,29 @@ def ensure_for(conn: psycopg.Connection[Any], times: Iterable[dt.datetime]) -> l
                         f"{name} ({start:%Y-%m-%d}) is being archived: events cannot be "
                         "imported into it"
                     )
-                _create(conn, name, start, _next(start, unit))
-                created.append(name)
+                _next(start, unit)  # refuses a range past year 9999
+                created.extend(ensure(conn, 0, at=start))
                 existing.add(name)
     return created
 
 
 def _next(start: dt.datetime, unit: str) -> dt.datetime:
-    if unit == "day":
-        return start + dt.timedelta(days=1)
-    if unit == "week":
-        return start + dt.timedelta(days=7)
-    return (start.replace(day=28) + dt.timedelta(days=4)).replace(day=1)
+    try:
+        if unit == "day":
+            return start + dt.timedelta(days=1)
+        if unit == "week":
+            return start + dt.timedelta(days=7)
+        return (start.replace(day=28) + dt.timedelta(days=4)).replace(day=1)
+    except OverflowError:  # the partition of 9999-12 would end in year 10000
+        raise InvalidEventError(
+            f"no partition can hold events at {start:%Y-%m-%d}: its range would end after year 9999"
+        ) from None
 
 
-def _create(conn: psycopg.Connection[Any], name: str, start: dt.datetime, end: dt.datetime) -> None:
-    part = sql.Identifier(name)
-    conn.execute(
-        sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {} PARTITION OF agent_events FOR VALUES FROM ({}) TO ({})"
-        ).format(part, sql.Literal(start), sql.Literal(end))
-    )
-    # row triggers are cloned from the parent; statement triggers (TRUNCATE) are not
-    conn.execute(
-        sql.SQL(
-            "CREATE TRIGGER agent_events_no_truncate BEFORE TRUNCATE ON {} "
-            "FOR EACH STATEMENT EXECUTE FUNCTION ledger_refuse_change()"
-        ).format(part)
-    )
+def _always(conn: psycopg.Connection[Any], part: sql.Identifier) -> None:
+    """The guards fire for replicas too (``session_replication_role``), as
+    ``ledger_ensure_partitions`` made them. A partition attached again gets fresh clones of the
+    parent's row triggers: this is said again then."""
     for trigger in (
         "agent_events_no_truncate",
         "agent_events_append_only",
@@ -242,7 +234,6 @@ def _create(conn: psycopg.Connection[Any], name: str, start: dt.datetime, end: d
         conn.execute(
             sql.SQL("ALTER TABLE {} ENABLE ALWAYS TRIGGER {}").format(part, sql.Identifier(trigger))
         )
-    conn.execute(sql.SQL("REVOKE ALL ON {} FROM PUBLIC").format(part))
 
 
 # -- archive ------------------------------------------------------------------------------------
@@ -341,6 +332,7 @@ def archive(
     if older_than <= dt.timedelta(0):  # a bound in the future would take live partitions
         raise ConfigError(f"older_than must be a positive age, got {older_than}")
     to_dir.mkdir(parents=True, exist_ok=True)
+    _resume(conn, to_dir)
     now_row = conn.execute("SELECT now()").fetchone()
     assert now_row is not None
     bound = now_row[0] - older_than
@@ -395,18 +387,21 @@ def _archive_one(
     manifest_file = to_dir / f"{p.name}.manifest.json"
     if manifest_file.exists():
         raise ArchiveRefusedError(
-            f"{manifest_file} exists: archive {p.name} into another directory"
+            f"{manifest_file} exists: archive {p.name} into another directory (if no archive "
+            "of this ledger records it, it is another ledger's, or what a run killed before "
+            "recording wrote into this directory while the next ran elsewhere: then remove it)"
         )
     if not _detach_pending(conn, p.name):
         taken = _cover(conn, p, consumer_wait=0.0)
         step("checked")
         step("snapshots")
-        _detach(conn, p.name)
     else:
-        taken = 0
-        _detach(conn, p.name)  # an archive interrupted mid-detach: finish it
+        taken = 0  # an archive interrupted mid-detach: finished below
+    run = _record_start(conn, p)
+    _detach(conn, p.name)
     step("detached")
     try:
+        _record_heads(conn, p)  # with what the detach waited for
         # what the detach waited for may have added rows: they must be folded and covered too
         taken += _cover(conn, p, consumer_wait=consumer_wait)
         with conn.transaction():
@@ -414,6 +409,7 @@ def _archive_one(
             sessions = conn.execute(sql.SQL(_PER_SESSION).format(part=part)).fetchall()
             file_hash, content_hash, rows = _export(conn, part, data_file)
             manifest = _manifest(p, data_file, file_hash, content_hash, rows, sessions)
+            manifest["run"] = str(run)
             manifest_file.write_text(json.dumps(manifest, indent=1, sort_keys=True))
             step("exported")
             conn.execute(
@@ -435,10 +431,15 @@ def _archive_one(
             # idempotency keys (and signal ids) stay: agent_event_keys keeps what a retry
             # compares, and agent_session_heads each session's head
             conn.execute(sql.SQL("DROP TABLE {}").format(part))
+            conn.execute("DELETE FROM ledger_archiving WHERE partition_name = %s", (p.name,))
     except BaseException:
-        for f in (manifest_file, data_file):
-            f.unlink(missing_ok=True)
-        _attach(conn, p)
+        # the commit may have been lost with the connection, after the server took it: the
+        # files are removed, and the partition put back, only when no archive records it
+        # (else, or when that cannot be told, the next archive run finds out from the record)
+        if _recorded(conn, p.name) is False:
+            for f in (manifest_file, data_file):
+                f.unlink(missing_ok=True)
+            _attach(conn, p)
         raise
     step("recorded")
     return ArchivedPartition(
@@ -523,18 +524,96 @@ def _detach(conn: psycopg.Connection[Any], name: str) -> None:
 
 
 def _attach(conn: psycopg.Connection[Any], p: Partition) -> None:
+    """Put a detached partition back into the ledger, and drop its archive-under-way record
+    (best effort: what fails here is left to the next run, from that record)."""
     with contextlib.suppress(psycopg.Error):
         if conn.execute("SELECT to_regclass(%s)", (p.name,)).fetchone() == (None,):
             return  # dropped: nothing to put back
-        if conn.execute(
+        if not conn.execute(
             "SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (p.name,)
         ).fetchone():
-            return
+            with conn.transaction():
+                part = sql.Identifier(p.name)
+                conn.execute(
+                    sql.SQL(
+                        "ALTER TABLE agent_events ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})"
+                    ).format(part, sql.Literal(p.start), sql.Literal(p.end))
+                )
+                _always(conn, part)
+        conn.execute("DELETE FROM ledger_archiving WHERE partition_name = %s", (p.name,))
+
+
+def _record_start(conn: psycopg.Connection[Any], p: Partition) -> uuid.UUID:
+    """Commit the archive-under-way record before the detach (see sql/0016_archiving.sql);
+    returns the run's id, written into its manifest."""
+    run = uuid.uuid4()
+    with conn.transaction():
+        conn.execute(
+            "INSERT INTO ledger_archiving (partition_name, range_start, range_end, run_id) "
+            "VALUES (%s, %s, %s, %s) ON CONFLICT (partition_name) DO UPDATE SET run_id = %s",
+            (p.name, p.start, p.end, run, run),
+        )
+        _record_heads(conn, p)
+    return run
+
+
+def _record_heads(conn: psycopg.Connection[Any], p: Partition) -> None:
+    with conn.transaction():
+        conn.execute("DELETE FROM ledger_archiving_heads WHERE partition_name = %s", (p.name,))
         conn.execute(
             sql.SQL(
-                "ALTER TABLE agent_events ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})"
-            ).format(sql.Identifier(p.name), sql.Literal(p.start), sql.Literal(p.end))
+                "INSERT INTO ledger_archiving_heads (partition_name, session_id, upto_position) "
+                "SELECT %s, session_id, max(position) FROM {} GROUP BY session_id"
+            ).format(sql.Identifier(p.name)),
+            (p.name,),
         )
+
+
+def _recorded(conn: psycopg.Connection[Any], name: str) -> bool | None:
+    """Whether an archive of ``name`` is recorded; None when the database cannot say."""
+    try:
+        row = conn.execute(
+            "SELECT EXISTS (SELECT FROM ledger_archives WHERE partition_name = %s)", (name,)
+        ).fetchone()
+    except psycopg.Error:
+        return None
+    return bool(row and row[0])
+
+
+def _run_of(manifest: Path) -> str | None:
+    try:
+        run = json.loads(manifest.read_text()).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run if isinstance(run, str) else None
+
+
+def _resume(conn: psycopg.Connection[Any], to_dir: Path) -> None:
+    """Archives a killed run left under way. A partition detached but not archived (killed
+    after the detach, or its detach finished by the server after the client died) is outside
+    the ledger and in no archive: it is attached again (and the files that run wrote here,
+    known by the run id in their manifest, removed), so this run archives it from the start;
+    one whose detach is pending (invisible to new queries already) is detached, then attached.
+    A record whose archive committed (the connection lost at the commit) is dropped."""
+    for name, start, end, run in conn.execute(
+        "SELECT partition_name, range_start, range_end, run_id FROM ledger_archiving ORDER BY 1"
+    ).fetchall():
+        p = Partition(name, start, end)
+        if _recorded(conn, name):
+            conn.execute("DELETE FROM ledger_archiving WHERE partition_name = %s", (name,))
+        elif conn.execute("SELECT to_regclass(%s)", (name,)).fetchone() == (None,):
+            raise ArchiveRefusedError(
+                f"{name} was being archived, but the table is gone and no archive records it: "
+                "restore it from a backup, then run the archive again"
+            )
+        else:
+            manifest = to_dir / f"{name}.manifest.json"
+            if _run_of(manifest) == str(run):  # that run's files, never recorded
+                for f in (to_dir / f"{name}.csv.gz", manifest):
+                    f.unlink(missing_ok=True)
+            if _detach_pending(conn, name):  # invisible to new queries already: finished,
+                _detach(conn, name)  # so that it can be attached again
+            _attach(conn, p)
 
 
 def _manifest(

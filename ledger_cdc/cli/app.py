@@ -16,6 +16,7 @@ from ledger_cdc.cli.base import (
     Finite,
     State,
     _env,
+    ahead_option,
     cli,
     dsn_option,
     handles_errors,
@@ -67,11 +68,8 @@ snapshot_every_option = option(
     default=None,
     help="Create a new ledger range-partitioned on created_at (a fresh database only).",
 )
-@option(
-    "--partitions-ahead",
-    default=3,
-    show_default=True,
-    help="Partitions created beyond the current one (partitioned ledgers).",
+@ahead_option(
+    "--partitions-ahead", "Partitions created beyond the current one (partitioned ledgers)."
 )
 @option(
     "--shards",

@@ -235,6 +235,11 @@ def _env(name: str) -> str:
     return f"LEDGER_CDC_{name}"
 
 
+def ahead_option(name: str, what: str) -> Callable[[F], F]:
+    """How many partitions beyond the current one (``ledger_ensure_partitions`` takes 0-120)."""
+    return option(name, default=3, show_default=True, type=click.IntRange(0, 120), help=what)
+
+
 def log_format_option(
     what: str = "auto: a live status line on a terminal, text lines otherwise",
 ) -> Callable[[F], F]:

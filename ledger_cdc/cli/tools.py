@@ -22,6 +22,7 @@ from ledger_cdc.cli.base import (
     Finite,
     State,
     _env,
+    ahead_option,
     cli,
     dsn_option,
     handles_errors,
@@ -930,7 +931,7 @@ def partitions_list(state: State, dsn: str, as_json: bool) -> None:
 
 @partitions.command("ensure")
 @dsn_option
-@option("--ahead", default=3, show_default=True, help="Partitions beyond the current one.")
+@ahead_option("--ahead", "Partitions beyond the current one.")
 @click.pass_obj
 @handles_errors
 def partitions_ensure(state: State, dsn: str, ahead: int) -> None:

@@ -31,7 +31,7 @@ from ledger_cdc.client.recovery import (
     rebuild_context,
 )
 from ledger_cdc.client.writer import Ledger
-from ledger_cdc.errors import ConfigError, IdempotencyConflictError
+from ledger_cdc.errors import ConfigError, IdempotencyConflictError, InvalidEventError
 from ledger_cdc.fold import FORMAT_VERSION, encode_context
 from tests.support.cdc import (
     ROOT,
@@ -109,6 +109,31 @@ def test_partitioned_ledger_keeps_guards_and_per_session_uniqueness(empty_db: Da
         assert rows[0] == (1, old_part) and rows[1][1] != old_part
     assert verify(empty_db.dsn).ok  # the chain links across the partitions
     assert init(empty_db.dsn, partition_by="month").applied == []  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("unit", "when"),
+    [
+        ("month", "9999-12-15T00:00:00Z"),
+        ("week", "9999-12-29T00:00:00Z"),
+        ("day", "9999-12-31T12:00:00Z"),
+    ],
+)
+def test_an_event_whose_partition_would_end_after_year_9999_is_refused(
+    empty_db: Database, unit: str, when: str
+) -> None:
+    """Its partition's upper bound is past what a timestamp can be here: refused as an invalid
+    event with the reason, not an OverflowError (the importer's traceback)."""
+    init(empty_db.dsn, partition_by=unit, slot="agent_slot")
+    ev = ImportedEvent(
+        uuid.uuid4(),
+        "a",
+        "tool.invoked",
+        {"call_id": "c", "tool": "t"},
+        dt.datetime.fromisoformat(when.replace("Z", "+00:00")),
+    )
+    with empty_db.connect() as conn, pytest.raises(InvalidEventError, match="after year 9999"):
+        import_events(conn, [(1, ev)])
 
 
 def test_partition_by_on_an_unpartitioned_ledger_is_refused(db: Database) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import gzip
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -119,6 +121,71 @@ def test_an_insert_at_any_step_of_an_archive_is_archived_or_kept(
     for key in late:
         assert key in archived or key in in_ledger, f"{key} committed, then lost"
     assert {f"old-{i}" for i in range(1, 4)} <= archived
+
+
+_KILL_AT = """
+import datetime as dt, os, signal, sys
+from pathlib import Path
+import psycopg
+from ledger_cdc.admin.partitions import archive
+dsn, out, when = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+def step(name, s):
+    if s == when:
+        os.kill(os.getpid(), signal.SIGKILL)
+with psycopg.connect(dsn, autocommit=True) as conn:
+    archive(conn, dt.timedelta(days=90), out, on_step=step)
+"""
+_GUARDS = "SELECT tgname, tgenabled FROM pg_trigger WHERE tgrelid = to_regclass(%s) ORDER BY tgname"
+
+
+@pytest.mark.parametrize("when", ["detached", "exported"])
+def test_an_archive_killed_after_the_detach_is_taken_up_by_the_next(
+    empty_db: Database, tmp_path: Path, when: str
+) -> None:
+    """kill -9 once the partition is detached (its rows out of the ledger, in no archive yet).
+    Meanwhile a rebuild needing that history says it is archived (it folded across the gap
+    into an empty context); the next archive run attaches the partition again, with its
+    guards as they were, and archives it: every event in the ledger or in an archive."""
+    now = _partitioned(empty_db)
+    sid = uuid.uuid4()
+    with empty_db.connect() as conn:
+        for i in range(1, 4):
+            _import(conn, sid, i, now - OLD + dt.timedelta(minutes=i))
+        (first_seq,) = conn.execute(  # type: ignore[misc]
+            "SELECT min(seq) FROM agent_events WHERE session_id = %s", (sid,)
+        ).fetchone()
+        (name,) = conn.execute(  # type: ignore[misc]
+            "SELECT tableoid::regclass::text FROM agent_events WHERE session_id = %s LIMIT 1",
+            (sid,),
+        ).fetchone()
+        guards = conn.execute(_GUARDS, (name,)).fetchall()
+    with InThread(empty_db.dsn, create_slot=False):
+        wait_caught_up(empty_db.dsn)
+        killed = subprocess.run(
+            [sys.executable, "-c", _KILL_AT, empty_db.dsn, str(tmp_path / "a"), when],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert killed.returncode == -9, killed.stderr  # SIGKILL
+        with empty_db.connect() as conn:
+            assert conn.execute(
+                "SELECT count(*) FROM agent_events WHERE session_id = %s", (sid,)
+            ).fetchone() == (0,)
+            with pytest.raises(HistoryArchivedError):
+                rebuild_context(conn, sid, upto_seq=first_seq)
+            # a run whose bound takes no partition still puts the detached one back (and
+            # removes the killed run's files: it never recorded them)
+            assert archive(conn, dt.timedelta(days=100_000), tmp_path / "a") == []
+            assert list((tmp_path / "a").glob("*.manifest.json")) == []
+            assert conn.execute(_GUARDS, (name,)).fetchall() == guards
+            assert rebuild_context(conn, sid, upto_seq=first_seq).last_position == 1
+            done = archive(conn, dt.timedelta(days=90), tmp_path / "a")
+            assert [a.name for a in done] == [name] and done[0].events == 3
+            assert conn.execute("SELECT count(*) FROM ledger_archiving").fetchone() == (0,)
+    assert _archived_keys(tmp_path / "a") == {f"old-{i}" for i in range(1, 4)}
+    report = verify(empty_db.dsn, archive_dir=tmp_path / "a")
+    assert report.ok, report.differences
 
 
 def test_an_archive_never_stalls_writers_behind_a_reader(

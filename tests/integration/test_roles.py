@@ -19,11 +19,14 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from ledger_cdc.admin.partitions import list_partitions
+from ledger_cdc.admin.schema import init
 from ledger_cdc.admin.verify import verify
 from ledger_cdc.client.read import projected_contexts
 from ledger_cdc.client.recovery import memoised_tool, rebuild_context
 from ledger_cdc.client.runs import signal, submit
 from ledger_cdc.client.writer import Ledger, OutboxItem
+from ledger_cdc.consumer.tasks import partition_keeper
 from ledger_cdc.errors import ConcurrentAppendError, IdempotencyConflictError
 from tests.support.cdc import InThread, assert_clean_exit, run_cli, until, wait_caught_up
 from tests.support.harness import Database
@@ -211,3 +214,34 @@ def test_consumer_role_consumes_and_writes_only_its_tables(
         "INSERT INTO agent_outbox (event_seq, session_id, target, payload, idempotency_key) "
         "VALUES (1, gen_random_uuid(), 't', '{}', 'k')",
     )
+
+
+def test_the_consumer_role_keeps_partitions_ahead(empty_db: Database) -> None:
+    """The consumer's partition task runs as ledger_consumer, which may not create tables: it
+    creates the partitions ahead through ledger_ensure_partitions (as the owner, and no more
+    than 120 ahead). It failed on every run before."""
+    init(empty_db.dsn, partition_by="day", slot="agent_slot")
+    name = f"c_{empty_db.name}"
+    with psycopg.connect(empty_db.server.dsn(), autocommit=True) as admin:
+        admin.execute(
+            sql.SQL("CREATE ROLE {} LOGIN REPLICATION IN ROLE ledger_consumer").format(
+                sql.Identifier(name)
+            )
+        )
+    try:
+        with psycopg.connect(empty_db.dsn_as(name), autocommit=True) as conn:
+            before = {p.name for p in list_partitions(conn)}
+            assert partition_keeper(10)(conn) is True
+            after = {p.name for p in list_partitions(conn)}
+            assert len(after - before) == 7, (before, after)  # init made 3 ahead, now 10
+            with pytest.raises(psycopg.errors.InvalidParameterValue):
+                conn.execute("SELECT ledger_ensure_partitions(121)")
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute("CREATE TABLE mine (x int)")
+    finally:
+        with (
+            empty_db.connect() as conn,
+            psycopg.connect(empty_db.server.dsn(), autocommit=True) as admin,
+        ):
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))

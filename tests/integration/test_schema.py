@@ -349,7 +349,7 @@ def test_migration_0015_rewrites_the_keys_already_stored(empty_db: Database) -> 
                 "VALUES (%s, 'model', %s, %s, %s, %s, %s, '{}')",
                 (sid, call, pos, pos, key, prompt),
             )
-        assert migrate(conn) == [15]
+        assert migrate(conn, [m for m in load_migrations() if m.version <= 15]) == [15]
         rows = conn.execute(
             "SELECT call_id, idempotency_key, prompt_hash FROM agent_memo "
             "ORDER BY completed_position"
