@@ -27,6 +27,7 @@ Sync and async methods share one implementation (SQL steps run by ``client.steps
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import uuid
@@ -34,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import msgspec
 from langchain_core.runnables import RunnableConfig
@@ -220,6 +221,21 @@ def _memo_of(conn: Any, sid: uuid.UUID, call_id: str) -> Any:
     return memoised_tool(conn, ctx, call_id)
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    """Run under the saver's lock: a read iterates threads folded in this saver, which another
+    of the process's threads may be folding new events into."""
+
+    @functools.wraps(method)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return cast(_F, locked)
+
+
 def _configurable(config: RunnableConfig | None) -> dict[str, Any]:
     return dict((config or {}).get("configurable") or {})
 
@@ -245,8 +261,12 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         self._opening: asyncio.Lock | None = None
         self._threads: OrderedDict[str, _Thread] = OrderedDict()  # folded threads, by use
         self._lock = threading.Lock()
-        # (thread, ns, channel) → (version, value, deltas since a full value) of list channels
+        # (thread, ns, channel) → (version, value, deltas since a full value) of list channels,
+        # as stored by this saver's appends that committed
         self._last: OrderedDict[tuple[str, str, str], tuple[str, list[Any], int]] = OrderedDict()
+        # (thread, ns, checkpoint id) → the channel versions of a checkpoint this saver stored:
+        # a delta is written only against the version its parent names (stored, in its line)
+        self._versions: OrderedDict[tuple[str, str, str], dict[str, str]] = OrderedDict()
 
     @classmethod
     def from_dsn(cls, dsn: str, *, serde: SerializerProtocol | None = None) -> LedgerSaver:
@@ -328,13 +348,39 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         checkpoint: Checkpoint,
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
-    ) -> tuple[str, CheckpointSaved, RunnableConfig]:
+    ) -> tuple[str, CheckpointSaved, RunnableConfig, Callable[[], None]]:
+        """The event, the config to return, and what to remember once the append committed
+        (remembered before, a put that failed and was retried wrote a delta against a version
+        never stored)."""
         conf = _configurable(config)
         thread_id = str(conf["thread_id"])
         ns = str(conf.get("checkpoint_ns") or "")
         c: dict[str, Any] = dict(checkpoint)
         values: dict[str, Any] = c.pop("channel_values", None) or {}
-        blobs = [self._blob((thread_id, ns, k), str(v), values) for k, v in new_versions.items()]
+        parent = conf.get("checkpoint_id")
+        with self._lock:
+            base = None if parent is None else self._versions.get((thread_id, ns, str(parent)))
+        made = [
+            (k, self._blob((thread_id, ns, k), str(v), values, base))
+            for k, v in new_versions.items()
+        ]
+        blobs = [blob for _, (blob, _) in made]
+        versions = {str(k): str(v) for k, v in (checkpoint.get("channel_versions") or {}).items()}
+
+        def stored() -> None:
+            with self._lock:
+                for k, (_, last) in made:
+                    key = (thread_id, ns, k)
+                    if last is None:
+                        self._last.pop(key, None)
+                    else:
+                        self._last[key] = last
+                        self._last.move_to_end(key)
+                self._versions[(thread_id, ns, str(checkpoint["id"]))] = versions
+                for table in (self._last, self._versions):
+                    while len(table) > _LAST_CHANNELS:
+                        table.popitem(last=False)
+
         ev = CheckpointSaved(
             thread_id,
             ns,
@@ -351,7 +397,7 @@ class LedgerSaver(BaseCheckpointSaver[str]):
                 "checkpoint_id": checkpoint["id"],
             }
         }
-        return thread_id, ev, out
+        return thread_id, ev, out, stored
 
     def _writes_event(
         self,
@@ -457,19 +503,26 @@ class LedgerSaver(BaseCheckpointSaver[str]):
             value = list(value) + list(added)
         return value
 
-    def _blob(self, key: tuple[str, str, str], version: str, values: dict[str, Any]) -> Blob:
-        """The blob of a new version of a channel (thread, ns, channel): the items appended
-        since the last version this saver wrote, when the channel is a list that only grew."""
+    def _blob(
+        self,
+        key: tuple[str, str, str],
+        version: str,
+        values: dict[str, Any],
+        base: dict[str, str] | None,
+    ) -> tuple[Blob, tuple[str, list[Any], int] | None]:
+        """The blob of a new version of a channel (thread, ns, channel) — the items appended
+        since the version the parent checkpoint names, when this saver stored that one and the
+        channel is a list that only grew — and what to remember of it once stored."""
         channel = key[2]
         if channel not in values:
-            self._last.pop(key, None)
-            return Blob(channel, version, Typed.of(("empty", b"")))
+            return Blob(channel, version, Typed.of(("empty", b""))), None
         value = values[channel]
-        prev = self._last.get(key)
-        blob: Blob | None = None
-        depth = 0
+        with self._lock:
+            prev = self._last.get(key)
         if (
             prev is not None
+            and base is not None
+            and base.get(channel) == prev[0]
             and isinstance(value, list)
             and prev[2] < _FULL_EVERY
             and len(value) >= len(prev[1])
@@ -477,22 +530,17 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         ):
             tail = value[len(prev[1]) :]
             blob = Blob(channel, version, Typed.of(self.serde.dumps_typed(tail)), prev[0])
-            depth = prev[2] + 1
-        if blob is None:
-            blob = Blob(channel, version, Typed.of(self.serde.dumps_typed(value)))
-        if isinstance(value, list):
-            self._last[key] = (version, list(value), depth)
-            self._last.move_to_end(key)
-            while len(self._last) > _LAST_CHANNELS:
-                self._last.popitem(last=False)
-        else:
-            self._last.pop(key, None)
-        return blob
+            return blob, (version, list(value), prev[2] + 1)
+        blob = Blob(channel, version, Typed.of(self.serde.dumps_typed(value)))
+        return blob, ((version, list(value), 0) if isinstance(value, list) else None)
 
     def _forget(self, thread_id: str) -> None:
-        for key in [k for k in self._last if k[0] == thread_id]:
-            del self._last[key]
+        with self._lock:
+            for table in (self._last, self._versions):
+                for key in [k for k in table if k[0] == thread_id]:
+                    del table[key]
 
+    @_locked
     def _get(self, t: _Thread, config: RunnableConfig) -> CheckpointTuple | None:
         conf = _configurable(config)
         ns = str(conf.get("checkpoint_ns") or "")
@@ -504,6 +552,7 @@ class LedgerSaver(BaseCheckpointSaver[str]):
             cp = t.checkpoints[(ns, max(ids))] if ids else None
         return None if cp is None else self._tuple(t, ns, cp)
 
+    @_locked
     def _list(
         self,
         threads: list[_Thread],
@@ -563,6 +612,8 @@ class LedgerSaver(BaseCheckpointSaver[str]):
             return t
 
     def _folded(self, thread_id: str, t: _Thread, rows: list[tuple[Any, ...]]) -> _Thread:
+        if any(r[1] == "langgraph.thread.deleted" for r in rows):  # by another saver, maybe
+            self._forget(thread_id)
         with self._lock:
             return t.fold_rows(rows)
 
@@ -599,8 +650,11 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        thread_id, ev, out = self._checkpoint_event(config, checkpoint, metadata, new_versions)
+        thread_id, ev, out, stored = self._checkpoint_event(
+            config, checkpoint, metadata, new_versions
+        )
         self._sync_ledger().append(thread_session(thread_id), AGENT, "langgraph.checkpoint", ev)
+        stored()
         return out
 
     def put_writes(
@@ -636,7 +690,9 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         source is untouched)."""
         with self._sync_ledger().connection() as conn:
             t = run(conn, self._thread_read(str(source_thread_id)))
-        for event_type, ev in _copied(t, str(target_thread_id)):
+        with self._lock:  # ``t`` is shared with this saver's other threads
+            copied = _copied(t, str(target_thread_id))
+        for event_type, ev in copied:
             self._sync_ledger().append(thread_session(target_thread_id), AGENT, event_type, ev)
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
@@ -648,7 +704,8 @@ class LedgerSaver(BaseCheckpointSaver[str]):
                 continue
             with self._sync_ledger().connection() as conn:
                 t = run(conn, self._thread_read(str(thread_id)))
-            ev = _pruned(t, strategy)
+            with self._lock:
+                ev = _pruned(t, strategy)
             if ev is not None:
                 self._sync_ledger().append(
                     thread_session(thread_id), AGENT, "langgraph.checkpoints.hidden", ev
@@ -717,9 +774,12 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         metadata: CheckpointMetadata,
         new_versions: ChannelVersions,
     ) -> RunnableConfig:
-        thread_id, ev, out = self._checkpoint_event(config, checkpoint, metadata, new_versions)
+        thread_id, ev, out, stored = self._checkpoint_event(
+            config, checkpoint, metadata, new_versions
+        )
         ledger = await self._async_ledger()
         await ledger.append(thread_session(thread_id), AGENT, "langgraph.checkpoint", ev)
+        stored()
         return out
 
     async def aput_writes(
@@ -756,7 +816,9 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         ledger = await self._async_ledger()
         async with ledger.connection() as conn:
             t = await run_async(conn, self._thread_read(str(source_thread_id)))
-        for event_type, ev in _copied(t, str(target_thread_id)):
+        with self._lock:  # ``t`` is shared with this saver's other threads
+            copied = _copied(t, str(target_thread_id))
+        for event_type, ev in copied:
             await ledger.append(thread_session(target_thread_id), AGENT, event_type, ev)
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
@@ -767,7 +829,8 @@ class LedgerSaver(BaseCheckpointSaver[str]):
                 continue
             async with ledger.connection() as conn:
                 t = await run_async(conn, self._thread_read(str(thread_id)))
-            ev = _pruned(t, strategy)
+            with self._lock:
+                ev = _pruned(t, strategy)
             if ev is not None:
                 await ledger.append(
                     thread_session(thread_id), AGENT, "langgraph.checkpoints.hidden", ev

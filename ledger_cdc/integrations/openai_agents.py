@@ -12,10 +12,13 @@ deleted, the whole history stays in the log (erase it with partitions). A pop de
 read and appends only if the session has not moved since (the writer's ``expected_position``),
 else reads again: two concurrent pops never remove the same item, and an add is never lost to a
 pop. The session id is the SDK's string; its ledger session is ``uuid5(OPENAI_NAMESPACE, id)``.
+An item holding a NUL character (which jsonb cannot) is stored as its JSON in base64 under the
+one key ``ledger.item.base64``, and read back as it was.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import uuid
 from typing import Any
@@ -46,6 +49,25 @@ _added = msgspec.json.Decoder(ItemsAdded)
 _popped = msgspec.json.Decoder(ItemPopped)
 
 
+# PostgreSQL's jsonb holds no NUL character: an item holding one (a tool's output can) is stored
+# as its JSON text in base64 under this one key, and read back as it was
+_WRAPPED = "ledger.item.base64"
+
+
+def _stored(item: Any) -> Any:
+    text = msgspec.json.encode(item)
+    wrapped = isinstance(item, dict) and list(item) == [_WRAPPED]  # one like it is wrapped too
+    if b"\\u0000" in text or wrapped:
+        return {_WRAPPED: base64.b64encode(text).decode()}
+    return item
+
+
+def _loaded(item: Any) -> Any:
+    if isinstance(item, dict) and list(item) == [_WRAPPED] and isinstance(item[_WRAPPED], str):
+        return msgspec.json.decode(base64.b64decode(item[_WRAPPED]))
+    return item
+
+
 def conversation_session(session_id: str) -> uuid.UUID:
     """The ledger session of an SDK session id."""
     return uuid.uuid5(OPENAI_NAMESPACE, str(session_id))
@@ -61,13 +83,15 @@ def _history_steps(sid: uuid.UUID) -> Steps[tuple[list[tuple[int, int, Any]], in
         try:
             if event_type == "openai.items.added":
                 added = _added.decode(text).items
+                if _WRAPPED in text:  # rare: only then is each item looked at
+                    added = [_loaded(it) for it in added]
                 items.update(((position, i), it) for i, it in enumerate(added))
             elif event_type == "openai.item.popped":
                 p = _popped.decode(text)
                 items.pop((p.added_at, p.index), None)
             elif event_type == "openai.items.cleared":
                 items.clear()
-        except msgspec.DecodeError as e:  # as every reader does: one bad row is skipped
+        except (msgspec.DecodeError, ValueError) as e:  # as every reader: a bad row is skipped
             log.warning("session %s: a %s event that does not fit, skipped: %s", sid, event_type, e)
     return [(at, i, it) for (at, i), it in items.items()], head
 
@@ -89,18 +113,24 @@ class LedgerSession(_Base):
             return await run_async(conn, _history_steps(self.ledger_session))
 
     async def get_items(self, limit: int | None = None) -> list[Any]:
-        """The history in order; with ``limit``, its latest ``limit`` items."""
+        """The history in order; with ``limit`` (else ``session_settings.limit``), its latest
+        ``limit`` items — none for 0, all for a negative one, as the SDK's own sessions do."""
+        if limit is None:
+            limit = getattr(self.session_settings, "limit", None)
         items, _ = await self._history()
         values = [it for _, _, it in items]
-        if limit is not None:
-            return values[-limit:] if limit > 0 else []
-        return values
+        if limit is None or limit < 0:
+            return values
+        return values[-limit:] if limit > 0 else []
 
     async def add_items(self, items: list[Any]) -> None:
         if not items:
             return
         await self.ledger.append(
-            self.ledger_session, self.agent_id, "openai.items.added", ItemsAdded(list(items))
+            self.ledger_session,
+            self.agent_id,
+            "openai.items.added",
+            ItemsAdded([_stored(it) for it in items]),
         )
 
     async def pop_item(self) -> Any | None:

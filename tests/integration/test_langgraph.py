@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import operator
+import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, TypedDict
@@ -321,3 +323,121 @@ def test_an_unreadable_row_spoils_only_its_checkpoint(db: Database) -> None:
             fresh.close()
     finally:
         saver.close()
+
+
+def _next_checkpoint(saver: LedgerSaver, prev: Any, messages: list[str], step: int) -> Any:
+    from langgraph.checkpoint.base import create_checkpoint, empty_checkpoint
+
+    old = prev["channel_versions"].get("messages") if prev else None
+    version = saver.get_next_version(old, None)
+    cp = create_checkpoint(prev or empty_checkpoint(), None, step)
+    cp["channel_values"] = {"messages": list(messages)}
+    cp["channel_versions"] = {"messages": version}
+    return cp, {"messages": version}
+
+
+def _messages(db: Database, config: Any) -> Any:
+    """The messages a new saver (no memory of this process's writes) reads at ``config``."""
+    fresh = LedgerSaver(Ledger(db.dsn))
+    try:
+        got = fresh.get_tuple(config)
+    finally:
+        fresh.close()
+    assert got is not None
+    return got.checkpoint["channel_values"].get("messages")
+
+
+def test_a_put_that_failed_and_was_retried_stores_the_whole_channel(db: Database) -> None:
+    """A put whose append fails (a lost connection) is retried by LangGraph with a new
+    checkpoint from the same parent. The saver remembered the failed put's list as stored, and
+    the retry wrote only a delta against it: the channel read back empty."""
+    saver = LedgerSaver(Ledger(db.dsn))
+    try:
+        root = {"configurable": {"thread_id": f"t-{uuid.uuid4()}", "checkpoint_ns": ""}}
+        cp1, v1 = _next_checkpoint(saver, None, ["a"], 0)
+        c1 = saver.put(root, cp1, {"step": 0}, v1)
+        real, calls = saver._sync_ledger().append, [0]
+
+        def flaky(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise ConnectionError("the connection was lost")
+            return real(*args, **kwargs)
+
+        saver._sync_ledger().append = flaky  # type: ignore[method-assign]
+        cp2, v2 = _next_checkpoint(saver, cp1, ["a", "b"], 1)
+        with pytest.raises(ConnectionError):
+            saver.put(c1, cp2, {"step": 1}, v2)
+        cp2b, v2b = _next_checkpoint(saver, cp1, ["a", "b"], 1)
+        c2 = saver.put(c1, cp2b, {"step": 1}, v2b)
+        cp3, v3 = _next_checkpoint(saver, cp2b, ["a", "b", "c"], 2)
+        c3 = saver.put(c2, cp3, {"step": 2}, v3)
+    finally:
+        saver.close()
+    assert _messages(db, c2) == ["a", "b"]
+    assert _messages(db, c3) == ["a", "b", "c"]
+
+
+def test_a_thread_deleted_by_another_saver_starts_again_whole(db: Database) -> None:
+    """Another process deletes the thread; this saver still remembered its last list and wrote
+    the new thread's first checkpoint as a delta against a value the deletion hid."""
+    a, b = LedgerSaver(Ledger(db.dsn)), LedgerSaver(Ledger(db.dsn))
+    try:
+        thread = f"t-{uuid.uuid4()}"
+        root = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+        cp1, v1 = _next_checkpoint(a, None, ["sys"], 0)
+        a.put(root, cp1, {}, v1)
+        b.delete_thread(thread)
+        cp2, v2 = _next_checkpoint(a, None, ["sys", "hello"], 0)
+        c2 = a.put(root, cp2, {}, v2)
+    finally:
+        a.close()
+        b.close()
+    assert _messages(db, c2) == ["sys", "hello"]
+
+
+def test_one_saver_serves_threads_that_read_while_another_writes(db: Database) -> None:
+    """Reads of a thread iterate its folded state while another thread of the process folds
+    new events into it: under the saver's lock (it raised 'dictionary changed size')."""
+    saver = LedgerSaver(Ledger(db.dsn))
+    config = {"configurable": {"thread_id": f"t-{uuid.uuid4()}", "checkpoint_ns": ""}}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def write() -> None:
+        prev, conf = None, config
+        try:
+            for i in range(400):
+                if stop.is_set():
+                    return
+                cp, versions = _next_checkpoint(saver, prev, [f"m{j}" for j in range(i % 5)], i)
+                conf = saver.put(conf, cp, {"step": i}, versions)
+                saver.put_writes(conf, [("messages", f"w{i}")], f"task-{i}")
+                prev = cp
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            stop.set()
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                list(saver.list(config, limit=50))
+                saver.get_tuple(config)
+        except BaseException as e:
+            errors.append(e)
+            stop.set()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # thread switches inside the reads' loops
+    try:
+        threads = [threading.Thread(target=f) for f in (write, read, read)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        sys.setswitchinterval(old)
+        saver.close()
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, repr(errors[0])

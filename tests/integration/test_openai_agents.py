@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("agents.memory")
 
-from agents.memory import SQLiteSession
+from agents.memory import SessionSettings, SQLiteSession
 
 from ledger_cdc.client.writer import AsyncLedger
 from ledger_cdc.integrations.openai_agents import LedgerSession, conversation_session
@@ -28,6 +28,16 @@ def _item(n: int) -> dict[str, Any]:
     return {"role": role, "content": f"message {n} ✓", "meta": {"n": n, "tags": ["a", "b"]}}
 
 
+def _odd_item(n: int) -> dict[str, Any]:
+    """Now and then an item jsonb cannot hold (a tool's output with a NUL), or one that looks
+    like how such an item is stored."""
+    if n % 7 == 3:
+        return {"role": "tool", "content": f"bytes \x00 {n}", "meta": {"k\x00": n}}
+    if n % 11 == 5:
+        return {"ledger.item.base64": "not base64 at all"}
+    return _item(n)
+
+
 def test_the_ledger_session_answers_as_the_sdks_sqlite_session(db: Database) -> None:
     rng = random.Random(18)
 
@@ -40,14 +50,14 @@ def test_the_ledger_session_answers_as_the_sdks_sqlite_session(db: Database) -> 
             for _ in range(120):
                 op = rng.choice(["add", "add", "get", "get_limit", "pop", "clear"])
                 if op == "add":
-                    items = [_item(n + i) for i in range(rng.randint(1, 4))]
+                    items = [_odd_item(n + i) for i in range(rng.randint(1, 4))]
                     n += len(items)
                     await ours.add_items(items)
                     await theirs.add_items(items)
                 elif op == "get":
                     assert await ours.get_items() == await theirs.get_items()
                 elif op == "get_limit":
-                    k = rng.randint(0, 6)
+                    k = rng.randint(-2, 6)  # 0: none; negative: all (SQLite's LIMIT -1)
                     assert await ours.get_items(k) == await theirs.get_items(k)
                 elif op == "pop":
                     assert await ours.pop_item() == await theirs.pop_item()
@@ -55,6 +65,9 @@ def test_the_ledger_session_answers_as_the_sdks_sqlite_session(db: Database) -> 
                     await ours.clear_session()
                     await theirs.clear_session()
             assert await ours.get_items() == await theirs.get_items()
+            for limit in (2, 0, -1):  # the session's settings, when no limit is given
+                ours.session_settings = theirs.session_settings = SessionSettings(limit=limit)
+                assert await ours.get_items() == await theirs.get_items()
         finally:
             theirs.close()
             await ledger.close()
