@@ -11,9 +11,10 @@ the item it removed, ``clear_session`` one ``openai.items.cleared``: nothing is 
 deleted, the whole history stays in the log (erase it with partitions). A pop decides on what it
 read and appends only if the session has not moved since (the writer's ``expected_position``),
 else reads again: two concurrent pops never remove the same item, and an add is never lost to a
-pop. The session id is the SDK's string; its ledger session is ``uuid5(OPENAI_NAMESPACE, id)``.
-An item holding a NUL character (which jsonb cannot) is stored as its JSON in base64 under the
-one key ``ledger.item.base64``, and read back as it was.
+pop. A session object keeps the history it folded; a read fetches only the events after it.
+The session id is the SDK's string; its ledger session is ``uuid5(OPENAI_NAMESPACE, id)``. An
+item holding a NUL character (which jsonb cannot) is stored as its JSON in base64 under the one
+key ``ledger.item.base64``, and read back as it was.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Any
 
 import msgspec
 
-from ledger_cdc.client.steps import Step, Steps, run_async
 from ledger_cdc.client.writer import AsyncLedger
 from ledger_cdc.errors import ConcurrentAppendError
 from ledger_cdc.events import ItemPopped, ItemsAdded, ItemsCleared
@@ -43,7 +43,7 @@ AGENT = "openai-agents"
 
 _EVENTS = (
     "SELECT position, event_type, payload::text FROM agent_events "
-    "WHERE session_id = %s ORDER BY position"
+    "WHERE session_id = %s AND position > %s ORDER BY position"
 )
 _added = msgspec.json.Decoder(ItemsAdded)
 _popped = msgspec.json.Decoder(ItemPopped)
@@ -73,27 +73,36 @@ def conversation_session(session_id: str) -> uuid.UUID:
     return uuid.uuid5(OPENAI_NAMESPACE, str(session_id))
 
 
-def _history_steps(sid: uuid.UUID) -> Steps[tuple[list[tuple[int, int, Any]], int]]:
-    """The session's items as (added at, index, item), and the session's last position."""
-    rows = yield Step(_EVENTS, (sid,))
-    items: dict[tuple[int, int], Any] = {}  # (added at, index) → item, in order; pop by key
-    head = 0
-    for position, event_type, text in rows:
-        head = position
-        try:
-            if event_type == "openai.items.added":
-                added = _added.decode(text).items
-                if _WRAPPED in text:  # rare: only then is each item looked at
-                    added = [_loaded(it) for it in added]
-                items.update(((position, i), it) for i, it in enumerate(added))
-            elif event_type == "openai.item.popped":
-                p = _popped.decode(text)
-                items.pop((p.added_at, p.index), None)
-            elif event_type == "openai.items.cleared":
-                items.clear()
-        except (msgspec.DecodeError, ValueError) as e:  # as every reader: a bad row is skipped
-            log.warning("session %s: a %s event that does not fit, skipped: %s", sid, event_type, e)
-    return [(at, i, it) for (at, i), it in items.items()], head
+class _History:
+    """A session's items as its events fold — (added at, index) → item, in order; a pop removes
+    by key — and the last position folded: each read fetches only the events after it."""
+
+    def __init__(self, sid: uuid.UUID) -> None:
+        self.sid = sid
+        self.items: dict[tuple[int, int], Any] = {}
+        self.head = 0
+
+    def fold(self, rows: list[tuple[Any, ...]]) -> _History:
+        for position, event_type, text in rows:
+            if position <= self.head:  # two reads of one session object may fetch the same
+                continue
+            self.head = position
+            try:
+                if event_type == "openai.items.added":
+                    added = _added.decode(text).items
+                    if _WRAPPED in text:  # rare: only then is each item looked at
+                        added = [_loaded(it) for it in added]
+                    self.items.update(((position, i), it) for i, it in enumerate(added))
+                elif event_type == "openai.item.popped":
+                    p = _popped.decode(text)
+                    self.items.pop((p.added_at, p.index), None)
+                elif event_type == "openai.items.cleared":
+                    self.items.clear()
+            except (msgspec.DecodeError, ValueError) as e:  # as every reader: a bad row is skipped
+                log.warning(
+                    "session %s: a %s event that does not fit, skipped: %s", self.sid, event_type, e
+                )
+        return self
 
 
 class LedgerSession(_Base):
@@ -107,18 +116,21 @@ class LedgerSession(_Base):
         self.ledger = ledger
         self.agent_id = agent_id
         self.ledger_session = conversation_session(session_id)
+        self._folded = _History(self.ledger_session)
 
-    async def _history(self) -> tuple[list[tuple[int, int, Any]], int]:
+    async def _history(self) -> _History:
+        """The history brought up to date: only the events after what this object folded."""
         async with self.ledger.connection() as conn:
-            return await run_async(conn, _history_steps(self.ledger_session))
+            cur = await conn.execute(_EVENTS, (self.ledger_session, self._folded.head))
+            rows = await cur.fetchall()
+        return self._folded.fold(rows)
 
     async def get_items(self, limit: int | None = None) -> list[Any]:
         """The history in order; with ``limit`` (else ``session_settings.limit``), its latest
         ``limit`` items — none for 0, all for a negative one, as the SDK's own sessions do."""
         if limit is None:
             limit = getattr(self.session_settings, "limit", None)
-        items, _ = await self._history()
-        values = [it for _, _, it in items]
+        values = list((await self._history()).items.values())
         if limit is None or limit < 0:
             return values
         return values[-limit:] if limit > 0 else []
@@ -135,10 +147,12 @@ class LedgerSession(_Base):
 
     async def pop_item(self) -> Any | None:
         while True:
-            items, head = await self._history()
-            if not items:
+            history = await self._history()
+            last = next(reversed(history.items.items()), None)
+            if last is None:
                 return None
-            added_at, index, item = items[-1]
+            (added_at, index), item = last
+            head = history.head
             try:
                 await self.ledger.append(
                     self.ledger_session,
