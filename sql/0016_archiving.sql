@@ -92,3 +92,22 @@ BEGIN
     END IF;
 END
 $$;
+
+-- Slots read by a relay (``consume --publish-only``): it confirms what it published, not what
+-- projections hold, so ``verify`` does not take its slot's position for theirs. Written by the
+-- consumer each time it connects (a folding consumer of the slot removes the row).
+CREATE TABLE IF NOT EXISTS ledger_relays (
+    slot_name TEXT        PRIMARY KEY,
+    since     TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+REVOKE ALL ON ledger_relays FROM PUBLIC;
+DO $$
+BEGIN
+    IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'ledger_consumer') THEN
+        GRANT SELECT, INSERT, DELETE ON ledger_relays TO ledger_consumer;
+    END IF;
+    IF EXISTS (SELECT FROM pg_roles WHERE rolname = 'ledger_reader') THEN
+        GRANT SELECT ON ledger_relays TO ledger_reader;
+    END IF;
+END
+$$;

@@ -420,6 +420,7 @@ _APPLIED = """
 SELECT c.publication, coalesce(s.confirmed_flush_lsn >= %s::pg_lsn, false), s.active
 FROM ledger_checkpoints c JOIN pg_replication_slots s ON s.slot_name = c.slot_name
 WHERE s.database = current_database()
+  AND NOT EXISTS (SELECT FROM ledger_relays r WHERE r.slot_name = c.slot_name)
 """
 
 
@@ -433,8 +434,9 @@ def _judge_behind(
     """Sessions whose projection was missing or behind their log in the snapshot: a consumer
     merely lagging, or a projection deleted or put back by hand? Once a consumer's slot is
     confirmed past the snapshot's WAL position (a consumer confirms only what its committed
-    projections cover), every session its publication carries must have its projection at
-    least at the head the snapshot saw; one that has not was deleted or rolled back. Sessions
+    projections cover; a relay's slot, which confirms what it published, does not count), every
+    session its publication carries must have its projection at least at the head the snapshot
+    saw; one that has not was deleted or rolled back. Sessions
     no consumer can vouch for (none running, or not past it within ``wait`` s) stay notes."""
     deadline = time.monotonic() + wait
     try:

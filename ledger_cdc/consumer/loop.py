@@ -139,6 +139,7 @@ class Consumer:
                 # another database than the ledger's cannot read its events: copy them
                 by_reference=not config.target_dsn,
                 durable_commits=config.sink_commit == "sync",
+                folds=config.fold,
             )
             for url in config.sinks:
                 from ledger_cdc.sink.jetstream import JetStreamPublisher, JetStreamSettings

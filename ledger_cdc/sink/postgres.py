@@ -341,8 +341,12 @@ class PgSink:
         publication: str | None = None,
         by_reference: bool = True,
         durable_commits: bool = True,
+        folds: bool = True,
     ) -> None:
         self.dsn = dsn
+        # False: a relay (consume --publish-only), whose slot position says what it published,
+        # not what projections hold (recorded in ledger_relays, for verify)
+        self.folds = folds
         # False: commits do not wait for their WAL flush (synchronous_commit = off); what is
         # durable is learnt from the server's WAL positions afterwards (see sink.durable)
         self.durable_commits = durable_commits
@@ -392,6 +396,12 @@ class PgSink:
 
     @_translated
     def load_checkpoint(self) -> int | None:
+        self.conn.execute(
+            "INSERT INTO ledger_relays (slot_name) VALUES (%s) ON CONFLICT DO NOTHING"
+            if not self.folds
+            else "DELETE FROM ledger_relays WHERE slot_name = %s",
+            (self.slot,),
+        )
         row = self.conn.execute(
             "SELECT lsn::text, epoch FROM ledger_checkpoints WHERE slot_name = %s", (self.slot,)
         ).fetchone()

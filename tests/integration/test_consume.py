@@ -543,6 +543,32 @@ def test_verify_tells_a_deleted_or_put_back_projection_from_a_lagging_one(
     assert "3 session(s) with a projection missing or behind the log not judged" in r.stdout
 
 
+def test_verify_does_not_take_a_relays_slot_for_the_projections(db: Database) -> None:
+    """A relay (consume --publish-only) confirms what it published: its slot past verify's
+    snapshot says nothing of projections (written by fold workers, maybe elsewhere). Sessions
+    without one stay notes, not differences."""
+    sid = uuid.uuid4()
+    with InThread(db.dsn, fold=False), Ledger(db.dsn) as ledger:
+        ledger.append(sid, "x", "tool.invoked", {"call_id": "c1", "tool": "t"})
+        with db.connect() as conn:
+            until(
+                lambda: (
+                    conn.execute(
+                        "SELECT confirmed_flush_lsn >= pg_current_wal_lsn() "
+                        "FROM pg_replication_slots WHERE slot_name = 'agent_slot'"
+                    ).fetchone()
+                    == (True,)
+                ),
+                timeout=30,
+            )
+            assert conn.execute("SELECT slot_name FROM ledger_relays").fetchall() == [
+                ("agent_slot",)
+            ]
+        r = run_cli("verify", "--all", "--json", "--dsn", db.dsn, "--consumer-wait", "0")
+    assert_clean_exit(r)
+    assert "1 session(s) with a projection missing or behind the log not judged" in r.stdout
+
+
 def test_the_consumer_vacuums_the_projections_it_rewrites(db: Database, tmp_path: Path) -> None:
     """Every batch rewrites the touched sessions' rows: the consumer VACUUMs agent_sessions on
     its own interval (autovacuum's naptime is a minute), so their dead versions are reused."""
