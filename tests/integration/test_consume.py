@@ -568,6 +568,33 @@ def test_verify_does_not_take_a_relays_slot_for_the_projections(db: Database) ->
     assert "1 session(s) with a projection missing or behind the log not judged" in r.stdout
 
 
+def test_verify_does_not_take_a_bootstrapping_slot_for_the_projections(db: Database) -> None:
+    """A consumer folding the table into the projections (a bootstrap: epoch -1 in its
+    checkpoint) has a new slot that starts past what they hold yet: that slot vouches for no
+    session. Once the bootstrap is over (epoch 0) the same slot does."""
+    sid = uuid.uuid4()
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+        with Ledger(db.dsn) as ledger:
+            ledger.append(sid, "x", "tool.invoked", {"call_id": "c1", "tool": "t"})
+        conn.execute(
+            "INSERT INTO ledger_checkpoints (slot_name, lsn, epoch) "
+            "VALUES ('agent_slot', pg_current_wal_lsn(), -1)"
+        )
+
+        def verify_exit() -> int:
+            # the slot past all WAL so far, as a consumer's confirmation would put it
+            conn.execute("SELECT pg_replication_slot_advance('agent_slot', pg_current_wal_lsn())")
+            r = run_cli("verify", "--all", "--json", "--dsn", db.dsn, "--consumer-wait", "0")
+            assert_clean_exit(r, 0, 1)
+            return r.exit_code
+
+        assert verify_exit() == 0
+        conn.execute("UPDATE ledger_checkpoints SET epoch = 0")
+        # judged now (retried: WAL the server writes on its own may land before the snapshot)
+        until(lambda: verify_exit() == 1, timeout=30)
+
+
 def test_the_consumer_vacuums_the_projections_it_rewrites(db: Database, tmp_path: Path) -> None:
     """Every batch rewrites the touched sessions' rows: the consumer VACUUMs agent_sessions on
     its own interval (autovacuum's naptime is a minute), so their dead versions are reused."""
