@@ -304,12 +304,14 @@ def verify(
     on_session: Callable[[uuid.UUID], None] | None = None,
     archive_dir: Path | None = None,
     consumer_wait: float = 10.0,
+    on_wait: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Refold ``sessions`` (all if None) and compare; see the module docstring.
 
     ``consumer_wait``: how long to wait for a running consumer to apply past the snapshot
     before judging the sessions whose projection was missing or behind in it (0: judged by
-    what the slots confirm now; negative: not judged, only noted)."""
+    what the slots confirm now; negative: not judged, only noted). ``on_wait(n)`` is told
+    when that wait starts, for ``n`` sessions."""
     ids = None if sessions is None else list(sessions)
     report = VerifyReport()
     version = reducer_version()
@@ -413,7 +415,7 @@ def verify(
                 if archived:
                     report.notes.append(f"archives checked against their sha256 in {archive_dir}")
         if behind and seen_at is not None and seen_at[0] is not None and consumer_wait >= 0:
-            _judge_behind(conn, report, behind, seen_at[0], consumer_wait)
+            _judge_behind(conn, report, behind, seen_at[0], consumer_wait, on_wait)
     return report
 
 
@@ -433,14 +435,15 @@ def _judge_behind(
     behind: dict[uuid.UUID, int],
     seen_at: str,
     wait: float,
+    on_wait: Callable[[int], None] | None = None,
 ) -> None:
     """Sessions whose projection was missing or behind their log in the snapshot: a consumer
     merely lagging, or a projection deleted or put back by hand? Once a consumer's slot is
     confirmed past the snapshot's WAL position (a consumer confirms only what its committed
     projections cover; a relay's slot, which confirms what it published, does not count), every
     session its publication carries must have its projection at least at the head the snapshot
-    saw; one that has not was deleted or rolled back. Sessions
-    no consumer can vouch for (none running, or not past it within ``wait`` s) stay notes."""
+    saw; one that has not was deleted or rolled back. Sessions no consumer can vouch for (none
+    running, or not past it within ``wait`` s) stay notes."""
     deadline = time.monotonic() + wait
     try:
         while True:
@@ -449,6 +452,9 @@ def _judge_behind(
             waiting = [r for r in slots if not r[1] and r[2]]
             if not waiting or time.monotonic() >= deadline:
                 break
+            if on_wait is not None:
+                on_wait(len(behind))
+                on_wait = None
             time.sleep(0.1)
         judged: set[uuid.UUID] = set()
         with conn.transaction():

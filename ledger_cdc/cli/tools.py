@@ -248,6 +248,12 @@ def verify(
                 if count[0] % 100 == 0:
                     status.update(f"refolding… {count[0]} sessions")
 
+            def waiting(n: int) -> None:
+                status.update(
+                    f"{n} projection(s) missing or behind: waiting up to {consumer_wait:g}s for "
+                    "the consumer to pass the snapshot (--consumer-wait)…"
+                )
+
             report = do_verify(
                 dsn,
                 None if all_sessions else list(sessions),
@@ -255,6 +261,7 @@ def verify(
                 archive_dir=archive_dir,
                 consumer_wait=consumer_wait,
                 on_session=progress,
+                on_wait=waiting,
             )
     if as_json:
         click.echo(

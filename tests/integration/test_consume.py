@@ -595,6 +595,48 @@ def test_verify_does_not_take_a_bootstrapping_slot_for_the_projections(db: Datab
         until(lambda: verify_exit() == 1, timeout=30)
 
 
+def test_verify_waits_for_a_running_consumer_then_says_it_could_not_tell(db: Database) -> None:
+    """A slot held by a consumer that never gets past verify's snapshot (here a replication
+    connection that confirms nothing): verify says it is waiting, waits --consumer-wait, then
+    leaves the sessions as notes."""
+    import psycopg2
+    import psycopg2.extras
+
+    from ledger_cdc.admin.verify import verify
+    from ledger_cdc.names import DEFAULT_PUBLICATION
+
+    sid = uuid.uuid4()
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+        conn.execute("INSERT INTO ledger_checkpoints (slot_name, lsn) VALUES ('agent_slot', '0/0')")
+    with Ledger(db.dsn) as ledger:
+        ledger.append(sid, "x", "tool.invoked", {"call_id": "c1", "tool": "t"})
+    held = psycopg2.connect(db.dsn, connection_factory=psycopg2.extras.LogicalReplicationConnection)
+    try:
+        held.cursor().start_replication(
+            slot_name="agent_slot",
+            decode=False,
+            options={"proto_version": "1", "publication_names": DEFAULT_PUBLICATION},
+        )
+        with db.connect() as conn:
+            until(
+                lambda: (
+                    conn.execute(
+                        "SELECT active FROM pg_replication_slots WHERE slot_name = 'agent_slot'"
+                    ).fetchone()
+                    == (True,)
+                )
+            )
+        told: list[int] = []
+        t0 = time.monotonic()
+        report = verify(db.dsn, consumer_wait=1.0, on_wait=told.append)
+        waited = time.monotonic() - t0
+    finally:
+        held.close()
+    assert told == [1] and waited >= 1.0
+    assert report.ok and any("not judged" in n for n in report.notes), report.notes
+
+
 def test_the_consumer_vacuums_the_projections_it_rewrites(db: Database, tmp_path: Path) -> None:
     """Every batch rewrites the touched sessions' rows: the consumer VACUUMs agent_sessions on
     its own interval (autovacuum's naptime is a minute), so their dead versions are reused."""
