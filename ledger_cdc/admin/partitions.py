@@ -32,6 +32,7 @@ import functools
 import gzip
 import hashlib
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -134,12 +135,35 @@ def _bounds(expr: str) -> tuple[dt.datetime, dt.datetime]:
     return _timestamp(parts[1]), _timestamp(parts[3])
 
 
+# a timestamptz as PostgreSQL prints it: a year of 4 digits or more, fractions of 1 to 6
+# digits, an offset of hours (minutes, seconds) when not whole, BC last
+_TIMESTAMPTZ = re.compile(
+    r"(\d{4,})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d{1,6}))?"
+    r"([+-])(\d\d)(?::(\d\d))?(?::(\d\d))?( BC)?"
+)
+
+
 def _timestamp(text: str) -> dt.datetime:
-    """A timestamptz as PostgreSQL prints it; its ``+00`` offset is given minutes for Python
-    3.10, whose ``fromisoformat`` reads ``+00:00`` only."""
-    if len(text) > 3 and text[-3] in "+-" and text[-2:].isdigit():
-        text += ":00"
-    return dt.datetime.fromisoformat(text)
+    """A partition bound as PostgreSQL prints it, read the same on every Python this package
+    supports (3.10's ``fromisoformat`` reads neither the ``+00`` offset nor a fraction of other
+    than 3 or 6 digits). A bound Python cannot hold — the year 10000 that ends a partition of
+    9999's last interval, or a year BC, both of which ``ledger_ensure_partitions`` makes when
+    asked — is the latest (earliest) time it can: such a partition is listed, and never
+    archived for its end, instead of breaking every command that lists partitions."""
+    m = _TIMESTAMPTZ.fullmatch(text)
+    if m is None:
+        raise ConfigError(f"cannot read the partition bound {text!r}")
+    year, month, day, hour, minute, second = (int(g) for g in m.group(1, 2, 3, 4, 5, 6))
+    if m.group(12):
+        return dt.datetime.min.replace(tzinfo=dt.timezone.utc)
+    if year > 9999:
+        return dt.datetime.max.replace(tzinfo=dt.timezone.utc)
+    sign = -1 if m.group(8) == "-" else 1
+    offset = dt.timedelta(
+        hours=int(m.group(9)), minutes=int(m.group(10) or 0), seconds=int(m.group(11) or 0)
+    )
+    micro = int((m.group(7) or "").ljust(6, "0"))
+    return dt.datetime(year, month, day, hour, minute, second, micro, dt.timezone(sign * offset))
 
 
 def list_partitions(conn: psycopg.Connection[Any]) -> list[Partition]:

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from ledger_cdc.admin import partitions
 from ledger_cdc.admin.importer import ImportedEvent, import_events
 from ledger_cdc.admin.partitions import (
     ArchiveRefusedError,
@@ -37,7 +38,9 @@ from tests.support.cdc import (
     ROOT,
     ConsumerProcess,
     Writers,
+    assert_clean_exit,
     assert_projections_equal_refold,
+    run_cli,
     stored_projections,
     until,
     wait_caught_up,
@@ -134,6 +137,46 @@ def test_an_event_whose_partition_would_end_after_year_9999_is_refused(
     )
     with empty_db.connect() as conn, pytest.raises(InvalidEventError, match="after year 9999"):
         import_events(conn, [(1, ev)])
+
+
+@pytest.mark.parametrize(
+    ("printed", "read"),
+    [
+        ("2026-11-01 00:00:00+00", dt.datetime(2026, 11, 1, tzinfo=dt.timezone.utc)),
+        (
+            "2026-11-01 00:00:00.5+05:30",
+            dt.datetime(2026, 10, 31, 18, 30, 0, 500000, tzinfo=dt.timezone.utc),
+        ),
+        ("10000-01-01 00:00:00+00", dt.datetime.max.replace(tzinfo=dt.timezone.utc)),
+        ("0001-12-01 00:00:00+00 BC", dt.datetime.min.replace(tzinfo=dt.timezone.utc)),
+    ],
+)
+def test_partition_bounds_are_read_alike_on_every_python(printed: str, read: dt.datetime) -> None:
+    """As PostgreSQL prints them: Python 3.10's fromisoformat reads neither ``+00`` nor a
+    fraction of one digit, and no Python reads the year 10000."""
+    assert partitions._bounds(f"FOR VALUES FROM ('{printed}') TO ('{printed}')") == (read, read)
+
+
+def test_a_partition_ending_in_year_10000_is_listed_and_never_archived(
+    empty_db: Database, tmp_path: Path
+) -> None:
+    """``ledger_ensure_partitions`` (open to the consumer's role) makes the partition of 9999's
+    last month when asked, ending at 10000-01-01: Python cannot hold that bound, and every
+    command that lists partitions failed on it (ValueError: partitions list, archive, import).
+    Its bound is now the latest time Python can hold."""
+    init(empty_db.dsn, partition_by="month", slot="agent_slot")
+    with empty_db.connect() as conn:
+        conn.execute("SELECT ledger_ensure_partitions(0, '9999-12-15')")
+        last = list_partitions(conn)[-1]
+        assert (last.name, last.start.year, last.end) == (
+            "agent_events_p99991201",
+            9999,
+            dt.datetime.max.replace(tzinfo=dt.timezone.utc),
+        )
+    with empty_db.connect() as conn:
+        conn.autocommit = True
+        assert archive(conn, dt.timedelta(days=1), tmp_path / "a") == []
+    assert_clean_exit(run_cli("partitions", "list", "--dsn", empty_db.dsn))
 
 
 def test_partition_by_on_an_unpartitioned_ledger_is_refused(db: Database) -> None:
