@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import psycopg
 
-from ledger_cdc.errors import ConfigError, InvalidEventError, translate
+from ledger_cdc.errors import ConfigError, InvalidEventError, LedgerError, translate
 from ledger_cdc.events import DEFAULT_LIMITS, Limits, admit_time, encode_payload
 
 __all__ = ["ImportedEvent", "import_events", "read_lines"]
@@ -100,9 +100,16 @@ def import_events(
         if not pending:
             return
         first = pending[0][0]
+        if partitioned:
+            try:
+                made = ensure_for(conn, [ev.created_at for _, ev, _ in pending])
+            except (InvalidEventError, ConfigError) as e:
+                refused = _refused_line(conn, pending, first)
+                if refused is None:
+                    raise
+                raise refused from e
+            created.extend(made)
         try:
-            if partitioned:
-                created.extend(ensure_for(conn, [ev.created_at for _, ev, _ in pending]))
             with conn.transaction():
                 conn.execute("SET LOCAL ledger.import_times = on")
                 with conn.cursor() as cur:
@@ -146,3 +153,22 @@ def import_events(
             flush()
     flush()
     return ImportResult(done, len(sessions), created)
+
+
+def _refused_line(
+    conn: psycopg.Connection[Any], pending: list[tuple[int, ImportedEvent, str]], first: int
+) -> LedgerError | None:
+    """The line of the batch whose partition may not be made (its range would end after year
+    9999, or it was archived), found by trying each line's alone; none of them is kept."""
+    from ledger_cdc.admin.partitions import ensure_for
+
+    with conn.transaction(force_rollback=True):
+        for n, ev, _ in pending:
+            try:
+                ensure_for(conn, [ev.created_at])
+            except (InvalidEventError, ConfigError) as e:
+                return type(e)(
+                    f"line {n} (created_at {ev.created_at.isoformat()}): {e}; nothing from "
+                    f"line {first} on was written"
+                )
+    return None

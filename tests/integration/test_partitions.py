@@ -5,6 +5,7 @@ then nothing lost, rebuild_context unchanged, manifest checksums verified."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import subprocess
 import sys
 import uuid
@@ -177,6 +178,40 @@ def test_a_partition_ending_in_year_10000_is_listed_and_never_archived(
         conn.autocommit = True
         assert archive(conn, dt.timedelta(days=1), tmp_path / "a") == []
     assert_clean_exit(run_cli("partitions", "list", "--dsn", empty_db.dsn))
+
+
+def test_import_names_the_line_whose_partition_would_end_after_year_9999(
+    empty_db: Database, tmp_path: Path
+) -> None:
+    """``ledger-cdc import``: the refusal names the line and what was written (the batches
+    before it), and no partition is left made for the refused batch. Before, it named neither,
+    so the import could not be taken up from the right line."""
+    init(empty_db.dsn, partition_by="month", slot="agent_slot")
+    sid = uuid.uuid4()
+    source = tmp_path / "events.jsonl"
+    source.write_text(
+        "\n".join(
+            json.dumps(
+                {
+                    "session_id": str(sid),
+                    "agent_id": "a",
+                    "event_type": "tool.invoked",
+                    "payload": {"call_id": f"c{n}", "tool": "t"},
+                    "created_at": when,
+                }
+            )
+            for n, when in enumerate(
+                ["2026-06-01T00:00:00Z", "2026-07-01T00:00:00Z", "9999-12-15T00:00:00Z"], 1
+            )
+        )
+    )
+    r = run_cli("import", str(source), "--batch", "2", "--dsn", empty_db.dsn)
+    assert_clean_exit(r, 5)
+    assert "line 3 (created_at 9999-12-15" in r.output, r.output
+    assert "after year 9999; nothing from line 3 on was written" in r.output, r.output
+    with empty_db.connect() as conn:
+        assert conn.execute("SELECT count(*) FROM agent_events").fetchone() == (2,)
+        assert "agent_events_p99991201" not in {p.name for p in list_partitions(conn)}
 
 
 def test_partition_by_on_an_unpartitioned_ledger_is_refused(db: Database) -> None:
