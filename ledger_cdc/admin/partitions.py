@@ -349,27 +349,69 @@ def archive(
 
     ``conn`` must be in autocommit mode (``DETACH … CONCURRENTLY`` cannot run in a transaction
     block). ``on_step(partition, step)`` is told each step as it is done: ``checked``,
-    ``snapshots``, ``detached``, ``exported``, ``recorded``."""
+    ``snapshots``, ``detached``, ``exported``, ``recorded``. One run at a time: another is
+    waited for up to 10 s, then refused (:class:`ArchiveRefusedError`)."""
     _unit(conn)
     if not conn.autocommit:
         raise ConfigError("archive needs an autocommit connection (DETACH … CONCURRENTLY)")
     if older_than <= dt.timedelta(0):  # a bound in the future would take live partitions
         raise ConfigError(f"older_than must be a positive age, got {older_than}")
     to_dir.mkdir(parents=True, exist_ok=True)
-    _resume(conn, to_dir)
-    now_row = conn.execute("SELECT now()").fetchone()
-    assert now_row is not None
-    bound = now_row[0] - older_than
-    out = []
-    for p in list_partitions(conn):
-        if p.end > bound:
-            continue
-        if on_partition is not None:
-            on_partition(p.name)
-        out.append(
-            _archive_one(conn, p, to_dir, functools.partial(_step, on_step, p.name), consumer_wait)
+    if not _lock(conn):
+        raise ArchiveRefusedError(
+            f"another archive of this ledger is running (server process {_holder(conn)}): one "
+            "run at a time — a run killed during a detach keeps its server process, and this "
+            "lock, until the detach ends (it waits for the transactions that can see the "
+            "partition: see pg_stat_activity)"
         )
-    return out
+    try:
+        _resume(conn, to_dir)
+        now_row = conn.execute("SELECT now()").fetchone()
+        assert now_row is not None
+        bound = now_row[0] - older_than
+        out = []
+        for p in list_partitions(conn):
+            if p.end > bound:
+                continue
+            if on_partition is not None:
+                on_partition(p.name)
+            out.append(
+                _archive_one(
+                    conn, p, to_dir, functools.partial(_step, on_step, p.name), consumer_wait
+                )
+            )
+        return out
+    finally:
+        with contextlib.suppress(psycopg.Error):
+            conn.execute("SELECT pg_advisory_unlock(%s)", (_ARCHIVE_LOCK,))
+
+
+# One archive run at a time, per database: a run takes up the records another left under way
+# (_resume), which must be a dead run's, never those of a run still exporting. A session lock,
+# held for the whole run: it ends with the run's server process, however the client died.
+_ARCHIVE_LOCK = 0x1ED6E2C2
+_LOCK_WAIT = 10.0  # seconds: a run killed a moment ago holds it until its server process exits
+
+
+def _lock(conn: psycopg.Connection[Any]) -> bool:
+    deadline = time.monotonic() + _LOCK_WAIT
+    while True:
+        row = conn.execute("SELECT pg_try_advisory_lock(%s)", (_ARCHIVE_LOCK,)).fetchone()
+        if row and row[0]:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _holder(conn: psycopg.Connection[Any]) -> str:
+    row = conn.execute(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = 0 "
+        "AND objid = %s AND objsubid = 1 AND database = "
+        "(SELECT oid FROM pg_database WHERE datname = current_database())",
+        (_ARCHIVE_LOCK,),
+    ).fetchone()
+    return "unknown" if row is None else str(row[0])
 
 
 def _step(on_step: Callable[[str, str], None] | None, name: str, step: str) -> None:

@@ -18,14 +18,20 @@ from typing import Any
 import psycopg
 import pytest
 
+from ledger_cdc.admin import partitions
 from ledger_cdc.admin.importer import ImportedEvent, import_events
-from ledger_cdc.admin.partitions import archive, ensure
+from ledger_cdc.admin.partitions import archive, check_archive, ensure
 from ledger_cdc.admin.schema import drop_slot, init
 from ledger_cdc.admin.verify import verify
 from ledger_cdc.client.recovery import fork, rebuild_context, retry_tool
 from ledger_cdc.client.runs import lease, signal, submit
 from ledger_cdc.client.writer import Ledger
-from ledger_cdc.errors import ConcurrentAppendError, ConfigError, HistoryArchivedError
+from ledger_cdc.errors import (
+    ArchiveRefusedError,
+    ConcurrentAppendError,
+    ConfigError,
+    HistoryArchivedError,
+)
 from tests.support.cdc import (
     InThread,
     assert_clean_exit,
@@ -186,6 +192,52 @@ def test_an_archive_killed_after_the_detach_is_taken_up_by_the_next(
     assert _archived_keys(tmp_path / "a") == {f"old-{i}" for i in range(1, 4)}
     report = verify(empty_db.dsn, archive_dir=tmp_path / "a")
     assert report.ok, report.differences
+
+
+def test_a_second_archive_run_never_touches_one_under_way(
+    empty_db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two archive runs at once: the second is refused while the first holds the archive lock.
+    It took the first's record for a killed run's, removed the files the first was about to
+    record (an archive recorded without its files), and attached its partition again."""
+    now = _partitioned(empty_db)
+    sid = uuid.uuid4()
+    with empty_db.connect() as conn:
+        for i in range(1, 4):
+            _import(conn, sid, i, now - OLD + dt.timedelta(minutes=i))
+    monkeypatch.setattr(partitions, "_LOCK_WAIT", 0.5, raising=False)
+    exporting, go = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def hold(partition: str, step: str) -> None:
+        if step == "exported":  # files written, their record not yet committed
+            exporting.set()
+            go.wait(30)
+
+    def run(which: str, **kw: Any) -> None:
+        with empty_db.connect() as conn:
+            try:
+                outcome[which] = archive(conn, dt.timedelta(days=90), tmp_path / "a", **kw)
+            except Exception as e:  # the outcome is what is asserted
+                outcome[which] = e
+
+    with InThread(empty_db.dsn, create_slot=False):
+        wait_caught_up(empty_db.dsn)
+        first = threading.Thread(target=run, args=("first",), kwargs={"on_step": hold})
+        first.start()
+        assert exporting.wait(30)
+        second = threading.Thread(target=run, args=("second",))
+        second.start()
+        second.join(5)  # refused at once (before, it waited for the first's lock to attach)
+        go.set()
+        first.join(30)
+        second.join(30)
+    assert [a.events for a in outcome["first"]] == [3]
+    with empty_db.connect() as conn:
+        assert check_archive(conn, tmp_path / "a") == []
+    assert isinstance(outcome["second"], ArchiveRefusedError), outcome["second"]
+    assert "another archive" in str(outcome["second"])
+    assert _archived_keys(tmp_path / "a") == {f"old-{i}" for i in range(1, 4)}
 
 
 def test_an_archive_never_stalls_writers_behind_a_reader(
