@@ -499,13 +499,7 @@ def _archive_one(
             conn.execute(sql.SQL("DROP TABLE {}").format(part))
             conn.execute("DELETE FROM ledger_archiving WHERE partition_name = %s", (p.name,))
     except BaseException:
-        # the commit may have been lost with the connection, after the server took it: the
-        # files are removed, and the partition put back, only when no archive records it
-        # (else, or when that cannot be told, the next archive run finds out from the record)
-        if _recorded(conn, p.name) is False:
-            for f in (manifest_file, data_file):
-                f.unlink(missing_ok=True)
-            _attach(conn, p)
+        _undo(conn, p, (manifest_file, data_file))
         raise
     step("recorded")
     return ArchivedPartition(
@@ -633,6 +627,41 @@ def _record_heads(conn: psycopg.Connection[Any], p: Partition) -> None:
             ).format(sql.Identifier(p.name)),
             (p.name,),
         )
+
+
+def _undo(conn: psycopg.Connection[Any], p: Partition, files: Iterable[Path]) -> None:
+    """After a failure past the detach: the files removed, and the partition put back, only
+    when no archive records it. The commit may have been lost with the connection after the
+    server took it: then a new connection asks, once it holds the archive lock — proof that the
+    lost session has ended, and its transaction with it, one way or the other. When that
+    cannot be told, the files stay and the next run finds out from the record."""
+    if not conn.closed:
+        if _recorded(conn, p.name) is False:
+            _unlink(files)
+            _attach(conn, p)
+        return
+    try:
+        other = psycopg.connect(
+            conn.info.dsn, password=conn.info.password, autocommit=True, connect_timeout=10
+        )
+    except psycopg.Error:
+        return
+    with other:
+        try:
+            if not _lock(other):
+                return
+            if _recorded(other, p.name) is False:
+                _unlink(files)
+                _attach(other, p)
+        except psycopg.Error:
+            return
+        with contextlib.suppress(psycopg.Error):
+            other.execute("SELECT pg_advisory_unlock(%s)", (_ARCHIVE_LOCK,))
+
+
+def _unlink(files: Iterable[Path]) -> None:
+    for f in files:
+        f.unlink(missing_ok=True)
 
 
 def _recorded(conn: psycopg.Connection[Any], name: str) -> bool | None:

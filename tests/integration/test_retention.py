@@ -4,9 +4,12 @@ understand archived history or refuse it loudly."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as dt
 import gzip
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -237,6 +240,81 @@ def test_a_second_archive_run_never_touches_one_under_way(
         assert check_archive(conn, tmp_path / "a") == []
     assert isinstance(outcome["second"], ArchiveRefusedError), outcome["second"]
     assert "another archive" in str(outcome["second"])
+    assert _archived_keys(tmp_path / "a") == {f"old-{i}" for i in range(1, 4)}
+
+
+def _lose_connection(conn: psycopg.Connection[Any]) -> None:
+    """The connection lost the way a network fails: the socket shut, psycopg finds out."""
+    socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(psycopg.OperationalError):
+        conn.execute("SELECT 1")
+    assert conn.closed
+
+
+def test_an_archive_whose_connection_is_lost_before_its_commit_is_undone_at_once(
+    empty_db: Database, tmp_path: Path
+) -> None:
+    """The archive's server process ends before the final commit: nothing was recorded, so a
+    new connection puts the partition back into the ledger and the files are removed at once.
+    Before, with its own connection gone, the archive could not tell, and left the rows out of
+    the ledger until the next run."""
+    now = _partitioned(empty_db)
+    sid = uuid.uuid4()
+    with empty_db.connect() as conn:
+        for i in range(1, 4):
+            _import(conn, sid, i, now - OLD + dt.timedelta(minutes=i))
+    with InThread(empty_db.dsn, create_slot=False), empty_db.connect() as conn:
+        wait_caught_up(empty_db.dsn)
+        pid = conn.info.backend_pid
+
+        def terminate(partition: str, step: str) -> None:
+            if step == "exported":
+                with empty_db.connect() as other:
+                    other.execute("SELECT pg_terminate_backend(%s, 10000)", (pid,))
+
+        with pytest.raises(psycopg.OperationalError):
+            archive(conn, dt.timedelta(days=90), tmp_path / "a", on_step=terminate)
+    with empty_db.connect() as conn:
+        assert conn.execute(
+            "SELECT count(*) FROM agent_events WHERE session_id = %s", (sid,)
+        ).fetchone() == (3,)
+        assert conn.execute("SELECT count(*) FROM ledger_archiving").fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM ledger_archives").fetchone() == (0,)
+    assert list((tmp_path / "a").iterdir()) == []
+
+
+def test_an_archive_whose_connection_is_lost_after_its_commit_keeps_its_files(
+    empty_db: Database, tmp_path: Path
+) -> None:
+    """The final commit taken by the server, the answer lost with the connection: the archive
+    is recorded, so its files stay (a new connection asks; they were removed, leaving an
+    archive without its files), and the next run clears the record of the run."""
+    now = _partitioned(empty_db)
+    sid = uuid.uuid4()
+    with empty_db.connect() as conn:
+        for i in range(1, 4):
+            _import(conn, sid, i, now - OLD + dt.timedelta(minutes=i))
+
+    class LostAtCommit(psycopg.Connection[Any]):
+        def execute(self, query: Any, params: Any = None, **kw: Any) -> Any:
+            cur = super().execute(query, params, **kw)
+            if str(query).startswith("DELETE FROM ledger_archiving "):  # the final statement
+                super().execute("COMMIT")
+                _lose_connection(self)
+                raise psycopg.OperationalError("server closed the connection unexpectedly")
+            return cur
+
+    with InThread(empty_db.dsn, create_slot=False):
+        wait_caught_up(empty_db.dsn)
+        with (
+            LostAtCommit.connect(empty_db.dsn, autocommit=True) as conn,
+            pytest.raises(psycopg.OperationalError),
+        ):
+            archive(conn, dt.timedelta(days=90), tmp_path / "a")
+        with empty_db.connect() as conn:
+            assert check_archive(conn, tmp_path / "a") == []
+            assert archive(conn, dt.timedelta(days=90), tmp_path / "b") == []
+            assert conn.execute("SELECT count(*) FROM ledger_archiving").fetchone() == (0,)
     assert _archived_keys(tmp_path / "a") == {f"old-{i}" for i in range(1, 4)}
 
 
