@@ -19,8 +19,10 @@ the partition is folded past it; each such session gets a snapshot at or after i
 there; the rows are exported (COPY, gzip, sha256 in a manifest), then the partition is detached
 and dropped in one transaction that records the archive — and that keeps, in
 ``agent_kept_events``, the payloads stored contexts and memo rows still reference (every
-completion, and the ``context.loaded`` events projections and snapshots open with). It is the only
-path that removes ledger data.
+completion, and the ``context.loaded`` events projections and snapshots open with; kept once
+before the detach already). It is the only path that removes ledger data. A record committed
+before the detach (``ledger_archiving``) lets the next run, one at a time under an advisory
+lock, put back a partition that a killed run left detached.
 """
 
 from __future__ import annotations
@@ -585,14 +587,15 @@ def _detach(conn: psycopg.Connection[Any], name: str) -> None:
 
 def _attach(conn: psycopg.Connection[Any], p: Partition) -> None:
     """Put a detached partition back into the ledger, and drop its archive-under-way record
-    (best effort: what fails here is left to the next run, from that record)."""
+    and what it kept ahead (best effort: what fails here is left to the next run, from that
+    record)."""
     with contextlib.suppress(psycopg.Error):
         if conn.execute("SELECT to_regclass(%s)", (p.name,)).fetchone() == (None,):
             return  # dropped: nothing to put back
-        if not conn.execute(
-            "SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (p.name,)
-        ).fetchone():
-            with conn.transaction():
+        with conn.transaction():
+            if not conn.execute(
+                "SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(%s)", (p.name,)
+            ).fetchone():
                 part = sql.Identifier(p.name)
                 conn.execute(
                     sql.SQL(
@@ -600,12 +603,16 @@ def _attach(conn: psycopg.Connection[Any], p: Partition) -> None:
                     ).format(part, sql.Literal(p.start), sql.Literal(p.end))
                 )
                 _always(conn, part)
-        conn.execute("DELETE FROM ledger_archiving WHERE partition_name = %s", (p.name,))
+            # the ledger holds those payloads again; an archive of it keeps them anew
+            conn.execute("DELETE FROM agent_kept_events WHERE partition_name = %s", (p.name,))
+            conn.execute("DELETE FROM ledger_archiving WHERE partition_name = %s", (p.name,))
 
 
 def _record_start(conn: psycopg.Connection[Any], p: Partition) -> uuid.UUID:
     """Commit the archive-under-way record before the detach (see sql/0016_archiving.sql);
-    returns the run's id, written into its manifest."""
+    returns the run's id, written into its manifest. What stored contexts and memo rows
+    reference in the partition is kept now too: from the detach on, its rows are out of the
+    ledger (for good, if this run is killed then), and those readers must not miss them."""
     run = uuid.uuid4()
     with conn.transaction():
         conn.execute(
@@ -614,6 +621,7 @@ def _record_start(conn: psycopg.Connection[Any], p: Partition) -> uuid.UUID:
             (p.name, p.start, p.end, run, run),
         )
         _record_heads(conn, p)
+        conn.execute(sql.SQL(_KEEP_EVENTS).format(part=sql.Identifier(p.name)), {"name": p.name})
     return run
 
 

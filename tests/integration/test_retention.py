@@ -26,7 +26,8 @@ from ledger_cdc.admin.importer import ImportedEvent, import_events
 from ledger_cdc.admin.partitions import archive, check_archive, ensure
 from ledger_cdc.admin.schema import drop_slot, init
 from ledger_cdc.admin.verify import verify
-from ledger_cdc.client.recovery import fork, rebuild_context, retry_tool
+from ledger_cdc.client.read import projected_contexts
+from ledger_cdc.client.recovery import fork, memoised_tool, rebuild_context, retry_tool
 from ledger_cdc.client.runs import lease, signal, submit
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.errors import (
@@ -145,6 +146,7 @@ with psycopg.connect(dsn, autocommit=True) as conn:
     archive(conn, dt.timedelta(days=90), out, on_step=step)
 """
 _GUARDS = "SELECT tgname, tgenabled FROM pg_trigger WHERE tgrelid = to_regclass(%s) ORDER BY tgname"
+_KEPT = "SELECT count(*) FROM agent_kept_events WHERE partition_name = %s"
 
 
 @pytest.mark.parametrize("when", ["detached", "exported"])
@@ -153,13 +155,22 @@ def test_an_archive_killed_after_the_detach_is_taken_up_by_the_next(
 ) -> None:
     """kill -9 once the partition is detached (its rows out of the ledger, in no archive yet).
     Meanwhile a rebuild needing that history says it is archived (it folded across the gap
-    into an empty context); the next archive run attaches the partition again, with its
-    guards as they were, and archives it: every event in the ledger or in an archive."""
+    into an empty context), and what the stored contexts and the memo reference there (a
+    long tool result) is read from what the archive kept before the detach (they failed on
+    the missing event); the next archive run attaches the partition again, with its guards
+    as they were, and archives it: every event in the ledger or in an archive."""
     now = _partitioned(empty_db)
     sid = uuid.uuid4()
+    result = "r" * 3000  # long: the projection and the memo row leave it in its event
     with empty_db.connect() as conn:
         for i in range(1, 4):
-            _import(conn, sid, i, now - OLD + dt.timedelta(minutes=i))
+            observed = {
+                "event_type": "tool.observed",
+                "payload": {"call_id": "old-1", "result": result},
+            }
+            _import(
+                conn, sid, i, now - OLD + dt.timedelta(minutes=i), **(observed if i == 2 else {})
+            )
         (first_seq,) = conn.execute(  # type: ignore[misc]
             "SELECT min(seq) FROM agent_events WHERE session_id = %s", (sid,)
         ).fetchone()
@@ -183,15 +194,21 @@ def test_an_archive_killed_after_the_detach_is_taken_up_by_the_next(
             ).fetchone() == (0,)
             with pytest.raises(HistoryArchivedError):
                 rebuild_context(conn, sid, upto_seq=first_seq)
+            assert projected_contexts(conn, [sid])[sid].last_position == 3
+            ctx = rebuild_context(conn, sid)
+            memo = memoised_tool(conn, ctx, "old-1")
+            assert ctx.last_position == 3 and memo is not None and memo.result == result
             # a run whose bound takes no partition still puts the detached one back (and
-            # removes the killed run's files: it never recorded them)
+            # removes the killed run's files: it never recorded them, nor keeps what it kept)
             assert archive(conn, dt.timedelta(days=100_000), tmp_path / "a") == []
             assert list((tmp_path / "a").glob("*.manifest.json")) == []
             assert conn.execute(_GUARDS, (name,)).fetchall() == guards
+            assert conn.execute(_KEPT, (name,)).fetchone() == (0,)
             assert rebuild_context(conn, sid, upto_seq=first_seq).last_position == 1
             done = archive(conn, dt.timedelta(days=90), tmp_path / "a")
             assert [a.name for a in done] == [name] and done[0].events == 3
             assert conn.execute("SELECT count(*) FROM ledger_archiving").fetchone() == (0,)
+            assert conn.execute(_KEPT, (name,)).fetchone() == (1,)  # the completion
     assert _archived_keys(tmp_path / "a") == {f"old-{i}" for i in range(1, 4)}
     report = verify(empty_db.dsn, archive_dir=tmp_path / "a")
     assert report.ok, report.differences
