@@ -166,13 +166,16 @@ def _no_gc() -> Iterator[None]:
 
 
 # The last archived position of a session: archived, or in a partition an archive has detached
-# and not yet recorded (its rows are out of the ledger meanwhile: never folded across as a gap).
+# and not yet recorded (its rows are out of the ledger meanwhile: never folded across as a gap);
+# then the partition's name too. That history is gone from the ledger either way, so it is a
+# HistoryArchivedError, not one to retry: the archive records it in a moment, or, killed, is
+# taken up by the next archive run (which attaches the partition again first).
 _ARCHIVED = b"""
-SELECT max(upto_position) FROM (
-    SELECT upto_position FROM ledger_archived_heads WHERE session_id = %s
+SELECT max(upto_position), (array_agg(detached ORDER BY upto_position DESC))[1] FROM (
+    SELECT upto_position, NULL AS detached FROM ledger_archived_heads WHERE session_id = %s
     UNION ALL
-    SELECT h.upto_position FROM ledger_archiving_heads h JOIN ledger_archiving a USING
-        (partition_name)
+    SELECT h.upto_position, a.partition_name FROM ledger_archiving_heads h
+    JOIN ledger_archiving a USING (partition_name)
     WHERE h.session_id = %s AND NOT EXISTS (
         SELECT FROM pg_inherits i
         WHERE i.inhrelid = to_regclass(a.partition_name) AND NOT i.inhdetachpending)
@@ -180,12 +183,22 @@ SELECT max(upto_position) FROM (
 """
 
 
+def _archived(row: Sequence[Any]) -> str:
+    """How the history up to ``row[0]`` left the ledger, and what brings it back."""
+    if len(row) > 1 and row[1] is not None:
+        return (
+            f"being archived up to position {row[0]} ({row[1]} is detached and not yet "
+            "recorded; if that archive run was killed, the next `ledger-cdc partitions "
+            "archive` attaches it again first)"
+        )
+    return f"archived up to position {row[0]}"
+
+
 def _no_archived_history(sid: uuid.UUID, row: Sequence[Any] | None) -> None:
     if row is not None and row[0] is not None:
         raise HistoryArchivedError(
-            f"session {sid}: its history up to position {row[0]} was archived and no usable "
-            "snapshot covers the requested point (rebuild at a later upto_seq, or restore the "
-            "archive)"
+            f"session {sid}: its history is {_archived(row)}, and no usable snapshot covers "
+            "the requested point (rebuild at a later upto_seq, or restore the archive)"
         )
 
 
@@ -196,10 +209,10 @@ def _not_inside_archive(
     the archive, so the state there is not known (unless a snapshot is at exactly that seq)."""
     if archived is not None and archived[0] is not None and int(archived[0]) > after:
         raise HistoryArchivedError(
-            f"session {sid}: seq {upto_seq} falls in history archived up to position "
-            f"{archived[0]}; the nearest snapshot before it is at position {after}, and no "
-            "snapshot is at exactly that seq (rebuild at a snapshot's seq or after the archived "
-            "history, or restore the archive)"
+            f"session {sid}: seq {upto_seq} falls in history {_archived(archived)}; the "
+            f"nearest snapshot before it is at position {after}, and no snapshot is at exactly "
+            "that seq (rebuild at a snapshot's seq or after the archived history, or restore "
+            "the archive)"
         )
 
 
@@ -652,9 +665,9 @@ def fork(
         archived = conn.execute(_ARCHIVED, (origin, origin)).fetchone()
         if archived is not None and archived[0] is not None:
             raise HistoryArchivedError(
-                f"session {origin}: its history up to position {archived[0]} was archived; a "
-                "fork copies the events themselves, so it needs them back (restore the "
-                "archive), or start a new session from rebuild_context instead"
+                f"session {origin}: its history is {_archived(archived)}; a fork copies the "
+                "events themselves, so it needs them back (restore the archive), or start a "
+                "new session from rebuild_context instead"
             )
         row = conn.execute(_PREFIX, (origin, bound)).fetchone()
         assert row is not None

@@ -154,8 +154,8 @@ def test_an_archive_killed_after_the_detach_is_taken_up_by_the_next(
     empty_db: Database, tmp_path: Path, when: str
 ) -> None:
     """kill -9 once the partition is detached (its rows out of the ledger, in no archive yet).
-    Meanwhile a rebuild needing that history says it is archived (it folded across the gap
-    into an empty context), and what the stored contexts and the memo reference there (a
+    Meanwhile a rebuild needing that history says it is being archived, naming the partition
+    (it folded across the gap into an empty context, then said "was archived"), and what the stored contexts and the memo reference there (a
     long tool result) is read from what the archive kept before the detach (they failed on
     the missing event); the next archive run attaches the partition again, with its guards
     as they were, and archives it: every event in the ledger or in an archive."""
@@ -192,7 +192,9 @@ def test_an_archive_killed_after_the_detach_is_taken_up_by_the_next(
             assert conn.execute(
                 "SELECT count(*) FROM agent_events WHERE session_id = %s", (sid,)
             ).fetchone() == (0,)
-            with pytest.raises(HistoryArchivedError):
+            # what it says: being archived, and what puts it back (not "restore the archive":
+            # there is none yet)
+            with pytest.raises(HistoryArchivedError, match=f"being archived .*{name} is detached"):
                 rebuild_context(conn, sid, upto_seq=first_seq)
             assert projected_contexts(conn, [sid])[sid].last_position == 3
             ctx = rebuild_context(conn, sid)
