@@ -770,9 +770,7 @@ class PgSink:
             "epoch": batch.epoch,
             "folded_seq": batch.max_seq,
             "publication": self.publication,
-            "applied_commit_at": None
-            if not batch.last_commit_ts
-            else _PG_EPOCH + dt.timedelta(microseconds=batch.last_commit_ts),
+            "applied_commit_at": _commit_time(batch.last_commit_ts),
         }
 
     def _checkpoint(self, conn: psycopg.Connection[Any], batch: Batch) -> None:
@@ -890,6 +888,18 @@ def _small(batch: Batch) -> bool:
     if batch.touched or len(batch.sessions) + len(batch.memo) + len(batch.snapshots) > _SMALL_ROWS:
         return False
     return batch.stored_size() < _SMALL_BYTES
+
+
+def _commit_time(us: int | None) -> dt.datetime | None:
+    """A commit time off the wire, None when unknown or past what a datetime holds: a
+    transaction with a replication origin carries the origin's time, which may be any
+    timestamptz ('infinity' included)."""
+    if not us:
+        return None
+    try:
+        return _PG_EPOCH + dt.timedelta(microseconds=us)
+    except OverflowError:
+        return None
 
 
 def _hex(value: bytes | None) -> str | None:

@@ -82,7 +82,7 @@ class LedgerRowDecoder:
         seq, sid, pos, agent, etype, payload, created = self._pick(row)
         k, h = self._key_i, self._hash_i
         key = None if k is None else row[k]
-        digest = None if h is None else row[h]
+        digest = None if h is None else _digest(row[h])
         rejected = unidentified(seq, sid, pos, agent, etype, key, digest)
         if rejected is not None:  # NULL or retyped by hand (ALTER TABLE): no event of it
             return rejected
@@ -130,3 +130,17 @@ def _first_line(e: BaseException) -> str:
 
 
 _NIL = uuid.UUID(int=0)
+
+
+def _digest(value: object) -> bytes | None:
+    """The row's hash as bytes. A ``hash`` column retyped by hand (text, or a domain over
+    bytea, whose values come as text) gives ``\\x…`` text: read as the bytes it spells; any
+    other value is no hash (None), never a value the sink cannot write."""
+    if type(value) is bytes:
+        return value
+    if type(value) is str and value.startswith("\\x"):
+        try:
+            return bytes.fromhex(value[2:])
+        except ValueError:
+            return None
+    return None

@@ -707,3 +707,60 @@ def test_a_relation_of_an_aborted_streamed_transaction_is_not_kept(db: Database)
     assert dead == []
     assert ctx.completed_tools["1"].result == 5 and ctx.event_count == 2
     assert_projections_equal_refold(db.dsn)
+
+
+@pytest.mark.parametrize("when", ["infinity", "-infinity", "294276-01-01 00:00:00+00"])
+def test_a_commit_time_out_of_range_from_a_replication_origin(db: Database, when: str) -> None:
+    """With a replication origin the decoded commit time is the origin's, any timestamptz
+    ('infinity' included): it stopped the consumer (OverflowError in the checkpoint's
+    applied_commit_at), and again on every restart."""
+    sid = uuid.uuid4()
+    origin = f"far_{uuid.uuid4().hex[:8]}"
+    with InThread(db.dsn), db.connect() as conn, Ledger(db.dsn) as ledger:
+        conn.execute("SELECT pg_replication_origin_create(%s)", (origin,))
+        conn.execute("SELECT pg_replication_origin_session_setup(%s)", (origin,))
+        with conn.transaction():
+            conn.execute(
+                "SELECT pg_replication_origin_xact_setup('0/AB', %s::timestamptz)", (when,)
+            )
+            conn.execute(
+                "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                'VALUES (%s, \'a\', \'tool.invoked\', \'{"call_id": "c1", "tool": "t"}\')',
+                (sid,),
+            )
+        conn.execute("SELECT pg_replication_origin_session_reset()")
+        wait_caught_up(db.dsn)  # a batch of its own, then the next
+        ledger.append(sid, "a", "tool.observed", {"call_id": "c1", "result": 1})
+        wait_caught_up(db.dsn)
+    assert_projections_equal_refold(db.dsn)
+
+
+def test_a_hash_column_retyped_to_text_does_not_stop_the_consumer(db: Database) -> None:
+    """The hash column retyped by hand (bytea → text): its value comes as '\\x…' text, which
+    the sink could not write (AttributeError, the consumer stopped for good)."""
+    sid = uuid.uuid4()
+    with InThread(db.dsn), Ledger(db.dsn) as ledger, db.connect() as conn:
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
+        wait_caught_up(db.dsn)
+        (cols,) = conn.execute(  # type: ignore[misc]
+            "SELECT attnames FROM pg_publication_tables WHERE pubname = 'agent_pub' "
+            "AND tablename = 'agent_events'"
+        ).fetchone()
+        with conn.transaction():  # the column list depends on the column: out, retyped, back
+            conn.execute("ALTER PUBLICATION agent_pub DROP TABLE agent_events")
+            conn.execute(
+                "ALTER TABLE agent_events ALTER COLUMN prev_hash TYPE text, "
+                "ALTER COLUMN hash TYPE text"
+            )
+            conn.execute(f"ALTER PUBLICATION agent_pub ADD TABLE agent_events ({', '.join(cols)})")
+        conn.execute(
+            "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+            "VALUES (%s, 'a', 'tool.observed', '{\"call_id\": \"1\", \"result\": 5}')",
+            (sid,),
+        )
+        wait_caught_up(db.dsn)
+    with db.connect() as conn:
+        row = conn.execute(
+            "SELECT last_position FROM agent_sessions WHERE session_id = %s", (sid,)
+        ).fetchone()
+    assert row == (2,)
