@@ -712,8 +712,7 @@ def _resume(conn: psycopg.Connection[Any], to_dir: Path) -> None:
         else:
             manifest = to_dir / f"{name}.manifest.json"
             if _run_of(manifest) == str(run):  # that run's files, never recorded
-                for f in (to_dir / f"{name}.csv.gz", manifest):
-                    f.unlink(missing_ok=True)
+                _unlink((to_dir / f"{name}.csv.gz", manifest))
             if _detach_pending(conn, name):  # invisible to new queries already: finished,
                 _detach(conn, name)  # so that it can be attached again
             _attach(conn, p)

@@ -128,12 +128,12 @@ def _shut(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
 
 
-def _watched(deadline: _Deadline, connect: Any) -> Any:
+def _watched(deadline: _Deadline) -> Any:
     """``socket.create_connection`` whose socket the deadline watches from the start (before a
     TLS handshake, which a slow server could trickle too)."""
 
     def create_connection(*args: Any, **kwargs: Any) -> socket.socket:
-        sock: socket.socket = connect(*args, **kwargs)
+        sock = socket.create_connection(*args, **kwargs)
         deadline.watch(sock)
         return sock
 
@@ -143,13 +143,13 @@ def _watched(deadline: _Deadline, connect: Any) -> Any:
 class _HTTPConnection(http.client.HTTPConnection):
     def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._create_connection = _watched(deadline, socket.create_connection)
+        self._create_connection = _watched(deadline)
 
 
 class _HTTPSConnection(http.client.HTTPSConnection):
     def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._create_connection = _watched(deadline, socket.create_connection)
+        self._create_connection = _watched(deadline)
 
 
 class _HTTPHandler(urllib.request.HTTPHandler):

@@ -4,7 +4,6 @@ nats-server, the relay, the workers), SIGKILLed mid-stream."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import subprocess
@@ -34,7 +33,7 @@ from tests.support.cdc import (
     wait_caught_up,
 )
 from tests.support.harness import Database
-from tests.support.natsserver import NatsServer, wait_jetstream
+from tests.support.natsserver import NatsServer, publish, wait_jetstream
 
 
 def fold_process(dsn: str, url: str, partition: str, log: Path) -> ConsumerProcess:
@@ -163,20 +162,6 @@ def test_relay_and_fold_worker_go_on_after_the_nats_server_is_killed_and_restart
         srv.kill()
 
 
-def _publish_raw(url: str, messages: list[tuple[str, bytes, dict[str, str] | None]]) -> None:
-    """Messages put on the stream by anyone allowed to publish on its subjects."""
-    import nats
-
-    async def go() -> None:
-        nc = await nats.connect(url)
-        js = nc.jetstream()
-        for subject, body, headers in messages:
-            await js.publish(subject, body, headers=headers)
-        await nc.close()
-
-    asyncio.run(go())
-
-
 def _fold_until(worker: FoldWorker, done: Callable[[], bool], timeout: float = 30) -> None:
     t = threading.Thread(target=worker.run, daemon=True)
     t.start()
@@ -242,7 +227,7 @@ def test_messages_that_no_ledger_row_could_be_are_skipped_not_retried(
             ({"idempotency_key": "k\x00"}, {"X": "1"}),
             ({"payload": {"call_id": "q\x00", "tool": "t"}}, {"X": "1"}),
         ]
-        _publish_raw(
+        publish(
             srv.url,
             [(f"ledger.events.{other}", msgspec.json.encode({**good, **c}), h) for c, h in forged],
         )

@@ -13,7 +13,7 @@ from pathlib import Path
 from ledger_cdc.client.writer import Ledger
 from tests.support.cdc import ROOT, ConsumerProcess, until
 from tests.support.harness import Database
-from tests.support.natsserver import NatsServer, stream_config, wait_jetstream
+from tests.support.natsserver import NatsServer, publish, stream_config, wait_jetstream
 
 
 def _tail(db: Database, sid: uuid.UUID, *extra: str) -> subprocess.Popen[str]:
@@ -86,33 +86,14 @@ def test_tail_from_jetstream(db: Database, tmp_path: Path) -> None:
             _write(db, uuid.uuid4(), 1, 1)  # the stream exists once the consumer published
             until(lambda: conn.execute("SELECT count(*) FROM agent_sessions").fetchone() == (1,))
             # what anyone allowed to publish on the subject may put there: skipped, not fatal
-            _publish(
-                srv.url,
-                f"ledger.events.{sid}",
-                [b"not json", b'{"seq": 1}', b'{"commit_lsn": 7}', b"[" * 10_000],
-            )
+            subject = f"ledger.events.{sid}"
+            bodies = [b"not json", b'{"seq": 1}', b'{"commit_lsn": 7}', b"[" * 10_000]
+            publish(srv.url, [(subject, body, None) for body in bodies])
             rows = _follow(db, sid, "--nats", srv.url)
             c.kill()
         assert [r["position"] for r in rows] == [1, 2, 3, 4]
     finally:
         srv.kill()
-
-
-def _publish(url: str, subject: str, bodies: list[bytes]) -> None:
-    import asyncio
-
-    import nats
-
-    async def go() -> None:
-        nc = await nats.connect(servers=[url])
-        try:
-            js = nc.jetstream()
-            for body in bodies:
-                await js.publish(subject, body)
-        finally:
-            await nc.close()
-
-    asyncio.run(go())
 
 
 def test_tail_from_jetstream_honours_the_urls_stream_and_prefix(

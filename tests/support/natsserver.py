@@ -198,3 +198,20 @@ def read_all(servers: list[str], subject: str, durable: str = "check") -> list[A
             await nc.close()
 
     return asyncio.run(go())
+
+
+def publish(url: str, messages: list[tuple[str, bytes, dict[str, str] | None]]) -> None:
+    """Put messages on the stream as anyone allowed to publish on its subjects would:
+    (subject, body, headers or None)."""
+    import nats
+
+    async def go() -> None:
+        nc = await nats.connect(servers=[url])
+        try:
+            js = nc.jetstream()
+            for subject, body, headers in messages:
+                await js.publish(subject, body, headers=headers)
+        finally:
+            await nc.close()
+
+    asyncio.run(go())
