@@ -16,6 +16,9 @@ without importing LangGraph; no reducer folds them):
 - ``langgraph.writes``: one ``put_writes`` call (task id and path, each write with its index);
 - ``langgraph.thread.deleted``: ``delete_thread`` — the ledger refuses UPDATE and DELETE, so the
   thread's earlier events are hidden from the saver, not erased (archive them with partitions).
+  A delta stored after it may still name a hidden version as its base (a saver in another process
+  went on from the checkpoint it stored, not knowing of the deletion): the base is read through
+  the deletion, as its writer had it in hand; a hidden checkpoint or value is never answered.
 
 Reads fold a thread's events in position order with LangGraph's own rules (as its in-memory
 saver): the latest event for a checkpoint id wins; a channel's value is the one stored for the
@@ -116,6 +119,8 @@ class _Thread:
     # (ns, checkpoint id) → the latest checkpoint event for it
     checkpoints: dict[tuple[str, str], CheckpointSaved] = field(default_factory=dict)
     blobs: dict[tuple[str, str, str], Blob] = field(default_factory=dict)  # ns, channel, version
+    # the blobs a deletion hid: only ever the base of a delta stored after it
+    hidden: dict[tuple[str, str, str], Blob] = field(default_factory=dict)
     # (ns, checkpoint id) → (task id, index) → (task path, channel, value)
     writes: dict[tuple[str, str], dict[tuple[str, int], tuple[str, str, Typed]]] = field(
         default_factory=dict
@@ -137,6 +142,7 @@ class _Thread:
             return
         if isinstance(ev, ThreadDeleted):
             self.checkpoints.clear()
+            self.hidden.update(self.blobs)
             self.blobs.clear()
             self.writes.clear()
         elif isinstance(ev, CheckpointSaved):
@@ -156,6 +162,21 @@ class _Thread:
                 if w.idx >= 0 and key in table:
                     continue  # a regular write keeps its first value
                 table[key] = (ev.task_path, w.channel, w.value)
+
+    def base(self, key: tuple[str, str, str]) -> Blob | None:
+        """The blob a delta names as its base: visible, or hidden by a deletion the delta's
+        writer had not seen (it had the base's value in hand)."""
+        return self.blobs.get(key) or self.hidden.get(key)
+
+    def on_hidden(self, ns: str, blob: Blob) -> bool:
+        """Whether a delta's chain of bases passes through a blob a deletion hid."""
+        seen = 0
+        while blob.base is not None and seen <= _FULL_EVERY:
+            key = (ns, blob.channel, blob.base)
+            if key not in self.blobs:
+                return key in self.hidden
+            blob, seen = self.blobs[key], seen + 1
+        return False
 
     def fold_rows(self, rows: list[tuple[Any, ...]]) -> _Thread:
         for position, event_type, text in rows:
@@ -485,7 +506,8 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         chain: list[Blob] = []
         v: str | None = version
         while v is not None:
-            blob = t.blobs.get((ns, channel, v))
+            # the version a checkpoint names is a visible one; a base may be hidden
+            blob = t.base((ns, channel, v)) if chain else t.blobs.get((ns, channel, v))
             if blob is None or len(chain) > _FULL_EVERY:
                 return _MISSING
             chain.append(blob)
@@ -502,6 +524,17 @@ class LedgerSaver(BaseCheckpointSaver[str]):
                 )
             value = list(value) + list(added)
         return value
+
+    def _whole(self, t: _Thread, ns: str, blob: Blob) -> Blob:
+        """A delta's blob as its full value (left as it is if that cannot be read back)."""
+        try:
+            value = self._value(t, ns, blob.channel, blob.version)
+        except Exception as e:  # whatever a serializer raises: copied as it is
+            log.warning("channel %r version %r copied as it is: %s", blob.channel, blob.version, e)
+            return blob
+        if value is _MISSING:
+            return blob
+        return Blob(blob.channel, blob.version, Typed.of(self.serde.dumps_typed(value)))
 
     def _blob(
         self,
@@ -691,7 +724,7 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         with self._sync_ledger().connection() as conn:
             t = run(conn, self._thread_read(str(source_thread_id)))
         with self._lock:  # ``t`` is shared with this saver's other threads
-            copied = _copied(t, str(target_thread_id))
+            copied = _copied(t, str(target_thread_id), functools.partial(self._whole, t))
         for event_type, ev in copied:
             self._sync_ledger().append(thread_session(target_thread_id), AGENT, event_type, ev)
 
@@ -817,7 +850,7 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         async with ledger.connection() as conn:
             t = await run_async(conn, self._thread_read(str(source_thread_id)))
         with self._lock:  # ``t`` is shared with this saver's other threads
-            copied = _copied(t, str(target_thread_id))
+            copied = _copied(t, str(target_thread_id), functools.partial(self._whole, t))
         for event_type, ev in copied:
             await ledger.append(thread_session(target_thread_id), AGENT, event_type, ev)
 
@@ -871,8 +904,9 @@ def _migrate(dsn: str) -> None:
         migrate(conn)
 
 
-def _copied(t: _Thread, target: str) -> list[tuple[str, Any]]:
-    """The events that give ``target`` the visible checkpoints and writes of ``t``."""
+def _copied(t: _Thread, target: str, whole: Callable[[str, Blob], Blob]) -> list[tuple[str, Any]]:
+    """The events that give ``target`` the visible checkpoints and writes of ``t``; a delta on a
+    base a deletion hid is copied whole (by ``whole``): the target holds no hidden values."""
     out: list[tuple[str, Any]] = []
     blobs_sent: set[str] = set()
     for (ns, cid), cp in sorted(t.checkpoints.items(), key=lambda kv: (kv[0][0], kv[0][1])):
@@ -880,8 +914,8 @@ def _copied(t: _Thread, target: str) -> list[tuple[str, Any]]:
         if ns not in blobs_sent:  # a namespace's values travel once, with its first checkpoint
             blobs_sent.add(ns)
             versions_blobs = [
-                Blob(ch, version, b.value, b.base)
-                for (bns, ch, version), b in t.blobs.items()
+                whole(ns, b) if t.on_hidden(ns, b) else b
+                for (bns, _, _), b in t.blobs.items()
                 if bns == ns
             ]
         out.append(

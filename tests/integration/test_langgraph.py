@@ -396,6 +396,36 @@ def test_a_thread_deleted_by_another_saver_starts_again_whole(db: Database) -> N
     assert _messages(db, c2) == ["sys", "hello"]
 
 
+def test_a_graph_running_on_while_another_saver_deletes_its_thread_keeps_its_values(
+    db: Database,
+) -> None:
+    """The graph goes on from the checkpoint this saver stored (its parent), but another
+    process deleted the thread meanwhile: the delta against the parent's value (hidden by the
+    deletion) read back as no channel at all. The delta's base is read through the deletion,
+    and a copy of the thread carries it."""
+    a, b = LedgerSaver(Ledger(db.dsn)), LedgerSaver(Ledger(db.dsn))
+    try:
+        thread = f"t-{uuid.uuid4()}"
+        root = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+        cp1, v1 = _next_checkpoint(a, None, ["sys"], 0)
+        c1 = a.put(root, cp1, {}, v1)
+        b.delete_thread(thread)
+        cp2, v2 = _next_checkpoint(a, cp1, ["sys", "hello"], 1)
+        c2 = a.put(c1, cp2, {}, v2)
+        cp3, v3 = _next_checkpoint(a, cp2, ["sys", "hello", "again"], 2)
+        c3 = a.put(c2, cp3, {}, v3)
+        assert b.get_tuple(c1) is None  # what the deletion hid stays hidden
+        copy = f"{thread}-copy"
+        b.copy_thread(thread, copy)
+    finally:
+        a.close()
+        b.close()
+    assert _messages(db, c2) == ["sys", "hello"]
+    assert _messages(db, c3) == ["sys", "hello", "again"]
+    copied = {"configurable": {**c3["configurable"], "thread_id": copy}}
+    assert _messages(db, copied) == ["sys", "hello", "again"]
+
+
 def test_one_saver_serves_threads_that_read_while_another_writes(db: Database) -> None:
     """Reads of a thread iterate its folded state while another thread of the process folds
     new events into it: under the saver's lock (it raised 'dictionary changed size')."""
