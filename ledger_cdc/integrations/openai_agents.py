@@ -13,14 +13,19 @@ read and appends only if the session has not moved since (the writer's ``expecte
 else reads again: two concurrent pops never remove the same item, and an add is never lost to a
 pop. A session object keeps the history it folded; a read fetches only the events after it.
 The session id is the SDK's string; its ledger session is ``uuid5(OPENAI_NAMESPACE, id)``. An
-item holding a NUL character (which jsonb cannot) is stored as its JSON in base64 under the one
-key ``ledger.item.base64``, and read back as it was.
+item the SDK's own sessions keep (they store ``json.dumps`` text) but jsonb would refuse or
+change — a NUL character, a lone surrogate, NaN or an infinity, a float of 1e16 or more (jsonb
+writes it as an integer) — is stored as that JSON text in base64 under the one key
+``ledger.item.base64``, and read back as it was.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import logging
+import math
+import re
 import uuid
 from typing import Any
 
@@ -49,22 +54,60 @@ _added = msgspec.json.Decoder(ItemsAdded)
 _popped = msgspec.json.Decoder(ItemPopped)
 
 
-# PostgreSQL's jsonb holds no NUL character: an item holding one (a tool's output can) is stored
-# as its JSON text in base64 under this one key, and read back as it was
+# PostgreSQL's jsonb holds no NUL character (a tool's output can), no lone surrogate, no NaN or
+# infinity, and writes a float of 1e16 or more as an integer (numeric, no exponent): such an item
+# is stored as its JSON text (as the SDK's sessions store it) in base64 under this one key
 _WRAPPED = "ledger.item.base64"
+_EXPONENT = re.compile(rb"[0-9]e[0-9]")  # how msgspec writes a float of 1e16 or more
+_BIG_FLOAT = 1e16  # from here on msgspec writes a float with an exponent
+
+
+def _float_changes(item: Any) -> bool:
+    """Whether a float in ``item`` is one jsonb refuses or reads back as an integer."""
+    stack = [item]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, float):
+            if not math.isfinite(v) or abs(v) >= _BIG_FLOAT:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return False
 
 
 def _stored(item: Any) -> Any:
-    text = msgspec.json.encode(item)
-    wrapped = isinstance(item, dict) and list(item) == [_WRAPPED]  # one like it is wrapped too
-    if b"\\u0000" in text or wrapped:
-        return {_WRAPPED: base64.b64encode(text).decode()}
+    try:
+        text = msgspec.json.encode(item)
+    except UnicodeEncodeError:  # a lone surrogate
+        return _wrapped(item, None)
+    except (TypeError, ValueError, OverflowError, RecursionError, msgspec.EncodeError):
+        return item  # the writer refuses it, saying why
+    if (
+        b"\\u0000" in text
+        or (isinstance(item, dict) and list(item) == [_WRAPPED])  # one like it is wrapped too
+        or ((b"null" in text or _EXPONENT.search(text)) and _float_changes(item))
+    ):
+        return _wrapped(item, text)
     return item
+
+
+def _wrapped(item: Any, encoded: bytes | None) -> Any:
+    """The item as JSON text in base64: ``json.dumps``'s (as the SDK's sessions), else the
+    ``encoded`` text msgspec made of a type the standard library does not know."""
+    try:
+        text = json.dumps(item, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    except (TypeError, ValueError, RecursionError):
+        if encoded is None:
+            return item  # the writer refuses it, saying why
+        text = encoded
+    return {_WRAPPED: base64.b64encode(text).decode()}
 
 
 def _loaded(item: Any) -> Any:
     if isinstance(item, dict) and list(item) == [_WRAPPED] and isinstance(item[_WRAPPED], str):
-        return msgspec.json.decode(base64.b64decode(item[_WRAPPED]))
+        return json.loads(base64.b64decode(item[_WRAPPED]).decode("utf-8", "surrogatepass"))
     return item
 
 

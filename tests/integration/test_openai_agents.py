@@ -5,6 +5,8 @@ twice, nothing lost."""
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import random
 import uuid
 from typing import Any
@@ -75,6 +77,42 @@ def test_the_ledger_session_answers_as_the_sdks_sqlite_session(db: Database) -> 
     asyncio.run(go())
 
 
+def test_items_jsonb_would_refuse_or_change_read_back_as_the_sdk_stores_them(db: Database) -> None:
+    """The SDK's sessions store an item as ``json.dumps`` text: a lone surrogate, NaN, an
+    infinity and a float of 1e16 or more come back as they were. jsonb refuses the first three
+    (the add raised UnicodeEncodeError or InvalidEventError) and writes the last as an integer
+    (1e16 read back as the int 10000000000000000). Compared as JSON text: NaN != NaN, and
+    1e16 == 10**16."""
+    items: list[Any] = [
+        {"role": "tool", "content": "half a pair \ud83d"},
+        {"role": "tool", "content": "scores", "meta": {"nan": float("nan"), "inf": [-math.inf]}},
+        {"role": "tool", "content": "big", "meta": {"n": 1e16, "m": -2.5e300, "k": 1e15}},
+        {"role": "tool", "content": "an id 1e5 that is text", "meta": {"small": 1e-7}},
+    ]
+
+    async def go() -> tuple[list[Any], list[Any], list[Any], Any]:
+        ledger = await AsyncLedger.connect(db.dsn)
+        sid = f"conv-{uuid.uuid4()}"
+        theirs = SQLiteSession("reference")
+        try:
+            await LedgerSession(sid, ledger).add_items(items)
+            await theirs.add_items(items)
+            ours = LedgerSession(sid, ledger)  # reads what the ledger holds
+            got = await ours.get_items()
+            popped = await ours.pop_item()
+            return got, await theirs.get_items(), await ours.get_items(), popped
+        finally:
+            theirs.close()
+            await ledger.close()
+
+    def exact(value: Any) -> str:  # a float stays a float, NaN equals NaN (keys: jsonb's order)
+        return json.dumps(value, sort_keys=True)
+
+    got, reference, after_pop, popped = asyncio.run(go())
+    assert exact(got) == exact(reference) == exact(items)
+    assert exact(popped) == exact(items[-1]) and exact(after_pop) == exact(items[:-1])
+
+
 def test_concurrent_writers_keep_the_history_whole(db: Database) -> None:
     sid = f"conv-{uuid.uuid4()}"
 
@@ -130,7 +168,6 @@ def test_concurrent_writers_keep_the_history_whole(db: Database) -> None:
 def test_a_row_that_does_not_fit_is_skipped_and_pops_stay_linear(db: Database) -> None:
     """A malformed row is skipped (the rest of the history reads); many pops of a long
     history are applied by key, not by rebuilding the list per pop."""
-    import json
 
     async def go() -> tuple[list[Any], Any]:
         ledger = await AsyncLedger.connect(db.dsn)
