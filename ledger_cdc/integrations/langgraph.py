@@ -599,6 +599,8 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         id_wanted = get_checkpoint_id(config) if config else None
         before_id = get_checkpoint_id(before) if before else None
         out: list[CheckpointTuple] = []
+        if limit is not None and limit <= 0:  # none, as LangGraph's in-memory saver
+            return out
         for t in threads:
             namespaces = sorted({n for n, _ in t.checkpoints})
             for ns in namespaces:

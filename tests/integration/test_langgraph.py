@@ -426,6 +426,39 @@ def test_a_graph_running_on_while_another_saver_deletes_its_thread_keeps_its_val
     assert _messages(db, copied) == ["sys", "hello", "again"]
 
 
+def test_list_with_a_limit_of_zero_or_less_lists_nothing_as_the_in_memory_saver(
+    db: Database,
+) -> None:
+    """LangGraph's in-memory saver lists nothing for a limit of 0 or less; this saver listed
+    one checkpoint (the limit was checked after the first was taken)."""
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    saver, reference = LedgerSaver(Ledger(db.dsn)), InMemorySaver()
+    config = {"configurable": {"thread_id": f"t-{uuid.uuid4()}", "checkpoint_ns": ""}}
+
+    async def alisted(limit: int) -> list[Any]:
+        aledger = await AsyncLedger.connect(db.dsn)
+        try:
+            return [t async for t in LedgerSaver(None, aledger).alist(config, limit=limit)]
+        finally:
+            await aledger.close()
+
+    try:
+        prev, ours, theirs = None, config, config
+        for step in range(3):
+            cp, versions = _next_checkpoint(saver, prev, ["m"] * step, step)
+            ours = saver.put(ours, cp, {"step": step}, versions)
+            theirs = reference.put(theirs, cp, {"step": step}, versions)
+            prev = cp
+        for limit in (-1, 0, 1, 2, 5):
+            got = [t.config for t in saver.list(config, limit=limit)]
+            assert got == [t.config for t in reference.list(config, limit=limit)], limit
+            assert len(got) == max(0, min(limit, 3))
+            assert [t.config for t in asyncio.run(alisted(limit))] == got
+    finally:
+        saver.close()
+
+
 def test_one_saver_serves_threads_that_read_while_another_writes(db: Database) -> None:
     """Reads of a thread iterate its folded state while another thread of the process folds
     new events into it: under the saver's lock (it raised 'dictionary changed size')."""
