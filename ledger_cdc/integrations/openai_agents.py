@@ -37,8 +37,10 @@ from ledger_cdc.events import ItemPopped, ItemsAdded, ItemsCleared
 
 try:  # the SDK's base class when it is installed (a Session is a protocol: any class will do)
     from agents.memory.session import SessionABC as _Base
+    from agents.memory.session_settings import SessionSettings, coerce_session_settings
 except ImportError:  # pragma: no cover - without the SDK
     _Base = object  # type: ignore[assignment,misc]
+    SessionSettings = coerce_session_settings = None  # type: ignore[assignment,misc]
 
 __all__ = ["OPENAI_NAMESPACE", "LedgerSession", "conversation_session"]
 
@@ -150,14 +152,31 @@ class _History:
 
 class LedgerSession(_Base):
     """The SDK's ``Session`` protocol (``get_items``, ``add_items``, ``pop_item``,
-    ``clear_session``) on an :class:`~ledger_cdc.AsyncLedger`."""
+    ``clear_session``) on an :class:`~ledger_cdc.AsyncLedger`. ``session_settings`` as the SDK's
+    sessions take it (a ``SessionSettings`` or its fields as a dict; its ``limit`` is what
+    ``get_items()`` and the Runner read when no limit is given)."""
 
     session_settings: Any = None
 
-    def __init__(self, session_id: str, ledger: AsyncLedger, *, agent_id: str = AGENT) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        ledger: AsyncLedger,
+        *,
+        agent_id: str = AGENT,
+        session_settings: Any = None,
+    ) -> None:
         self.session_id = session_id
         self.ledger = ledger
         self.agent_id = agent_id
+        if SessionSettings is not None:  # as the SDK's sessions: a dict is coerced, none default
+            self.session_settings = (
+                SessionSettings()
+                if session_settings is None
+                else coerce_session_settings(session_settings)
+            )
+        else:  # pragma: no cover - without the SDK
+            self.session_settings = session_settings
         self.ledger_session = conversation_session(session_id)
         self._folded = _History(self.ledger_session)
 

@@ -77,6 +77,30 @@ def test_the_ledger_session_answers_as_the_sdks_sqlite_session(db: Database) -> 
     asyncio.run(go())
 
 
+def test_session_settings_are_taken_as_the_sdks_sessions_take_them(db: Database) -> None:
+    """``LedgerSession(..., session_settings=...)`` as the SDK's sessions (it was a TypeError):
+    a dict is coerced, none is ``SessionSettings()``, the limit is what get_items() reads."""
+
+    async def go() -> None:
+        ledger = await AsyncLedger.connect(db.dsn)
+        sid = f"conv-{uuid.uuid4()}"
+        try:
+            await LedgerSession(sid, ledger).add_items([_item(n) for n in range(5)])
+            for settings in (None, {"limit": 2}, SessionSettings(limit=0), {"limit": -1}):
+                ours = LedgerSession(sid, ledger, session_settings=settings)
+                theirs = SQLiteSession("reference", session_settings=settings)
+                try:
+                    await theirs.add_items([_item(n) for n in range(5)])
+                    assert ours.session_settings == theirs.session_settings, settings
+                    assert await ours.get_items() == await theirs.get_items(), settings
+                finally:
+                    theirs.close()
+        finally:
+            await ledger.close()
+
+    asyncio.run(go())
+
+
 def test_items_jsonb_would_refuse_or_change_read_back_as_the_sdk_stores_them(db: Database) -> None:
     """The SDK's sessions store an item as ``json.dumps`` text: a lone surrogate, NaN, an
     infinity and a float of 1e16 or more come back as they were. jsonb refuses the first three
