@@ -63,6 +63,7 @@ __all__ = [
     "Write",
     "WritesPut",
     "admit_time",
+    "as_digest",
     "decode_payload",
     "encode_json",
     "encode_payload",
@@ -778,9 +779,28 @@ class Rejected(msgspec.Struct, frozen=True, gc=False):
     created_at: str | None = None  # as stored, when it could not be read as a time
     idempotency_key: str | None = None
     hash: bytes | None = None
+    # its session or position could not be read (NULL, retyped by hand, left out of the stream):
+    # it is in no session's history, so every fold quarantines it without moving a session
+    unplaced: bool = False
 
 
 _NIL = uuid.UUID(int=0)
+
+
+def as_digest(value: object) -> bytes | None:
+    """A row's hash as bytes. A ``hash`` column retyped by hand (text, or a domain over bytea
+    read where its type is not known) gives ``\\x…`` text: read as the bytes it spells; any
+    other value is no hash (None), never a value a sink cannot write."""
+    if type(value) is bytes:
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if type(value) is str and value.startswith("\\x"):
+        try:
+            return bytes.fromhex(value[2:])
+        except ValueError:
+            return None
+    return None
 
 
 def unidentified(
@@ -818,4 +838,5 @@ def unidentified(
         None,
         key if type(key) is str else None,
         digest if type(digest) is bytes else None,
+        type(sid) is not uuid.UUID or type(pos) is not int or pos < 1,
     )

@@ -204,6 +204,9 @@ WITH archived (session_id, upto, last_hash) AS (
 SELECT DISTINCT ON (session_id) session_id, seq, position, problem FROM (
     SELECT session_id, seq, position,
            CASE
+               WHEN session_id IS NULL
+                   THEN 'rows without a session (session_id''s NOT NULL dropped?): in no '
+                        || 'session''s history, dead-lettered by the consumer'
                WHEN lag_pos IS NULL AND position <> coalesce(upto, 0) + 1
                    THEN 'first event is at position ' || position
                         || coalesce(' (archived up to ' || upto || ')', '')

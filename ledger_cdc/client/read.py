@@ -20,7 +20,14 @@ import psycopg
 from psycopg import sql
 
 from ledger_cdc.errors import ConfigError, InvalidEventError
-from ledger_cdc.events import LedgerEvent, Rejected, admit_time, load_payload, unidentified
+from ledger_cdc.events import (
+    LedgerEvent,
+    Rejected,
+    admit_time,
+    as_digest,
+    load_payload,
+    unidentified,
+)
 from ledger_cdc.fold import SessionContext, decode_context, fold_one
 from ledger_cdc.names import RUNS_CHANNEL
 
@@ -55,7 +62,7 @@ def row_event(row: Sequence[Any]) -> LedgerEvent | Rejected:
             v.decode("utf-8", "replace") if type(v) is bytes else v
             for v in (agent, etype, payload, key, bad_time)
         )
-    digest = None if digest is None else bytes(digest)
+    digest = as_digest(digest)
     rejected = unidentified(seq, sid, pos, agent, etype, key, digest)
     if rejected is not None:  # NULL or retyped by hand (ALTER TABLE): no event of it
         return rejected
@@ -123,6 +130,8 @@ def fold_all(conn: psycopg.Connection[Any]) -> dict[uuid.UUID, SessionContext]:
     events)."""
     out: dict[uuid.UUID, SessionContext] = {}
     for ev in load_events(conn):
+        if type(ev) is Rejected and ev.unplaced:  # a row of no session (a NULL session_id)
+            continue
         ctx = out.get(ev.session_id)
         if ctx is None:
             ctx = out[ev.session_id] = SessionContext(ev.session_id)

@@ -370,9 +370,11 @@ class Reducers:
         - the built-in reducers are total (saturating where arithmetic could overflow).
 
         A quarantined event still moves ``last_seq`` / ``last_position`` (the session goes on
-        past it) and counts in ``quarantined``, not in ``event_count``."""
+        past it) and counts in ``quarantined``, not in ``event_count`` — unless it is
+        ``unplaced`` (its session or position could not be read): then ``ctx`` is not touched."""
         if type(item) is Rejected:
-            _quarantine(ctx, item.seq, item.position)
+            if not item.unplaced:  # one in no session's history moves none
+                _quarantine(ctx, item.seq, item.position)
             return item.reason
         ev: LedgerEvent = item  # type: ignore[assignment]
         states: list[tuple[str, Any]] | None = None

@@ -434,6 +434,17 @@ class BatchBuilder:
             f.batch.published.append((ev, txn.commit_lsn if txn.xid else 0))
             return
         sid = ev.session_id
+        if kind is Held and it.rejected.unplaced:  # type: ignore[union-attr]
+            # its session or position could not be read: in no session's history, so no
+            # projection is touched (nor a nil session's made); dead-lettered, each one
+            r: Rejected = it.rejected  # type: ignore[union-attr]
+            row = rejected_row(r)
+            lsn: int = it.lsn  # type: ignore[union-attr]
+            sid_or_none = sid if sid.int else None
+            f.batch.dead_letters.append(
+                DeadLetter(r.seq, sid_or_none, lsn, "quarantined", r.reason, row)
+            )
+            return
         ctx = self.cache.get(sid)
         if ctx is None:  # evicted since it was loaded: its projection has what it had
             self._load([sid])

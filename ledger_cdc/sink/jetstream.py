@@ -187,7 +187,17 @@ def wire_event(w: WireEvent, payload: bytes) -> LedgerEvent | Rejected:
 
     def rejected(why: str) -> Rejected:
         return Rejected(
-            w.seq, w.session_id, w.position, w.agent_id, w.event_type, why, None, w.idempotency_key
+            w.seq,
+            w.session_id,
+            w.position,
+            w.agent_id,
+            w.event_type,
+            why,
+            None,
+            w.idempotency_key,
+            # a row whose session or position could not be read goes out as the nil session or
+            # position 0: in no session's history, as the relay's own fold would have it
+            unplaced=w.position < 1 or w.session_id.int == 0,
         )
 
     if w.rejected is not None:

@@ -13,12 +13,22 @@ from __future__ import annotations
 
 import operator
 import uuid
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psycopg
+from psycopg.adapt import Transformer
+from psycopg.pq import Format
 
-from ledger_cdc.errors import DecodeError, InvalidEventError
-from ledger_cdc.events import LedgerEvent, Rejected, admit_time, load_payload, unidentified
+from ledger_cdc.errors import InvalidEventError
+from ledger_cdc.events import (
+    LedgerEvent,
+    Rejected,
+    admit_time,
+    as_digest,
+    load_payload,
+    unidentified,
+)
 from ledger_cdc.pgoutput.messages import UNCHANGED, Relation
 from ledger_cdc.stream.values import RowLoader, raw_json_adapters
 
@@ -38,21 +48,34 @@ _ADAPTERS = raw_json_adapters()
 
 
 class LedgerRowDecoder:
-    """Decodes the tuples of one ``agent_events`` Relation (rebuild on a new Relation)."""
+    """Decodes the tuples of one ``agent_events`` Relation (rebuild on a new Relation).
 
-    def __init__(self, relation: Relation) -> None:
+    Only the columns the fold reads are loaded: an extra column the publication streams (one a
+    user added) is never loaded, so no value of it can stop a row. ``base_types`` maps a
+    domain's type OID to its base type's (from the stream's Type messages): a column retyped to
+    a domain over its own type loads as that type, as SQL readers see it."""
+
+    def __init__(self, relation: Relation, base_types: Mapping[int, int] | None = None) -> None:
         names = [c.name for c in relation.columns]
         # what the stream lacks (a column list without them): every row is quarantined
         self.missing = [n for n in REQUIRED_COLUMNS if n not in names]
         self.relation = relation
-        self._loader = RowLoader(relation, _ADAPTERS)
+        self._loader = RowLoader(relation, _ADAPTERS, base_types)
         self._ncols = len(names)
-        self._load_sequence = self._loader._text.load_sequence
-        self._pick = operator.itemgetter(
-            *(names.index(n) if n in names else 0 for n in REQUIRED_COLUMNS)
+        wanted = [n for n in (*REQUIRED_COLUMNS, *_OPTIONAL) if n in names]
+        self._wanted = tuple(wanted)
+        index = [names.index(n) for n in wanted]
+        # the common case, the ledger's own columns in its order: the tuple as it came
+        self._take: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = (
+            None if index == list(range(self._ncols)) else _taker(index)
         )
+        needed = Transformer(_ADAPTERS)
+        needed.set_loader_types([self._loader.oids[i] for i in index], Format.TEXT)
+        self._load_sequence = needed.load_sequence
+        at = {n: i for i, n in enumerate(wanted)}
+        self._pick = operator.itemgetter(*(at.get(n, 0) for n in REQUIRED_COLUMNS))
         # absent optional columns read as None (a publication made before hash was streamed)
-        self._key_i, self._hash_i = (names.index(n) if n in names else None for n in _OPTIONAL)
+        self._key_i, self._hash_i = (at.get(n) for n in _OPTIONAL)
 
     def load(self, values: tuple[Any, ...], wal_start: int = 0) -> tuple[Any, ...]:
         return self._loader.load(values, wal_start)
@@ -60,8 +83,8 @@ class LedgerRowDecoder:
     def event(self, values: tuple[Any, ...], wal_start: int = 0) -> LedgerEvent | Rejected:
         """One row → LedgerEvent, or :class:`Rejected` with the reason when its payload or time
         cannot be read (the rule every reader shares: :func:`ledger_cdc.events.load_payload`,
-        :func:`~ledger_cdc.events.admit_time`). Raises only DecodeError, for a tuple that does
-        not fit the relation at all."""
+        :func:`~ledger_cdc.events.admit_time`). Never raises: a tuple that does not fit its
+        Relation is a Rejected row too."""
         if self.missing:
             return self._rejected(
                 values,
@@ -69,20 +92,26 @@ class LedgerRowDecoder:
                 f"the stream lacks its {', '.join(self.missing)} (the "
                 "publication's column list): not folded; the row stays in agent_events",
             )
-        if type(values) is tuple and len(values) == self._ncols:
+        if len(values) != self._ncols:
+            return self._rejected(
+                values,
+                wal_start,
+                f"the tuple has {len(values)} columns, its Relation {self._ncols}",
+            )
+        if type(values) is tuple:  # text or NULL only: the common case, one C call
             try:
-                row = self._load_sequence(values)  # the common case: one C call
+                row = self._load_sequence(values if self._take is None else self._take(values))
             except (ValueError, UnicodeDecodeError, psycopg.DataError):
                 return self._rejected(values, wal_start)
         else:
             try:
-                row = self._loader.load(values, wal_start)
-            except DecodeError:
+                row = tuple(self._loader.load_one(n, values[i]) for n, i in self._columns())
+            except (ValueError, UnicodeDecodeError, psycopg.DataError):
                 return self._rejected(values, wal_start)
         seq, sid, pos, agent, etype, payload, created = self._pick(row)
         k, h = self._key_i, self._hash_i
         key = None if k is None else row[k]
-        digest = None if h is None else _digest(row[h])
+        digest = None if h is None else as_digest(row[h])
         rejected = unidentified(seq, sid, pos, agent, etype, key, digest)
         if rejected is not None:  # NULL or retyped by hand (ALTER TABLE): no event of it
             return rejected
@@ -95,34 +124,48 @@ class LedgerRowDecoder:
             return Rejected(seq, sid, pos, agent, etype, f"event seq {seq}: {e}", None, key, digest)
         return LedgerEvent(seq, sid, pos, agent, etype, value, created, key, digest)
 
+    def _columns(self) -> list[tuple[str, int]]:
+        names = self._loader.names
+        return [(n, names.index(n)) for n in self._wanted]
+
     def _rejected(
         self, values: tuple[Any, ...], wal_start: int, why: str | None = None
     ) -> Rejected:
-        """A row some column of which cannot be loaded: load what can be, one column at a time
-        (the identity columns are NOT NULL integers, uuids and text, which always load)."""
+        """A row some column of which cannot be loaded: load what can be of the columns the
+        fold reads, one at a time (the identity columns are integers, uuids and text, which
+        load unless retyped by hand)."""
         loaded: dict[str, Any] = {}
         bad: list[str] = []
-        for name, raw in zip(self._loader.names, values, strict=False):
+        for name, i in self._columns():
+            if i >= len(values):
+                continue
             try:
-                loaded[name] = self._loader.load_one(name, raw)
+                loaded[name] = self._loader.load_one(name, values[i])
             except (ValueError, UnicodeDecodeError, psycopg.DataError) as e:
                 bad.append(f"{name} ({_first_line(e)})")
                 loaded[name] = None
-        seq, pos = loaded.get("seq"), loaded.get("position")
+        seq, sid, pos = loaded.get("seq"), loaded.get("session_id"), loaded.get("position")
         names = self._loader.names
         created = values[names.index("created_at")] if "created_at" in names else None
         raw_time = bytes(created).decode("utf-8", "replace") if isinstance(created, bytes) else None
+        key = loaded.get("idempotency_key")
         return Rejected(
-            seq if isinstance(seq, int) else 0,
-            loaded.get("session_id") or _NIL,
-            pos if isinstance(pos, int) else 0,
+            seq if type(seq) is int else 0,
+            sid if type(sid) is uuid.UUID else _NIL,
+            pos if type(pos) is int else 0,
             str(loaded.get("agent_id") or ""),
             str(loaded.get("event_type") or ""),
             f"event seq {seq}: {why or 'cannot read ' + (', '.join(bad) or 'the row')}",
             raw_time,
-            loaded.get("idempotency_key"),
-            loaded.get("hash") if isinstance(loaded.get("hash"), bytes) else None,
+            key if type(key) is str else None,
+            as_digest(loaded.get("hash")),
+            type(sid) is not uuid.UUID or type(pos) is not int or pos < 1,
         )
+
+
+def _taker(index: list[int]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    get = operator.itemgetter(*index)
+    return get if len(index) > 1 else lambda values: (get(values),)
 
 
 def _first_line(e: BaseException) -> str:
@@ -130,17 +173,3 @@ def _first_line(e: BaseException) -> str:
 
 
 _NIL = uuid.UUID(int=0)
-
-
-def _digest(value: object) -> bytes | None:
-    """The row's hash as bytes. A ``hash`` column retyped by hand (text, or a domain over
-    bytea, whose values come as text) gives ``\\x…`` text: read as the bytes it spells; any
-    other value is no hash (None), never a value the sink cannot write."""
-    if type(value) is bytes:
-        return value
-    if type(value) is str and value.startswith("\\x"):
-        try:
-            return bytes.fromhex(value[2:])
-        except ValueError:
-            return None
-    return None

@@ -19,10 +19,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
+
 from ledger_cdc.errors import DecodeError, LedgerError
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.names import HEARTBEAT_PREFIX, LEDGER_TABLE
-from ledger_cdc.pgoutput import Decoder, Delete, Insert, LogicalMessage, Relation, Truncate, Update
+from ledger_cdc.pgoutput import (
+    BeginPrepare,
+    CommitPrepared,
+    Decoder,
+    Delete,
+    Insert,
+    LogicalMessage,
+    Prepare,
+    Relation,
+    RollbackPrepared,
+    StreamAbort,
+    StreamCommit,
+    StreamPrepare,
+    StreamStart,
+    StreamStop,
+    Truncate,
+    Type,
+    Update,
+)
 from ledger_cdc.pgoutput.messages import MessageType, OldTupleKind
 from ledger_cdc.stream.assemble import Assembler, Transaction
 from ledger_cdc.stream.ledger import LedgerRowDecoder
@@ -41,7 +61,24 @@ __all__ = [
 
 log = logging.getLogger("ledger_cdc.consumer")
 
+_BUILTIN_TYPES = psycopg.adapters.types
+
 _KNOWN_KINDS = frozenset(bytes(m.value) for m in MessageType)
+# the messages that open or end a streamed or prepared transaction: a Relation inside one is
+# the ledger's only if that transaction commits
+_TXN_KINDS = frozenset(
+    {
+        StreamStart,
+        StreamStop,
+        StreamCommit,
+        StreamAbort,
+        StreamPrepare,
+        BeginPrepare,
+        Prepare,
+        CommitPrepared,
+        RollbackPrepared,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -193,6 +230,14 @@ class LedgerStream:
         self._feed = self.assembler.feed
         self._rows: dict[int, LedgerRowDecoder] = {}
         self._ledger_relids: set[int] = set()
+        # relation ids named the ledger in a transaction not committed yet (streamed or
+        # prepared): (sub)transaction xid → (top-level xid, relation ids); an abort forgets them
+        self._tentative: dict[int, tuple[int, set[int]]] = {}
+        self._stream_top: int | None = None  # the streamed transaction whose block is open
+        self._prepare_xid: int | None = None  # the prepared transaction being sent
+        # a domain's type OID → its base type's: the server sends a Type message for each
+        # user-defined column type, with the base type's name
+        self._base_types: dict[int, int] = {}
         self._unknown_seen: set[bytes] = set()
 
     def feed(self, payload: bytes, lsn: int) -> list[Transaction[Item]]:
@@ -213,14 +258,11 @@ class LedgerStream:
             item = ev if type(ev) is LedgerEvent else Held(lsn, ev)  # type: ignore[arg-type]
         elif kind is Relation:
             assert isinstance(msg, Relation)
-            rid = msg.relation_id
-            if rid in self._ledger_relids or (
-                msg.name == self.table and (self.schema is None or msg.namespace == self.schema)
-            ):  # (a relation id is the table's: the ledger renamed is still the ledger)
-                self._rows[rid] = LedgerRowDecoder(msg)
-                self._ledger_relids.add(rid)
-            else:
-                self._rows.pop(rid, None)
+            self._relation(msg)
+            return []
+        elif kind is Type:
+            assert isinstance(msg, Type)
+            self._type(msg)
             return []
         elif kind is Update or kind is Delete:
             assert isinstance(msg, (Update, Delete))
@@ -235,7 +277,66 @@ class LedgerStream:
             if not msg.transactional and msg.prefix == HEARTBEAT_PREFIX:
                 self._heartbeat(msg, lsn)
             return []
+        elif kind in _TXN_KINDS:
+            self._transaction(msg)
         return self._feed(msg, item, len(payload), lsn)
+
+    def _relation(self, msg: Relation) -> None:
+        """The ledger is the relation with the ledger's name, and stays so renamed (a relation
+        id is the table's). A name seen in a streamed or prepared transaction counts only once
+        that transaction commits: a rename tried and rolled back makes no table the ledger."""
+        rid = msg.relation_id
+        named = msg.name == self.table and (self.schema is None or msg.namespace == self.schema)
+        tentative = any(rid in rids for _, rids in self._tentative.values())
+        if not (named or rid in self._ledger_relids or tentative):
+            self._rows.pop(rid, None)
+            return
+        self._rows[rid] = LedgerRowDecoder(msg, self._base_types)
+        if rid in self._ledger_relids or not named:
+            return
+        owner = msg.xid if msg.xid is not None else self._prepare_xid
+        if owner is None:  # a transaction decoded at its commit
+            self._ledger_relids.add(rid)
+        else:
+            top = self._stream_top if msg.xid is not None and self._stream_top else owner
+            self._tentative.setdefault(owner, (top, set()))[1].add(rid)
+
+    def _type(self, msg: Type) -> None:
+        """A user-defined column type: for a domain, the server names its base type, whose
+        loader its values take (a domain over timestamptz loads as timestamptz). pg_catalog is
+        sent as an empty namespace."""
+        if msg.namespace in ("", "pg_catalog"):
+            info = _BUILTIN_TYPES.get(msg.name)
+            if info is not None and info.oid != msg.type_oid:
+                self._base_types[msg.type_oid] = info.oid
+
+    def _transaction(self, msg: Any) -> None:
+        """Keeps the relation ids a streamed or prepared transaction named the ledger until it
+        commits (then they are the ledger's) or aborts (then forgotten)."""
+        kind = type(msg)
+        if kind is StreamStart:
+            self._stream_top = msg.xid
+        elif kind is StreamStop:
+            self._stream_top = None
+        elif kind is BeginPrepare:
+            self._prepare_xid = msg.xid
+        elif kind is Prepare:
+            self._prepare_xid = None
+        elif kind is StreamCommit or kind is CommitPrepared:
+            for owner, (top, rids) in list(self._tentative.items()):
+                if top == msg.xid:
+                    del self._tentative[owner]
+                    self._ledger_relids |= rids
+        elif kind is StreamAbort or kind is RollbackPrepared:
+            whole = kind is RollbackPrepared or msg.subxid == msg.xid
+            dropped: set[int] = set()
+            for owner, (top, rids) in list(self._tentative.items()):
+                if (whole and top == msg.xid) or (not whole and owner == msg.subxid):
+                    del self._tentative[owner]
+                    dropped |= rids
+            still = set().union(*(rids for _, rids in self._tentative.values()))
+            for rid in dropped - self._ledger_relids - still:
+                self._rows.pop(rid, None)
 
     def _unknown_kind(self, payload: bytes, e: DecodeError) -> None:
         """A message kind this decoder does not know (a newer server or protocol): not ours to

@@ -7,12 +7,13 @@ column OIDs and loads a row of text values in one ``load_sequence`` call (C-acce
 ``None`` and :data:`~ledger_cdc.pgoutput.messages.UNCHANGED` (an unchanged TOASTed value, which the
 server did not send) stays itself — it is never confused with NULL.
 
-Types psycopg does not know (a custom enum or domain) load as ``str`` in text format and as
-``bytes`` in binary format.
+Types psycopg does not know (a custom enum, a domain whose base type the caller did not map)
+load as ``str`` in text format and as ``bytes`` in binary format.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -67,10 +68,18 @@ def _default_adapters() -> AdaptersMap:
 class RowLoader:
     """Loads the tuples of one relation (rebuild it when a new Relation message arrives)."""
 
-    def __init__(self, relation: Relation, adapters: AdaptersMap | None = None) -> None:
+    def __init__(
+        self,
+        relation: Relation,
+        adapters: AdaptersMap | None = None,
+        base_types: Mapping[int, int] | None = None,
+    ) -> None:
         self.relation = relation
         self.names = tuple(col.name for col in relation.columns)
-        self._oids = [col.type_oid for col in relation.columns]
+        # a domain's values load as its base type's (SQL readers see the base type too)
+        bases = base_types or {}
+        self.oids = [bases.get(col.type_oid, col.type_oid) for col in relation.columns]
+        self._oids = self.oids
         self._adapters = adapters or _default_adapters()
         self._text = Transformer(self._adapters)
         self._text.set_loader_types(self._oids, Format.TEXT)

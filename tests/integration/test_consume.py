@@ -681,12 +681,7 @@ def test_a_relation_of_an_aborted_streamed_transaction_is_not_kept(db: Database)
         wait_caught_up(db.dsn)
         before = _streamed_txns(watch)
         with db.connect() as conn, pytest.raises(RuntimeError), conn.transaction():
-            row = conn.execute(
-                "SELECT attnames FROM pg_publication_tables "
-                "WHERE pubname = 'agent_pub' AND tablename = 'agent_events'"
-            ).fetchone()
-            assert row is not None
-            columns = ", ".join([*row[0], "tenant"])
+            columns = ", ".join([*_published_columns(conn), "tenant"])
             conn.execute("ALTER TABLE agent_events ADD COLUMN tenant text DEFAULT 'acme'")
             conn.execute(f"ALTER PUBLICATION agent_pub SET TABLE agent_events ({columns})")
             conn.execute(
@@ -742,17 +737,10 @@ def test_a_hash_column_retyped_to_text_does_not_stop_the_consumer(db: Database) 
     with InThread(db.dsn), Ledger(db.dsn) as ledger, db.connect() as conn:
         ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
         wait_caught_up(db.dsn)
-        (cols,) = conn.execute(  # type: ignore[misc]
-            "SELECT attnames FROM pg_publication_tables WHERE pubname = 'agent_pub' "
-            "AND tablename = 'agent_events'"
-        ).fetchone()
-        with conn.transaction():  # the column list depends on the column: out, retyped, back
-            conn.execute("ALTER PUBLICATION agent_pub DROP TABLE agent_events")
-            conn.execute(
-                "ALTER TABLE agent_events ALTER COLUMN prev_hash TYPE text, "
-                "ALTER COLUMN hash TYPE text"
-            )
-            conn.execute(f"ALTER PUBLICATION agent_pub ADD TABLE agent_events ({', '.join(cols)})")
+        _retyped(
+            conn,
+            "ALTER TABLE agent_events ALTER COLUMN prev_hash TYPE text, ALTER COLUMN hash TYPE text",
+        )
         conn.execute(
             "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
             "VALUES (%s, 'a', 'tool.observed', '{\"call_id\": \"1\", \"result\": 5}')",
@@ -764,3 +752,190 @@ def test_a_hash_column_retyped_to_text_does_not_stop_the_consumer(db: Database) 
             "SELECT last_position FROM agent_sessions WHERE session_id = %s", (sid,)
         ).fetchone()
     assert row == (2,)
+    assert_projections_equal_refold(db.dsn)  # the table readers read the text digest too
+
+
+def _published_columns(conn: psycopg.Connection[Any]) -> list[str]:
+    (cols,) = conn.execute(  # type: ignore[misc]
+        "SELECT attnames FROM pg_publication_tables WHERE pubname = 'agent_pub' "
+        "AND tablename = 'agent_events'"
+    ).fetchone()
+    return list(cols)
+
+
+def _retyped(conn: psycopg.Connection[Any], ddl: str) -> None:
+    """ALTER TYPE of a column in the publication's column list: out, altered, back."""
+    cols = _published_columns(conn)
+    with conn.transaction():
+        conn.execute("ALTER PUBLICATION agent_pub DROP TABLE agent_events")
+        conn.execute(ddl)
+        conn.execute(f"ALTER PUBLICATION agent_pub ADD TABLE agent_events ({', '.join(cols)})")
+
+
+@pytest.mark.parametrize(
+    "column,base", [("created_at", "timestamptz"), ("session_id", "uuid"), ("hash", "bytea")]
+)
+def test_a_column_retyped_to_a_domain_over_its_type_is_read_as_that_type(
+    db: Database, column: str, base: str
+) -> None:
+    """SQL readers see a domain's base type; pgoutput's Relation names the domain, whose base
+    type comes in a Type message. Its rows were quarantined (created_at, session_id read as
+    text) or stopped the consumer for good (hash)."""
+    sid = uuid.uuid4()
+    with InThread(db.dsn), Ledger(db.dsn) as ledger, db.connect() as conn:
+        conn.autocommit = True
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
+        wait_caught_up(db.dsn)
+        conn.execute(f"CREATE DOMAIN ledger_test_{column} AS {base}")
+        _retyped(conn, f"ALTER TABLE agent_events ALTER COLUMN {column} TYPE ledger_test_{column}")
+        with db.connect() as fresh:  # (the writer's pooled sessions cached the old plan)
+            fresh.execute(
+                "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                "VALUES (%s, 'a', 'tool.observed', '{\"call_id\": \"1\", \"result\": 5}')",
+                (sid,),
+            )
+            fresh.commit()
+        wait_caught_up(db.dsn)
+        dead = conn.execute("SELECT kind, reason FROM ledger_dead_letters").fetchall()
+        (ctx,) = stored_projections(conn).values()
+    assert dead == []
+    assert ctx.event_count == 2 and ctx.completed_tools["1"].result == 5
+    assert_projections_equal_refold(db.dsn)
+
+
+def test_an_extra_published_column_holding_what_python_cannot_is_not_loaded(
+    db: Database,
+) -> None:
+    """A column the fold does not read, added to the publication, holding a value psycopg
+    cannot load (a timestamptz of 'infinity'): every ledger row was quarantined by the stream,
+    though every table reader folded it. Only the columns the fold reads are loaded."""
+    sid = uuid.uuid4()
+    with InThread(db.dsn), Ledger(db.dsn) as ledger, db.connect() as conn:
+        conn.autocommit = True
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
+        wait_caught_up(db.dsn)
+        cols = _published_columns(conn)
+        conn.execute(
+            "ALTER TABLE agent_events ADD COLUMN valid_until timestamptz DEFAULT 'infinity'"
+        )
+        conn.execute(
+            f"ALTER PUBLICATION agent_pub SET TABLE agent_events ({', '.join(cols)}, valid_until)"
+        )
+        ledger.append(sid, "a", "tool.observed", {"call_id": "1", "result": 5})
+        wait_caught_up(db.dsn)
+        dead = conn.execute("SELECT kind, reason FROM ledger_dead_letters").fetchall()
+        (ctx,) = stored_projections(conn).values()
+    assert dead == []
+    assert ctx.completed_tools["1"].result == 5
+    assert_projections_equal_refold(db.dsn)
+
+
+def test_rows_without_a_session_are_each_dead_lettered_and_in_no_projection(
+    db: Database,
+) -> None:
+    """session_id's NOT NULL dropped by hand and three rows written without one: they share
+    position 1, so all but the first were dropped as already folded, into a projection of the
+    nil session that no table reader makes. Each is a dead letter; no session is touched."""
+    sid = uuid.uuid4()
+    with InThread(db.dsn), Ledger(db.dsn) as ledger, db.connect() as conn:
+        conn.autocommit = True
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
+        wait_caught_up(db.dsn)
+        conn.execute(
+            "ALTER TABLE agent_events ALTER COLUMN session_id DROP NOT NULL, "
+            "ALTER COLUMN hash DROP NOT NULL"
+        )
+        for i in range(3):
+            conn.execute(
+                "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                "VALUES (NULL, 'a', 'tool.invoked', %s::jsonb)",
+                (json.dumps({"call_id": f"n{i}", "tool": "t"}),),
+            )
+        ledger.append(sid, "a", "tool.observed", {"call_id": "1", "result": 5})
+        until(  # (wait_caught_up finds sessions by their id: not these rows)
+            lambda: (
+                conn.execute(
+                    "SELECT last_position FROM agent_sessions WHERE session_id = %s", (sid,)
+                ).fetchone()
+                == (2,)
+            )
+        )
+        dead = conn.execute(
+            "SELECT session_id, kind FROM ledger_dead_letters ORDER BY seq"
+        ).fetchall()
+        sessions = [r[0] for r in conn.execute("SELECT session_id FROM agent_sessions")]
+    assert dead == [(None, "quarantined")] * 3, dead
+    assert sessions == [sid]
+    assert_projections_equal_refold(db.dsn)
+    result = run_cli("verify", "--all", "--dsn", db.dsn)  # the broken rule is a difference
+    assert result.exit_code == 1 and "rows without a session" in result.output, result.output
+    assert "1 difference(s)" in result.output, result.output
+
+
+@pytest.mark.parametrize("left_out", ["position", "session_id"])
+def test_each_row_streamed_without_an_identity_column_is_dead_lettered(
+    db: Database, left_out: str
+) -> None:
+    """The README's rule: each row streamed while the column list leaves out a column the fold
+    needs is a dead letter. Without position (read as 0) or session_id, the rows after the
+    first were dropped as already folded, silently."""
+    sid = uuid.uuid4()
+    with InThread(db.dsn), Ledger(db.dsn) as ledger, db.connect() as conn:
+        conn.autocommit = True
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
+        wait_caught_up(db.dsn)
+        cols = _published_columns(conn)
+        narrow = ", ".join(c for c in cols if c != left_out)
+        conn.execute(f"ALTER PUBLICATION agent_pub SET TABLE agent_events ({narrow})")
+        for i in range(3):
+            ledger.append(sid, "a", "tool.invoked", {"call_id": f"n{i}", "tool": "t"})
+        conn.execute(f"ALTER PUBLICATION agent_pub SET TABLE agent_events ({', '.join(cols)})")
+        ledger.append(sid, "a", "tool.observed", {"call_id": "1", "result": 5})
+        wait_caught_up(db.dsn)
+        dead = conn.execute("SELECT seq, kind FROM ledger_dead_letters ORDER BY seq").fetchall()
+    assert [s for s, k in dead if k == "quarantined"] == [2, 3, 4], dead
+    assert (5, "gap") in dead  # the stream went on from position 5: the hole is recorded
+
+
+def test_a_rename_to_the_ledger_rolled_back_in_a_streamed_transaction_makes_no_table_the_ledger(
+    db: Database,
+) -> None:
+    """A migration tried and rolled back: the ledger renamed away and a copy renamed to
+    agent_events, in a transaction large enough to be streamed before its end. The copy's
+    Relation (named agent_events) made its relation id the ledger's for good, so rows later
+    written to the copy were folded as ledger events."""
+    sid = uuid.uuid4()
+    pad = "p" * 300
+    with db.connect() as conn:
+        conn.execute("CREATE TABLE agent_events_copy (LIKE agent_events)")
+        conn.execute("ALTER PUBLICATION agent_pub ADD TABLE agent_events_copy")
+        conn.commit()
+    with InThread(db.dsn), Ledger(db.dsn) as ledger, db.connect() as conn:
+        conn.autocommit = True
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
+        wait_caught_up(db.dsn)
+        before = _streamed_txns(conn)
+        with db.connect() as tx:
+            tx.autocommit = True
+            tx.execute("BEGIN")
+            tx.execute("ALTER TABLE agent_events RENAME TO agent_events_old")
+            tx.execute("ALTER TABLE agent_events_copy RENAME TO agent_events")
+            tx.execute(
+                "INSERT INTO agent_events SELECT g, %s, g, 'x', 'tool.invoked', "
+                "jsonb_build_object('call_id', 'c' || g, 'tool', 't', 'pad', %s::text), "
+                "NULL, now(), NULL, '\\x00' FROM generate_series(1000, 1400) g",
+                (uuid.uuid4(), pad),
+            )
+            until(lambda: _streamed_txns(conn) > before, timeout=60)
+            tx.execute("ROLLBACK")
+        phantom = uuid.uuid4()
+        conn.execute(  # a copy job writes to the copy: a session the ledger never had
+            "INSERT INTO agent_events_copy SELECT 99999, %s, 1, 'x', 'task.completed', "
+            "'{\"result\": \"phantom\"}', NULL, now(), NULL, '\\x00'",
+            (phantom,),
+        )
+        ledger.append(sid, "a", "tool.observed", {"call_id": "1", "result": 5})
+        wait_caught_up(db.dsn)  # (the copy's row was committed before this event)
+        got = set(stored_projections(conn))
+    assert got == {sid}
+    assert_projections_equal_refold(db.dsn)

@@ -115,3 +115,114 @@ def test_an_update_that_changed_the_key_is_described_by_its_new_row() -> None:
     assert item.kind == "update"
     assert item.session_id == SID
     assert item.seq == 9
+
+
+def _feed(s: LedgerStream, *msgs: bytes) -> list[Any]:
+    """Every transaction's items that ``msgs`` complete, in order."""
+    return [it for i, m in enumerate(msgs) for t in s.feed(m, 100 + i) for it in t.items]
+
+
+def _in_stream(type_: bytes, body: dict[str, Any]) -> bytes:
+    return build_message(type_, body, in_stream=True)
+
+
+def _copy_named_ledger_in_stream(xid: int, subxid: int) -> list[bytes]:
+    """A streamed block of transaction ``xid`` in which subtransaction ``subxid`` renames a
+    copy table (OTHER) to agent_events and writes to it."""
+    rel = build_message(b"R", {"xid": subxid, **_relation_fields(OTHER)}, in_stream=True)
+    return [
+        build_message(b"S", {"xid": xid, "first_segment": 1}),
+        rel,
+        _in_stream(b"I", {"xid": subxid, "relation_id": OTHER, "new": values(row(50))}),
+        build_message(b"E", {}),
+    ]
+
+
+def _relation_fields(relid: int, name: str = "agent_events") -> dict[str, Any]:
+    cols = [
+        {"flags": int(n == "seq"), "name": n, "type_oid": oid, "type_modifier": -1}
+        for n, oid in COLUMNS
+    ]
+    return {
+        "relation_id": relid,
+        "namespace": "public",
+        "name": name,
+        "replica_identity": b"d",
+        "columns": cols,
+    }
+
+
+def _abort(xid: int, subxid: int) -> bytes:
+    return build_message(b"A", {"xid": xid, "subxid": subxid, "abort_lsn": None, "abort_ts": None})
+
+
+def test_a_table_named_the_ledger_in_an_aborted_stream_is_not_the_ledger() -> None:
+    """A rename to agent_events tried in a streamed transaction and rolled back (the whole
+    transaction, or the subtransaction that did it): the copy's later rows are not folded."""
+    for xid, subxid, abort_sub in ((50, 50, 50), (50, 51, 51), (50, 51, 50)):
+        s = LedgerStream(skip_upto=0, memory_limit=10**8)
+        assert _feed(s, relation(), *transaction_msgs(insert(row(1)))) != []
+        msgs = _copy_named_ledger_in_stream(xid, subxid)
+        got = _feed(s, *msgs, _abort(xid, abort_sub), *transaction_msgs(insert(row(7), OTHER)))
+        assert got == [], (xid, subxid, abort_sub)
+        # the ledger is still the ledger
+        (item,) = _feed(s, *transaction_msgs(insert(row(2))))
+        assert isinstance(item, LedgerEvent) and item.seq == 2
+
+
+def test_a_table_renamed_to_the_ledger_in_a_committed_stream_is_the_ledger() -> None:
+    """The same rename committed: the table is the ledger from then on (a relation id is the
+    table's), its rows in the stream and after it folded."""
+    s = LedgerStream(skip_upto=0, memory_limit=10**8)
+    commit = build_message(
+        b"c", {"xid": 50, "flags": 0, "commit_lsn": 900, "end_lsn": 908, "commit_ts": 0}
+    )
+    items = _feed(s, *_copy_named_ledger_in_stream(50, 51), commit)
+    assert [type(i) for i in items] == [LedgerEvent]
+    (item,) = _feed(s, *transaction_msgs(insert(row(7), OTHER)))
+    assert isinstance(item, LedgerEvent) and item.seq == 7
+
+
+def test_a_table_named_the_ledger_in_a_prepared_transaction_rolled_back_is_not() -> None:
+    """Two-phase: the prepared transaction's changes are sent at PREPARE, its fate later."""
+    s = LedgerStream(skip_upto=0, memory_limit=10**8)
+    ts = {"prepare_ts": 0, "xid": 60, "gid": "g"}
+    lsns = {"prepare_lsn": 800, "end_lsn": 808}
+    msgs = [
+        build_message(b"b", {**lsns, **ts}),
+        build_message(b"R", {"xid": None, **_relation_fields(OTHER)}),
+        insert(row(50), OTHER),
+        build_message(b"P", {"flags": 0, **lsns, **ts}),
+        build_message(
+            b"r",
+            {"flags": 0, "prepare_end_lsn": 808, "rollback_end_lsn": 900, "rollback_ts": 0, **ts},
+        ),
+    ]
+    assert _feed(s, *msgs, *transaction_msgs(insert(row(7), OTHER))) == []
+
+
+def test_a_column_of_a_domain_over_a_builtin_type_loads_as_that_type() -> None:
+    """The server sends a Type message for a user-defined column type, naming a domain's base
+    type (pg_catalog as an empty namespace): the domain's values load as the base type's."""
+    domain = 70000
+    cols = dict(COLUMNS)
+    typ = build_message(
+        b"Y", {"xid": None, "type_oid": domain, "namespace": "", "name": "timestamptz"}
+    )
+    fields = _relation_fields(LEDGER)
+    for col in fields["columns"]:
+        if col["name"] == "created_at":
+            assert col["type_oid"] == cols["created_at"]
+            col["type_oid"] = domain
+    rel = build_message(b"R", {"xid": None, **fields})
+    (item,) = transaction(typ, rel, insert(row(1)))
+    assert isinstance(item, LedgerEvent), item
+    assert item.created_at.year == 2026
+
+
+def transaction_msgs(*msgs: bytes) -> list[bytes]:
+    return [
+        build_message(b"B", {"final_lsn": 500, "commit_ts": 0, "xid": 9}),
+        *msgs,
+        build_message(b"C", {"flags": 0, "commit_lsn": 500, "end_lsn": 508, "commit_ts": 0}),
+    ]
