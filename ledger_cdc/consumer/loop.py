@@ -86,6 +86,7 @@ log = logging.getLogger("ledger_cdc.consumer")
 _PG_EPOCH = 946684800.0  # 2000-01-01 in Unix seconds
 
 _HEALTHY_AFTER = 30.0  # seconds of streaming after which a failure starts the backoff over
+_READ_MANY = 256  # messages taken from the socket at a time
 PROBE_EVERY = 0.05  # seconds between looks at the sink's WAL flush while batches await it
 
 
@@ -444,14 +445,17 @@ class Consumer:
         metrics = self.metrics
         lost = self._guard.lost
         read_many = stream.read_many
+        drained = False  # the last read took what the socket had: none ready, most likely
         while True:
             if worker.done:
                 self._settle()
             if lost.is_set():
                 lost.clear()
                 raise SlotLostError(f"slot {self.config.slot} was invalidated (wal_status lost)")
-            msgs = read_many(256)
+            msgs = [] if drained else read_many(_READ_MANY)
+            drained = False
             if msgs:
+                drained = len(msgs) < _READ_MANY  # (else the idle pass's wait finds more)
                 metrics.server_wal_end = msgs[-1].wal_end
                 msgs.reverse()  # popped as handled: a large message is not held to the end
                 while msgs:

@@ -54,9 +54,11 @@ class SinkWorker:
 
     def take(self) -> Batch | None:
         """The batch committed since the last call (re-raising the sink's error, if any)."""
-        with contextlib.suppress(BlockingIOError):
-            os.read(self._rfd, 512)
+        if self._finished is None and self._error is None:
+            return None  # nothing settled: no byte in the pipe either (written with it, below)
         with self._cond:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._rfd, 512)
             if self._error is not None:
                 err, self._error = self._error, None
                 raise err
@@ -78,14 +80,16 @@ class SinkWorker:
             except BaseException as e:  # handed to the stream loop
                 error = e
             with self._cond:
+                # the wake-up byte first, under the lock: whoever sees the batch settled finds
+                # the byte there to read, so none is left behind to wake the loop for nothing
+                with contextlib.suppress(OSError):
+                    os.write(self._wfd, b"x")
                 if error is None:
                     self._finished = batch
                 else:
                     self._error = error
                 self._batch = None
                 self._cond.notify_all()
-            with contextlib.suppress(OSError):
-                os.write(self._wfd, b"x")
 
     def close(self) -> None:
         with self._cond:
