@@ -897,13 +897,15 @@ def test_each_row_streamed_without_an_identity_column_is_dead_lettered(
     assert (5, "gap") in dead  # the stream went on from position 5: the hole is recorded
 
 
+@pytest.mark.parametrize("undo", ["rollback", "rollback to an outer savepoint"])
 def test_a_rename_to_the_ledger_rolled_back_in_a_streamed_transaction_makes_no_table_the_ledger(
-    db: Database,
+    db: Database, undo: str
 ) -> None:
     """A migration tried and rolled back: the ledger renamed away and a copy renamed to
-    agent_events, in a transaction large enough to be streamed before its end. The copy's
-    Relation (named agent_events) made its relation id the ledger's for good, so rows later
-    written to the copy were folded as ledger events."""
+    agent_events, in a transaction large enough to be streamed before its end (or in a nested
+    savepoint of one that commits). The copy's Relation (named agent_events) made its relation
+    id the ledger's for good, so rows later written to the copy were folded as ledger
+    events."""
     sid = uuid.uuid4()
     pad = "p" * 300
     with db.connect() as conn:
@@ -918,6 +920,10 @@ def test_a_rename_to_the_ledger_rolled_back_in_a_streamed_transaction_makes_no_t
         with db.connect() as tx:
             tx.autocommit = True
             tx.execute("BEGIN")
+            nested = undo != "rollback"
+            if nested:
+                tx.execute("SAVEPOINT outer_s")
+                tx.execute("SAVEPOINT inner_s")
             tx.execute("ALTER TABLE agent_events RENAME TO agent_events_old")
             tx.execute("ALTER TABLE agent_events_copy RENAME TO agent_events")
             tx.execute(
@@ -927,7 +933,16 @@ def test_a_rename_to_the_ledger_rolled_back_in_a_streamed_transaction_makes_no_t
                 (uuid.uuid4(), pad),
             )
             until(lambda: _streamed_txns(conn) > before, timeout=60)
-            tx.execute("ROLLBACK")
+            if nested:  # the rest of the transaction commits, a ledger row with it
+                tx.execute("ROLLBACK TO SAVEPOINT outer_s")
+                tx.execute(
+                    "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                    'VALUES (%s, \'a\', \'tool.invoked\', \'{"call_id": "2", "tool": "t"}\')',
+                    (sid,),
+                )
+                tx.execute("COMMIT")
+            else:
+                tx.execute("ROLLBACK")
         phantom = uuid.uuid4()
         conn.execute(  # a copy job writes to the copy: a session the ledger never had
             "INSERT INTO agent_events_copy SELECT 99999, %s, 1, 'x', 'task.completed', "
@@ -936,6 +951,7 @@ def test_a_rename_to_the_ledger_rolled_back_in_a_streamed_transaction_makes_no_t
         )
         ledger.append(sid, "a", "tool.observed", {"call_id": "1", "result": 5})
         wait_caught_up(db.dsn)  # (the copy's row was committed before this event)
-        got = set(stored_projections(conn))
-    assert got == {sid}
+        got = stored_projections(conn)
+    assert set(got) == {sid}
+    assert got[sid].event_count == (3 if nested else 2)
     assert_projections_equal_refold(db.dsn)
