@@ -11,13 +11,39 @@ import psycopg
 
 from ledger_cdc.errors import translate
 
-__all__ = ["connect"]
+__all__ = ["connect", "speak_utf8", "speak_utf8_async"]
+
+
+def speak_utf8(conn: psycopg.Connection[Any]) -> None:
+    """The session speaks UTF-8, whatever client_encoding the database or role sets: text a
+    narrower encoding cannot hold (an arrow in a LATIN1 session) is then written and read,
+    never refused by the server on every retry. A SQL_ASCII database is left as it is (it
+    converts nothing: its text is read as bytes and decoded leniently)."""
+    if _narrow(conn.info.encoding, conn.info.parameter_status("server_encoding")):
+        conn.execute("SET client_encoding TO 'UTF8'")
+        if not conn.autocommit:
+            conn.commit()
+
+
+async def speak_utf8_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    """:func:`speak_utf8` for an async connection."""
+    if _narrow(conn.info.encoding, conn.info.parameter_status("server_encoding")):
+        await conn.execute("SET client_encoding TO 'UTF8'")
+        if not conn.autocommit:
+            await conn.commit()
+
+
+def _narrow(encoding: str, server: str | None) -> bool:
+    return encoding != "utf-8" and server != "SQL_ASCII"
 
 
 def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
-    """``psycopg.connect`` (``connect_timeout`` 10 s unless given), its failure translated."""
+    """``psycopg.connect`` (``connect_timeout`` 10 s unless given; UTF-8, :func:`speak_utf8`),
+    its failure translated."""
     kwargs.setdefault("connect_timeout", 10)
     try:
-        return psycopg.connect(dsn, **kwargs)
+        conn = psycopg.connect(dsn, **kwargs)
+        speak_utf8(conn)
+        return conn
     except psycopg.Error as e:
         raise translate(e, dsn=dsn, doing="cannot connect") from e

@@ -51,6 +51,7 @@ import msgspec
 import psycopg
 
 from ledger_cdc import retry
+from ledger_cdc.connect import speak_utf8
 from ledger_cdc.errors import ConfigError, LedgerError, RetryableError, translate
 
 __all__ = [
@@ -370,6 +371,7 @@ class Dispatcher:
         if self._conn is None or self._conn.closed:
             try:
                 self._conn = psycopg.connect(self.config.dsn, autocommit=True, connect_timeout=10)
+                speak_utf8(self._conn)
             except psycopg.Error as e:
                 raise translate(e, dsn=self.config.dsn, doing="outbox database") from e
         return self._conn

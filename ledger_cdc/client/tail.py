@@ -19,6 +19,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ledger_cdc.client.read import COLUMNS, row_event
+from ledger_cdc.connect import speak_utf8_async
 from ledger_cdc.errors import ConfigError, DatabaseUnavailable
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.names import SESSIONS_CHANNEL
@@ -44,6 +45,7 @@ async def follow_postgres(
     if "connect_timeout" not in conninfo_to_dict(dsn):
         dsn = make_conninfo(dsn, connect_timeout=10)
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await speak_utf8_async(conn)
         await conn.execute(f"LISTEN {SESSIONS_CHANNEL}")
         last = after
         prefix = f"{session_id}:"
@@ -142,6 +144,7 @@ async def _omitted_event(dsn: str | None, w: WireEvent) -> LedgerEvent | Rejecte
     if dsn is not None:
         try:
             async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+                await speak_utf8_async(conn)
                 cur = await conn.execute(_ONE.encode(), (w.session_id, w.position))
                 row = await cur.fetchone()
         except psycopg.Error as e:

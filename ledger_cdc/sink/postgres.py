@@ -26,6 +26,7 @@ from psycopg.adapt import Transformer
 from psycopg.pq import ExecStatus
 from psycopg.pq.abc import PGconn, PGresult
 
+from ledger_cdc.connect import speak_utf8
 from ledger_cdc.errors import (
     FencedError,
     WindowMissingError,
@@ -376,7 +377,10 @@ class PgSink:
     @property
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
+            # UTF-8 whatever the database's or role's client_encoding: the hot path's statements
+            # send the batch's JSON as the UTF-8 bytes msgspec made (and any text fits)
             self._conn = psycopg.connect(self.dsn, autocommit=True)
+            speak_utf8(self._conn)
             # A consumer frozen mid-transaction (SIGSTOP, a stalled VM) would hold the
             # checkpoint row's lock and block the standby that took its slot: the server ends
             # such a session after this long idle inside a transaction (ours never idle: every

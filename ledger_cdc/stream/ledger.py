@@ -62,16 +62,17 @@ class LedgerRowDecoder:
         self.relation = relation
         self._loader = RowLoader(relation, _ADAPTERS, base_types)
         self._ncols = len(names)
-        wanted = [n for n in (*REQUIRED_COLUMNS, *_OPTIONAL) if n in names]
+        needed = {*REQUIRED_COLUMNS, *_OPTIONAL}
+        wanted = [n for n in names if n in needed]  # in the relation's order
         self._wanted = tuple(wanted)
         index = [names.index(n) for n in wanted]
         # the common case, the ledger's own columns in its order: the tuple as it came
         self._take: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = (
             None if index == list(range(self._ncols)) else _taker(index)
         )
-        needed = Transformer(_ADAPTERS)
-        needed.set_loader_types([self._loader.oids[i] for i in index], Format.TEXT)
-        self._load_sequence = needed.load_sequence
+        loads = Transformer(_ADAPTERS)
+        loads.set_loader_types([self._loader.oids[i] for i in index], Format.TEXT)
+        self._load_sequence = loads.load_sequence
         at = {n: i for i, n in enumerate(wanted)}
         self._pick = operator.itemgetter(*(at.get(n, 0) for n in REQUIRED_COLUMNS))
         # absent optional columns read as None (a publication made before hash was streamed)

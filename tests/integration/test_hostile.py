@@ -28,6 +28,7 @@ from ledger_cdc.admin.schema import drop_slot
 from ledger_cdc.admin.verify import verify
 from ledger_cdc.client.recovery import memoised_model, memoised_tool, rebuild_context
 from ledger_cdc.client.writer import Ledger, OutboxItem
+from ledger_cdc.connect import connect
 from ledger_cdc.errors import InvalidEventError
 from ledger_cdc.events import MAX_TIME, MIN_TIME, READ_MAX_DEPTH, Limits
 from ledger_cdc.fold import SessionContext, memo_key
@@ -603,7 +604,8 @@ def test_two_witnesses_see_an_edit_that_recomputes_the_chain(db: Database) -> No
 def test_a_database_whose_sessions_speak_latin1_streams_utf8(db: Database, tmp_path: Path) -> None:
     """The walsender converts text to the session's client encoding (here the database's
     setting, LATIN1): the replication session asks for UTF-8, so non-ASCII agent ids and
-    payloads are folded, not quarantined as undecodable."""
+    payloads are folded, not quarantined as undecodable; the sink's session speaks UTF-8 too,
+    so text LATIN1 cannot hold (an arrow, an emoji) is written, not refused on every retry."""
     with db.connect() as conn:
         conn.execute(
             sql.SQL("ALTER DATABASE {} SET client_encoding = 'LATIN1'").format(
@@ -617,19 +619,28 @@ def test_a_database_whose_sessions_speak_latin1_streams_utf8(db: Database, tmp_p
         wait_streaming(db.dsn)
         with psycopg.connect(db.dsn, autocommit=True) as conn:
             assert conn.execute("SHOW client_encoding").fetchone() == ("LATIN1",)
+            conn.execute("SET client_encoding = 'UTF8'")  # this writer's own: the arrow fits
             conn.execute(
                 "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
                 "VALUES (%s, 'café', 'tool.invoked', %s::jsonb)",
-                (sid, json.dumps({"call_id": "é", "tool": "naïve"})),
+                (sid, json.dumps({"call_id": "é", "tool": "naïve → 🦜"})),
             )
+        with Ledger(db.dsn) as ledger:  # the project's writer speaks UTF-8 on its own
+            ledger.append(sid, "café", "tool.observed", {"call_id": "é", "result": "↩ 🦜"})
         wait_caught_up(db.dsn)
         assert consumer.alive(), log.read_text()[-3000:]
+        with connect(db.dsn) as conn:  # and so do its readers
+            rebuilt = rebuild_context(conn, sid)
+        assert rebuilt.completed_tools["é"].result == "↩ 🦜"
+        assert verify(db.dsn).ok
     finally:
         if consumer.alive():
             consumer.terminate()
         drop_slot(db.dsn, "agent_slot", force=True)
     with db.connect() as conn:
+        conn.execute("SET client_encoding = 'UTF8'")  # (a LATIN1 reader cannot hold the arrow)
         (dead,) = conn.execute("SELECT count(*) FROM ledger_dead_letters").fetchone()  # type: ignore[misc]
         ctx = stored_projections(conn)[sid]
     assert dead == 0
-    assert ctx.event_count == 1 and ctx.pending_tools["é"].tool == "naïve"
+    assert ctx.event_count == 2 and ctx.completed_tools["é"].result == "↩ 🦜"
+    assert ctx == rebuilt
