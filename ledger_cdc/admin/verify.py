@@ -56,7 +56,7 @@ __all__ = ["Difference", "VerifyReport", "verify"]
 class Difference:
     """One disagreement between the log and what is stored (or within the log itself)."""
 
-    session_id: uuid.UUID
+    session_id: uuid.UUID  # (None for rows without a session, in a ledger altered by hand)
     kind: str  # projection | snapshot | memo | chain | orphan | archive
     seq: int | None  # the seq of the stored object (or of the event) that differs
     position: int | None
@@ -207,6 +207,9 @@ SELECT DISTINCT ON (session_id) session_id, seq, position, problem FROM (
                WHEN session_id IS NULL
                    THEN 'rows without a session (session_id''s NOT NULL dropped?): in no '
                         || 'session''s history, dead-lettered by the consumer'
+               WHEN position IS NULL
+                   THEN 'a row without a position (seq ' || seq || '): in no place of the '
+                        || 'session''s history, dead-lettered by the consumer'
                WHEN lag_pos IS NULL AND position <> coalesce(upto, 0) + 1
                    THEN 'first event is at position ' || position
                         || coalesce(' (archived up to ' || upto || ')', '')
@@ -226,7 +229,7 @@ SELECT DISTINCT ON (session_id) session_id, seq, position, problem FROM (
         FROM agent_events e LEFT JOIN archived a ON a.session_id = e.session_id
         -- events at or below an archived bound that stayed behind in a later partition (their
         -- transaction began before the boundary) are covered by the archive's snapshot
-        WHERE e.position > coalesce(a.upto, 0) {where}
+        WHERE (e.position > coalesce(a.upto, 0) OR e.position IS NULL) {where}
         WINDOW w AS (PARTITION BY e.session_id ORDER BY e.position)
     ) chained
 ) checked
@@ -250,7 +253,16 @@ def _chain(
     }
     for sid, seq, pos, problem in conn.execute(_CHAIN.format(where=where).encode(), params):
         report.differences.append(
-            Difference(sid, "chain", int(seq), int(pos), "hash", None, None, problem)
+            Difference(
+                sid,
+                "chain",
+                int(seq),
+                None if pos is None else int(pos),
+                "hash",
+                None,
+                None,
+                problem,
+            )
         )
     row = conn.execute(
         f"SELECT count(*) FROM agent_events e WHERE true {where}".encode(),  # noqa: S608
@@ -550,7 +562,8 @@ def _verify_session(
     if projection_at is not None:
         due.add(projection_at)
     ctx = SessionContext(sid)
-    head = int(rows[-1][2])
+    # the last position (a row without one, in a ledger altered by hand, sorts last: not it)
+    head = max((r[2] for r in rows if type(r[2]) is int), default=0)
     if archived is not None:
         # history up to `upto` left with an archive (checked against its manifest and by the
         # chain link): the refold starts from the first trusted snapshot at or after it
@@ -572,7 +585,7 @@ def _verify_session(
             return
         ctx = base
         due = {p for p in due if p > ctx.last_position}
-        rows = [r for r in rows if int(r[2]) > ctx.last_position]
+        rows = [r for r in rows if type(r[2]) is int and r[2] > ctx.last_position]
         report.notes.append(
             f"session {sid}: history up to position {archived[0]} archived ({archived[2]}); "
             f"refolded from the snapshot at position {ctx.last_position}"
@@ -583,7 +596,7 @@ def _verify_session(
         # the consumer): the refold goes on past it, as the consumer did
         if fold_one(ctx, row_event(row)) is not None:
             quarantined += 1
-        pos = int(row[2])
+        pos = row[2]  # (None, or not an integer, in a ledger altered by hand: never due)
         if pos in due:
             _check_at(conn, report, ctx, pos, projection_at, version, limit)
     for pos in sorted(p for p in due if p > head):

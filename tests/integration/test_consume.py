@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from ledger_cdc.admin.schema import create_slot
+from ledger_cdc.client.recovery import rebuild_context
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.errors import parse_lsn
 from ledger_cdc.fold import SessionContext
@@ -955,3 +956,39 @@ def test_a_rename_to_the_ledger_rolled_back_in_a_streamed_transaction_makes_no_t
     assert set(got) == {sid}
     assert got[sid].event_count == (3 if nested else 2)
     assert_projections_equal_refold(db.dsn)
+
+
+def test_a_row_without_a_position_is_dead_lettered_and_breaks_no_reader(db: Database) -> None:
+    """The owner writes a row with no position (its NOT NULL dropped, the trigger that
+    assigns it disabled): the stream dead-letters it without touching its session, and
+    rebuild_context and verify read past it."""
+    sid = uuid.uuid4()
+    with InThread(db.dsn), Ledger(db.dsn) as ledger, db.connect() as conn:
+        conn.autocommit = True
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
+        wait_caught_up(db.dsn)
+        conn.execute(
+            "ALTER TABLE agent_events ALTER COLUMN position DROP NOT NULL, "
+            "ALTER COLUMN hash DROP NOT NULL"
+        )
+        with conn.transaction():
+            conn.execute("ALTER TABLE agent_events DISABLE TRIGGER agent_events_before_insert")
+            conn.execute(
+                "INSERT INTO agent_events (session_id, position, agent_id, event_type, payload) "
+                'VALUES (%s, NULL, \'a\', \'tool.invoked\', \'{"call_id": "n", "tool": "t"}\')',
+                (sid,),
+            )
+            conn.execute(
+                "ALTER TABLE agent_events ENABLE ALWAYS TRIGGER agent_events_before_insert"
+            )
+        ledger.append(sid, "a", "tool.observed", {"call_id": "1", "result": 5})
+        wait_caught_up(db.dsn)
+        dead = conn.execute("SELECT session_id, kind FROM ledger_dead_letters").fetchall()
+        (ctx,) = stored_projections(conn).values()
+        rebuilt = rebuild_context(conn, sid)
+    assert dead == [(sid, "quarantined")]
+    assert ctx.event_count == 2 and ctx.last_position == 2 and ctx.quarantined == 0
+    assert rebuilt == ctx
+    result = run_cli("verify", "--all", "--dsn", db.dsn)  # the broken rule is a difference
+    assert result.exit_code == 1 and "a row without a position" in result.output, result.output
+    assert "1 difference(s)" in result.output, result.output
