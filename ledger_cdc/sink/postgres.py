@@ -23,7 +23,7 @@ import msgspec
 import psycopg
 from psycopg import generators
 from psycopg.adapt import Transformer
-from psycopg.pq import ExecStatus
+from psycopg.pq import DiagnosticField, ExecStatus, TransactionStatus
 from psycopg.pq.abc import PGconn, PGresult
 
 from ledger_cdc.connect import speak_utf8
@@ -381,6 +381,9 @@ class PgSink:
             # send the batch's JSON as the UTF-8 bytes msgspec made (and any text fits)
             self._conn = psycopg.connect(self.dsn, autocommit=True)
             speak_utf8(self._conn)
+            # psycopg prepares nothing here on its own: it would DEALLOCATE ALL after a
+            # ROLLBACK or a DROP/ALTER, and with it the statements _prepared made
+            self._conn.prepare_threshold = None
             # A consumer frozen mid-transaction (SIGSTOP, a stalled VM) would hold the
             # checkpoint row's lock and block the standby that took its slot: the server ends
             # such a session after this long idle inside a transaction (ours never idle: every
@@ -624,12 +627,21 @@ class PgSink:
         if self._raw_for is not pgconn:
             self._raw_for, self._raw_names = pgconn, set()
         with conn.lock:
-            if name not in self._raw_names:
-                pgconn.send_prepare(name, query)
-                self._result(conn.wait(generators.execute(pgconn)), conn)
-                self._raw_names.add(name)
-            pgconn.send_query_prepared(name, args)
-            return self._result(conn.wait(generators.execute(pgconn)), conn)
+            for again in (False, True):
+                if name not in self._raw_names:
+                    pgconn.send_prepare(name, query)
+                    self._result(conn.wait(generators.execute(pgconn)), conn)
+                    self._raw_names.add(name)
+                pgconn.send_query_prepared(name, args)
+                results = conn.wait(generators.execute(pgconn))
+                if (
+                    again
+                    or not _unprepared(results)
+                    or pgconn.transaction_status != TransactionStatus.IDLE
+                ):
+                    break
+                self._raw_names.clear()  # deallocated by someone (DISCARD ALL): prepared anew
+            return self._result(results, conn)
 
     def _rows(self, res: PGresult) -> list[tuple[Any, ...]]:
         """A result's rows loaded as a cursor loads them (psycopg's loaders)."""
@@ -933,6 +945,16 @@ _APPLY_OBSERVED_RAW = (
     b"ledger_apply_batch($1, $2::pg_lsn, $3::jsonb)"
 )
 _FENCED = "LF001"
+
+
+def _unprepared(results: list[PGresult]) -> bool:
+    """Whether the statement was refused because its prepared statement does not exist."""
+    return any(
+        r.status == ExecStatus.FATAL_ERROR and r.error_field(DiagnosticField.SQLSTATE) == b"26000"
+        for r in results
+    )
+
+
 _doc = msgspec.json.Encoder()
 
 

@@ -176,3 +176,25 @@ def test_an_idle_consumer_confirms_everything_it_committed(db: Database, mode: s
             "SELECT lsn::text FROM ledger_checkpoints WHERE slot_name = %s", (slot,)
         ).fetchone()  # type: ignore[misc]
         assert _slot_confirmed(conn, slot) >= parse_lsn(str(stored))
+
+
+def test_statements_deallocated_in_the_sinks_session_are_prepared_anew(db: Database) -> None:
+    """A small batch goes as a statement prepared once in the sink's session. Something that
+    drops the session's prepared statements (DISCARD ALL, DEALLOCATE ALL; psycopg itself does
+    after a ROLLBACK if it prepared anything there) must not make every later batch fail."""
+    sink = PgSink(db.dsn, "s_dealloc")
+    try:
+        assert sink.load_checkpoint() is None
+        sink.commit(Batch(end_lsn=0x1000))
+        assert sink.load_contexts_sized([uuid.uuid4()]) == {}
+        for drop in ("DEALLOCATE ALL", "DISCARD ALL"):
+            sink.conn.execute(drop)
+            sink.commit(Batch(end_lsn=sink.checkpoint + 0x1000))  # type: ignore[operator]
+            assert sink.load_contexts_sized([uuid.uuid4()]) == {}
+        with db.connect() as conn:
+            row = conn.execute(
+                "SELECT lsn::text FROM ledger_checkpoints WHERE slot_name = 's_dealloc'"
+            ).fetchone()
+        assert row is not None and parse_lsn(str(row[0])) == 0x3000
+    finally:
+        sink.shutdown()
