@@ -726,7 +726,7 @@ class JetStreamPublisher:
             headers = head + b"\r\n"  # (the mark is digits: no % in it)
             limit -= len(headers) - 2  # (what "%b" in it leaves)
             for subject, data, msg_id, position, _lsn in msgs:
-                if position <= heads.get(subject, 0):
+                if 0 < position <= heads.get(subject, 0):
                     continue  # already in the stream (published before a crash)
                 if len(msg_id) + len(data) <= limit:
                     todo.append((subject, headers % msg_id, data))
@@ -894,7 +894,12 @@ class JetStreamPublisher:
                 format_lsn(lsn) if lsn else None,
                 rejected=None if good else ev.reason,  # type: ignore[union-attr]
             )
-            msgs.append((named[0], _encode(body), named[1] % ev.position, ev.position, lsn))
+            if good or not ev.unplaced:  # type: ignore[union-attr]
+                msgs.append((named[0], _encode(body), named[1] % ev.position, ev.position, lsn))
+            else:  # in no session's history: its own message, by seq (at "position" 0: never
+                # taken for one the stream holds already, never a subject's head)
+                msg_id = f"{slot}:ev:{sid}:seq{ev.seq}".encode()
+                msgs.append((named[0], _encode(body), msg_id, 0, lsn))
         msgs += [
             (
                 f"{p}.sessions.{s[0]}".encode(),

@@ -28,6 +28,7 @@ from tests.support.cdc import (
     stored_projections,
     until,
     wait_caught_up,
+    write_rows_without_a_session,
 )
 from tests.support.harness import Database
 
@@ -842,16 +843,7 @@ def test_rows_without_a_session_are_each_dead_lettered_and_in_no_projection(
         conn.autocommit = True
         ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
         wait_caught_up(db.dsn)
-        conn.execute(
-            "ALTER TABLE agent_events ALTER COLUMN session_id DROP NOT NULL, "
-            "ALTER COLUMN hash DROP NOT NULL"
-        )
-        for i in range(3):
-            conn.execute(
-                "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
-                "VALUES (NULL, 'a', 'tool.invoked', %s::jsonb)",
-                (json.dumps({"call_id": f"n{i}", "tool": "t"}),),
-            )
+        write_rows_without_a_session(conn, 3)
         ledger.append(sid, "a", "tool.observed", {"call_id": "1", "result": 5})
         until(  # (wait_caught_up finds sessions by their id: not these rows)
             lambda: (

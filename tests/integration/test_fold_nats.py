@@ -31,6 +31,7 @@ from tests.support.cdc import (
     assert_verify_exact,
     until,
     wait_caught_up,
+    write_rows_without_a_session,
 )
 from tests.support.harness import Database
 from tests.support.natsserver import NatsServer, publish, wait_jetstream
@@ -308,3 +309,46 @@ def test_fold_refuses_a_bad_partition_in_one_line(tmp_path: Path) -> None:
     assert out.returncode != 0
     assert "0 <= K < N" in out.stderr + out.stdout
     assert "Traceback" not in out.stderr
+
+
+def test_rows_of_no_session_reach_the_fold_workers_dead_letters_each(
+    db: Database, tmp_path: Path
+) -> None:
+    """Rows without a session (NOT NULL dropped by hand) share the nil session and a position:
+    published as such, all but the first were skipped as already in the stream (and shared a
+    message id), so the fold workers dead-lettered one of them. Each is a message of its own,
+    by seq, and a dead letter."""
+    if db.server.major < 18:
+        pytest.skip("the stream's path is the same on every PostgreSQL: run once, on 18")
+    srv = NatsServer(tmp_path / "js")
+    try:
+        wait_jetstream([srv.url])
+        sid = uuid.uuid4()
+        with Ledger(db.dsn) as ledger, db.connect() as conn:
+            ledger.append(sid, "a", "tool.invoked", {"call_id": "c0", "tool": "t"})
+            write_rows_without_a_session(conn, 3)
+            conn.commit()
+            ledger.append(sid, "a", "tool.observed", {"call_id": "c0", "result": 1})
+            rows = conn.execute(f"SELECT {COLUMNS} FROM agent_events ORDER BY seq")
+            events = [row_event(r) for r in rows]
+        assert sum(1 for e in events if getattr(e, "unplaced", False)) == 3
+        pub = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
+        pub.connect()
+        pub.publish([(e, 0x1000 * (i + 1)) for i, e in enumerate(events)], [])
+        pub.publish([(e, 0x1000 * (i + 1)) for i, e in enumerate(events)], [])  # a replay
+        pub.close()
+        config = FoldConfig(url=srv.url, dsn=db.dsn, reconnect_cap=0.5)
+
+        def dead() -> list[tuple[object, ...]]:
+            with db.connect() as conn:
+                return conn.execute(
+                    "SELECT session_id, kind FROM ledger_dead_letters ORDER BY seq"
+                ).fetchall()
+
+        _fold_until(FoldWorker(config), lambda: _event_count(db.dsn, sid) == 2 and len(dead()) >= 3)
+        assert dead() == [(None, "quarantined")] * 3
+        with db.connect() as conn:
+            sessions = [r[0] for r in conn.execute("SELECT session_id FROM agent_sessions")]
+        assert sessions == [sid]
+    finally:
+        srv.kill()

@@ -3,6 +3,7 @@ that matters (projections and snapshots == a fold of the whole table from zero).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -337,3 +338,18 @@ def assert_verify_exact(dsn: str) -> None:
                 "UPDATE agent_sessions SET context = %s WHERE session_id = %s",
                 (psycopg.types.json.Jsonb(context), sid),
             )
+
+
+def write_rows_without_a_session(conn: psycopg.Connection[Any], n: int) -> None:
+    """The owner drops session_id's NOT NULL (and hash's) and writes ``n`` rows without a
+    session: a ledger altered by hand, whose rows every reader must survive."""
+    conn.execute(
+        "ALTER TABLE agent_events ALTER COLUMN session_id DROP NOT NULL, "
+        "ALTER COLUMN hash DROP NOT NULL"
+    )
+    for i in range(n):
+        conn.execute(
+            "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+            "VALUES (NULL, 'a', 'tool.invoked', %s::jsonb)",
+            (json.dumps({"call_id": f"n{i}", "tool": "t"}),),
+        )
