@@ -75,6 +75,7 @@ __all__ = [
     "register_event_type",
     "too_deep",
     "unidentified",
+    "unplaced",
 ]
 
 _TYPE_RE = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
@@ -803,6 +804,12 @@ def as_digest(value: object) -> bytes | None:
     return None
 
 
+def unplaced(sid: Any, pos: Any) -> bool:
+    """Whether a row whose session id and position read as these is in no session's history
+    (NULL, retyped by hand, left out of the stream): the rule every reader shares."""
+    return type(sid) is not uuid.UUID or type(pos) is not int or pos < 1
+
+
 def unidentified(
     seq: Any, sid: Any, pos: Any, agent: Any, etype: Any, key: Any, digest: Any
 ) -> Rejected | None:
@@ -838,5 +845,5 @@ def unidentified(
         None,
         key if type(key) is str else None,
         digest if type(digest) is bytes else None,
-        type(sid) is not uuid.UUID or type(pos) is not int or pos < 1,
+        unplaced(sid, pos),
     )

@@ -28,6 +28,7 @@ from ledger_cdc.events import (
     as_digest,
     load_payload,
     unidentified,
+    unplaced,
 )
 from ledger_cdc.pgoutput.messages import UNCHANGED, Relation
 from ledger_cdc.stream.values import RowLoader, raw_json_adapters
@@ -64,8 +65,8 @@ class LedgerRowDecoder:
         self._ncols = len(names)
         needed = {*REQUIRED_COLUMNS, *_OPTIONAL}
         wanted = [n for n in names if n in needed]  # in the relation's order
-        self._wanted = tuple(wanted)
         index = [names.index(n) for n in wanted]
+        self._wanted = tuple(zip(wanted, index, strict=True))  # (name, its place)
         # the common case, the ledger's own columns in its order: the tuple as it came
         self._take: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = (
             None if index == list(range(self._ncols)) else _taker(index)
@@ -106,7 +107,7 @@ class LedgerRowDecoder:
                 return self._rejected(values, wal_start)
         else:
             try:
-                row = tuple(self._loader.load_one(n, values[i]) for n, i in self._columns())
+                row = tuple(self._loader.load_one(n, values[i]) for n, i in self._wanted)
             except (ValueError, UnicodeDecodeError, psycopg.DataError):
                 return self._rejected(values, wal_start)
         seq, sid, pos, agent, etype, payload, created = self._pick(row)
@@ -125,10 +126,6 @@ class LedgerRowDecoder:
             return Rejected(seq, sid, pos, agent, etype, f"event seq {seq}: {e}", None, key, digest)
         return LedgerEvent(seq, sid, pos, agent, etype, value, created, key, digest)
 
-    def _columns(self) -> list[tuple[str, int]]:
-        names = self._loader.names
-        return [(n, names.index(n)) for n in self._wanted]
-
     def _rejected(
         self, values: tuple[Any, ...], wal_start: int, why: str | None = None
     ) -> Rejected:
@@ -137,7 +134,7 @@ class LedgerRowDecoder:
         load unless retyped by hand)."""
         loaded: dict[str, Any] = {}
         bad: list[str] = []
-        for name, i in self._columns():
+        for name, i in self._wanted:
             if i >= len(values):
                 continue
             try:
@@ -160,7 +157,7 @@ class LedgerRowDecoder:
             raw_time,
             key if type(key) is str else None,
             as_digest(loaded.get("hash")),
-            type(sid) is not uuid.UUID or type(pos) is not int or pos < 1,
+            unplaced(sid, pos),
         )
 
 
