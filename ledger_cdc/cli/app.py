@@ -469,6 +469,7 @@ def consume(
         from ledger_cdc.admin.schema import validate_publication_name, validate_slot_name
         from ledger_cdc.cli.runner import bootstrap_progress, run_consumer
         from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+        from ledger_cdc.stopping import ignore_stop_signals
 
         validate_slot_name(slot)
         validate_publication_name(publication)
@@ -505,6 +506,7 @@ def consume(
         consumer = Consumer(config, prefetched=early)
         consumer.install_signal_handlers()
         run_consumer(consumer, state.console, log_format, metrics_port, metrics_host)
+        ignore_stop_signals()  # done: a late signal must not turn exit status 0 into -15
     finally:
         early.close()  # (the consumer's own stream, if it took it over: closed already)
 
@@ -570,10 +572,13 @@ def fold(
     ledger_checkpoints) commits with what it covers, so a worker killed at any point restarts
     where it was. Runs until SIGINT or SIGTERM.
     """
-    import signal
+    import logging
 
     from ledger_cdc.cli.runner import setup_logging
     from ledger_cdc.consumer.fold_nats import FoldConfig, FoldWorker, parse_partition
+    from ledger_cdc.stopping import ignore_stop_signals, on_stop_signals
+
+    log = logging.getLogger("ledger_cdc.fold")
 
     k, n = parse_partition(partition)
     setup_logging(log_format)
@@ -590,12 +595,13 @@ def fold(
         )
     )
 
-    def stop(signum: int, frame: Any) -> None:
+    def stop(signum: int) -> None:
+        log.info("signal %s: finishing the current batch", signum)
         worker.stop()
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    on_stop_signals(stop)
     worker.run()
+    ignore_stop_signals()
     click.echo(
         f"fold {worker.name}: {worker.folded:,} events folded, stream sequence "
         f"{worker.position:,} committed",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json as jsonlib
-import signal
 import sys
 import uuid
 from pathlib import Path
@@ -632,6 +631,7 @@ def dispatch(
         load_entry_point_targets,
         parse_target,
     )
+    from ledger_cdc.stopping import ignore_stop_signals, on_stop_signals
 
     table: dict[str, Target] = load_entry_point_targets() if entry_points else {}
     for spec in (s for t in targets for s in t.split()):
@@ -653,12 +653,11 @@ def dispatch(
         )
     )
 
-    def stop(signum: int, frame: Any) -> None:
+    def stop(signum: int) -> None:
         log.info("signal %s: finishing the current batch", signum)
         d.stop()
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    on_stop_signals(stop)
     log.info(
         "dispatching outbox rows for %s",
         ", ".join(f"{n} ({t!r})" for n, t in sorted(table.items())),
@@ -674,6 +673,7 @@ def dispatch(
             "%d due row(s) for target %r, which this dispatcher does not serve", count, name
         )
     m = d.run(once=once, idle_exit=until_idle)
+    ignore_stop_signals()  # done: a late signal must not turn the exit status into -15
     log.info("dispatched %d, failed attempts %d, parked %d", m.dispatched, m.failures, m.parked)
     if m.parked:
         sys.exit(EXIT_PROBLEM)

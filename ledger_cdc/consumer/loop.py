@@ -24,7 +24,6 @@ import contextlib
 import gc
 import logging
 import os
-import signal
 import threading
 import time
 import uuid
@@ -69,6 +68,7 @@ from ledger_cdc.sink.batch import (
 )
 from ledger_cdc.sink.postgres import PgSink
 from ledger_cdc.sink.worker import SinkWorker
+from ledger_cdc.stopping import on_stop_signals
 from ledger_cdc.stream.assemble import SpilledItems, Transaction
 from ledger_cdc.stream.route import Anomaly, Item, LedgerStream
 from ledger_cdc.stream.transport import (
@@ -204,12 +204,14 @@ class Consumer:
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
-        def handler(signum: int, frame: Any) -> None:
+        """SIGINT and SIGTERM stop the consumer after its current batch (the handler takes no
+        lock: see :mod:`ledger_cdc.stopping`)."""
+
+        def stop(signum: int) -> None:
             log.info("signal %s: finishing the current batch", signum)
             self.stop()
 
-        signal.signal(signal.SIGINT, handler)
-        signal.signal(signal.SIGTERM, handler)
+        on_stop_signals(stop)
 
     def _reset_stream_state(self, checkpoint: int) -> None:
         self.ledger = LedgerStream(

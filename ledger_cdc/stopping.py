@@ -1,0 +1,48 @@
+"""SIGINT and SIGTERM turned into a call on a thread of their own.
+
+Python runs a signal handler in the main thread between two bytecodes, possibly while that
+thread holds a lock: inside ``threading.Event.set`` called by the previous signal's handler, for
+one. A handler that takes the same lock (every ``Event.set`` does) then waits for itself
+forever, so a burst of stop signals (a supervisor's and a wrapper's SIGTERM, a double Ctrl-C)
+could hang a process that was only asked to stop. The handler installed here takes no lock: it
+writes the signal's number to a pipe, and a daemon thread reads it and makes the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def on_stop_signals(stop: Callable[[int], None]) -> None:
+    """From now on, SIGINT and SIGTERM call ``stop(signum)`` on the ``ledger-cdc-signals``
+    thread, once per signal received (signals that arrive together may be counted once). Main
+    thread only, as :func:`signal.signal` is."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+
+    def handler(signum: int, frame: object) -> None:
+        with contextlib.suppress(OSError):  # the pipe full: calls are pending already
+            os.write(w, bytes((signum,)))
+
+    def relay() -> None:
+        while data := os.read(r, 64):
+            for signum in data:
+                stop(signum)
+
+    threading.Thread(target=relay, name="ledger-cdc-signals", daemon=True).start()
+    for s in STOP_SIGNALS:
+        signal.signal(s, handler)
+
+
+def ignore_stop_signals() -> None:
+    """SIGINT and SIGTERM ignored from now on: for a process whose work is done and that is
+    exiting (the interpreter puts the default handlers back as it finalizes, and a late signal
+    would then end it by that signal instead of its own exit status)."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
