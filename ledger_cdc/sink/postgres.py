@@ -94,6 +94,18 @@ CREATE TEMP TABLE IF NOT EXISTS stage_touch (
 CREATE TEMP TABLE IF NOT EXISTS stage_touched (
     session_id uuid PRIMARY KEY, count_before bigint, status_before text, run_before text,
     leases_before int) ON COMMIT DELETE ROWS;
+DO $$
+BEGIN
+    -- a staged context or snapshot over 2 kB is compressed on its way in, and decompressed by
+    -- the merge: lz4 where the server has it, as the tables they go to (sql/0004, 0005); the
+    -- default pglz cost the backend more than the merge itself
+    ALTER TABLE pg_temp.stage_sessions ALTER COLUMN context SET COMPRESSION lz4;
+    ALTER TABLE pg_temp.stage_snapshots ALTER COLUMN data SET COMPRESSION lz4;
+    ALTER TABLE pg_temp.stage_memo ALTER COLUMN entry SET COMPRESSION lz4;
+EXCEPTION WHEN feature_not_supported OR invalid_parameter_value THEN
+    NULL;  -- no lz4 here: the staging tables keep pglz
+END
+$$;
 """
 # A transaction too big for one batch (commit_chunked): the staging tables are emptied after each
 # chunk's merge; stage_touched keeps, per session, what it was before the transaction.

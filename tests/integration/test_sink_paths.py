@@ -19,7 +19,7 @@ from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
 from ledger_cdc.errors import FencedError
-from ledger_cdc.fold import SessionContext
+from ledger_cdc.fold import SessionContext, encode_stored
 from ledger_cdc.sink.batch import Batch
 from tests.support.cdc import turn_events, until
 from tests.support.harness import Database, _new_database
@@ -129,3 +129,39 @@ def test_a_fenced_one_statement_batch_writes_nothing(db: Database) -> None:
         assert conn.execute(
             "SELECT lsn::text FROM ledger_checkpoints WHERE slot_name = 'fenced_slot'"
         ).fetchone() == ("0/C8",)
+
+
+def test_staged_rows_are_compressed_as_their_tables_are(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a staged context or snapshot over 2 kB is compressed on its way into the staging table and
+    # decompressed by the merge: with lz4 where the server has it, as the projection tables
+    # (sql/0004), not with the default pglz
+    with db.connect() as conn:
+        (lz4,) = conn.execute(  # type: ignore[misc]
+            "SELECT attcompression = 'l' FROM pg_attribute "
+            "WHERE attrelid = 'agent_sessions'::regclass AND attname = 'context'"
+        ).fetchone()
+    monkeypatch.setattr(pg_sink, "_SMALL_ROWS", -1)  # by COPY into the staging tables
+    sink = pg_sink.PgSink(db.dsn, "staged_slot")
+    sink.load_checkpoint()
+    sid = uuid.uuid4()
+    big = Batch(end_lsn=100)
+    ctx = SessionContext(sid, last_position=1, extra={"note": "x" * 5000})
+    big.sessions[sid] = (ctx, encode_stored(ctx), 100, None)
+    sink.commit(big)
+    staged = dict(
+        sink.conn.execute(
+            "SELECT attname, attcompression FROM pg_attribute WHERE (attrelid, attname) IN "
+            "(('pg_temp.stage_sessions'::regclass, 'context'), "
+            "('pg_temp.stage_snapshots'::regclass, 'data'), "
+            "('pg_temp.stage_memo'::regclass, 'entry'))"
+        ).fetchall()
+    )
+    method = "l" if lz4 else ""
+    assert staged == {"context": method, "data": method, "entry": method}
+    with db.connect() as conn:
+        assert conn.execute(
+            "SELECT context->'extra'->>'note' FROM agent_sessions WHERE session_id = %s", (sid,)
+        ).fetchone() == ("x" * 5000,)
+    sink.shutdown()
