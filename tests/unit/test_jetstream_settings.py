@@ -3,10 +3,13 @@ names the option and what it must be (a bad value never reaches the server or a 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from ledger_cdc.errors import ConfigError
-from ledger_cdc.sink.jetstream import JetStreamSettings
+from ledger_cdc.sink.jetstream import JetStreamPublisher, JetStreamSettings
 
 
 def test_a_url_with_every_option_is_read() -> None:
@@ -58,3 +61,27 @@ def test_a_url_without_servers_is_refused() -> None:
     for url in ("", "?stream=X", "http://a:4222", "nats://a:4222,redis://b"):
         with pytest.raises(ConfigError, match="expected nats://host:port"):
             JetStreamSettings.from_url(url)
+
+
+def test_a_sink_without_nats_py_installed_is_a_config_error_that_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "nats", None)  # as if it were not installed
+    with pytest.raises(ConfigError, match=r"pip install 'ledger-cdc\[nats\]'"):
+        JetStreamPublisher(JetStreamSettings.from_url("nats://127.0.0.1:4222"), "agent_slot")
+
+
+def test_making_the_sink_leaves_importing_nats_py_to_the_thread_that_connects() -> None:
+    # importing it takes a tenth of a second, which the consumer's start-up does not wait for:
+    # the connecting thread imports it while the consumer's checks wait on the server
+    code = (
+        "import sys\n"
+        "from ledger_cdc.sink.jetstream import JetStreamPublisher, JetStreamSettings\n"
+        "p = JetStreamPublisher(JetStreamSettings.from_url('nats://127.0.0.1:4222'), 's')\n"
+        "print('nats' in sys.modules)\n"
+        "p.close()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.split() == ["False"]
