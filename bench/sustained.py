@@ -57,7 +57,7 @@ def consumer_role(dsn: str, out: str) -> None:
         lat.extend(done - (PG_EPOCH + ts / 1e6) for ts in batch.commit_times)  # type: ignore[attr-defined]
 
     c = Consumer(ConsumerConfig(dsn=dsn), on_batch=on_batch)
-    signal.signal(signal.SIGTERM, lambda *_: c.stop())
+    c.install_signal_handlers()
     c.run()
     ru = resource.getrusage(resource.RUSAGE_SELF)
     Path(out).write_text(
