@@ -11,12 +11,15 @@ writes the signal's number to a pipe, and a daemon thread reads it and makes the
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
 from collections.abc import Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+log = logging.getLogger(__name__)
 
 
 def on_stop_signals(stop: Callable[[int], None]) -> None:
@@ -33,7 +36,10 @@ def on_stop_signals(stop: Callable[[int], None]) -> None:
     def relay() -> None:
         while data := os.read(r, 64):
             for signum in data:
-                stop(signum)
+                try:
+                    stop(signum)
+                except Exception:  # the next signal is still relayed
+                    log.exception("stopping on signal %s failed", signum)
 
     threading.Thread(target=relay, name="ledger-cdc-signals", daemon=True).start()
     for s in STOP_SIGNALS:

@@ -505,8 +505,10 @@ def consume(
         )
         consumer = Consumer(config, prefetched=early)
         consumer.install_signal_handlers()
-        run_consumer(consumer, state.console, log_format, metrics_port, metrics_host)
-        ignore_stop_signals()  # done: a late signal must not turn exit status 0 into -15
+        try:
+            run_consumer(consumer, state.console, log_format, metrics_port, metrics_host)
+        finally:
+            ignore_stop_signals()  # done: a late signal must not turn its exit status into -15
     finally:
         early.close()  # (the consumer's own stream, if it took it over: closed already)
 
@@ -600,8 +602,10 @@ def fold(
         worker.stop()
 
     on_stop_signals(stop)
-    worker.run()
-    ignore_stop_signals()
+    try:
+        worker.run()
+    finally:
+        ignore_stop_signals()  # done: a late signal must not turn its exit status into -15
     click.echo(
         f"fold {worker.name}: {worker.folded:,} events folded, stream sequence "
         f"{worker.position:,} committed",

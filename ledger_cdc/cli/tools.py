@@ -672,8 +672,10 @@ def dispatch(
         log.warning(
             "%d due row(s) for target %r, which this dispatcher does not serve", count, name
         )
-    m = d.run(once=once, idle_exit=until_idle)
-    ignore_stop_signals()  # done: a late signal must not turn the exit status into -15
+    try:
+        m = d.run(once=once, idle_exit=until_idle)
+    finally:
+        ignore_stop_signals()  # done: a late signal must not turn its exit status into -15
     log.info("dispatched %d, failed attempts %d, parked %d", m.dispatched, m.failures, m.parked)
     if m.parked:
         sys.exit(EXIT_PROBLEM)
