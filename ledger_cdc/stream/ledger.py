@@ -46,6 +46,7 @@ REQUIRED_COLUMNS = (
 )
 _OPTIONAL = ("idempotency_key", "hash")
 _ADAPTERS = raw_json_adapters()
+_SESSIONS_KEPT = 65_536  # session ids a row decoder keeps one object of (then it starts over)
 
 
 class LedgerRowDecoder:
@@ -78,6 +79,7 @@ class LedgerRowDecoder:
         self._pick = operator.itemgetter(*(at.get(n, 0) for n in REQUIRED_COLUMNS))
         # absent optional columns read as None (a publication made before hash was streamed)
         self._key_i, self._hash_i = (at.get(n) for n in _OPTIONAL)
+        self._sids: dict[uuid.UUID, uuid.UUID] = {}
 
     def load(self, values: tuple[Any, ...], wal_start: int = 0) -> tuple[Any, ...]:
         return self._loader.load(values, wal_start)
@@ -111,6 +113,13 @@ class LedgerRowDecoder:
             except (ValueError, UnicodeDecodeError, psycopg.DataError):
                 return self._rejected(values, wal_start)
         seq, sid, pos, agent, etype, payload, created = self._pick(row)
+        if type(sid) is uuid.UUID:
+            # one object per session: the fold's dictionaries, keyed by session, then find
+            # theirs by identity instead of comparing two UUIDs in Python on every lookup
+            sids = self._sids
+            sid = sids.setdefault(sid, sid)
+            if len(sids) > _SESSIONS_KEPT:
+                sids.clear()
         k, h = self._key_i, self._hash_i
         key = None if k is None else row[k]
         digest = None if h is None else as_digest(row[h])

@@ -226,3 +226,22 @@ def transaction_msgs(*msgs: bytes) -> list[bytes]:
         *msgs,
         build_message(b"C", {"flags": 0, "commit_lsn": 500, "end_lsn": 508, "commit_ts": 0}),
     ]
+
+
+def test_rows_of_one_session_carry_one_session_id_object(monkeypatch: Any) -> None:
+    # the fold's dictionaries, keyed by session, find theirs by identity instead of comparing
+    # two UUIDs in Python on every lookup; the decoder keeps a bounded number of them
+    import ledger_cdc.stream.ledger as ledger
+
+    other = uuid.UUID(int=8)
+    s = LedgerStream(skip_upto=0, memory_limit=10**8)
+    first = transaction(relation(), insert(row(1)), insert(row(2, other, 1)), stream=s)
+    later = transaction(insert(row(3, pos=2)), insert(row(4, other, 2)), stream=s)
+    assert [e.session_id for e in first] == [SID, other] == [e.session_id for e in later]
+    assert first[0].session_id is later[0].session_id
+    assert first[1].session_id is later[1].session_id
+    monkeypatch.setattr(ledger, "_SESSIONS_KEPT", 1)  # over it: kept ones forgotten, all equal
+    third = uuid.UUID(int=9)
+    again = transaction(insert(row(5, third, 1)), insert(row(6, pos=3)), stream=s)
+    assert [e.session_id for e in again] == [third, SID]
+    assert all(type(e) is LedgerEvent for e in [*first, *later, *again])
