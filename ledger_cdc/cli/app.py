@@ -141,6 +141,8 @@ def init(
 def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: bool) -> None:
     """Start a throwaway PostgreSQL, init the ledger, let simulated agents write to it while
     the consumer folds the slot into projections, and show both."""
+    import signal
+
     from ledger_cdc.admin.schema import init as do_init
     from ledger_cdc.admin.timeline import summarise
     from ledger_cdc.admin.verify import verify
@@ -148,12 +150,21 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     from ledger_cdc.demo.crash import HELD_CALL, run_crash_story
     from ledger_cdc.demo.embedded import EmbeddedPostgres
     from ledger_cdc.errors import format_lsn
+    from ledger_cdc.stopping import ignore_stop_signals
 
+    def terminated(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds like Ctrl-C: the cluster goes with us
+
+    # the throwaway cluster must not outlive the command: SIGTERM (a supervisor, `timeout`)
+    # and SIGHUP (the terminal closed) end it as Ctrl-C does, not by default, which would
+    # leave its server running and its directory behind
+    signal.signal(signal.SIGTERM, terminated)
+    signal.signal(signal.SIGHUP, terminated)
     con = state.console
-    with con.status("starting a throwaway PostgreSQL…"):
-        pg = EmbeddedPostgres(major=pg_major)
-        pg.__enter__()
+    pg = EmbeddedPostgres(major=pg_major)
     try:
+        with con.status("starting a throwaway PostgreSQL…"):
+            pg.__enter__()
         con.print(
             f"[green]PostgreSQL {pg.major}[/] on 127.0.0.1:{pg.port} ([dim]{pg.install.bindir}[/])"
         )
@@ -267,6 +278,8 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
             con.print(f"cluster kept at: [cyan]{dsn}[/]  (press Enter to stop)")
             sys.stdin.readline()
     finally:
+        ignore_stop_signals()  # a second signal must not cut the clean-up short
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         pg.__exit__(None, None, None)
 
 

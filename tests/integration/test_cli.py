@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from ledger_cdc import __version__
 from ledger_cdc.cli import cli
+from tests.support.cdc import until
 from tests.support.harness import Database
 
 
@@ -79,3 +85,41 @@ def test_demo_runs_end_to_end() -> None:
     assert "answered from the ledger, calling nothing: r1, c1" in out
     assert "saw: c1 ×1, c2 ×2, c3 ×1, r1 ×1, r2 ×1" in out and "session completed" in out
     assert "verify passed" in out
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_demo_ended_by_a_signal_takes_its_cluster_with_it(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    log = tmp_path / "demo.log"
+    with open(log, "wb") as out:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "ledger_cdc.cli", "demo", "--sessions", "2"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            port: list[int] = []
+
+            def started() -> bool:
+                assert p.poll() is None, log.read_text()
+                m = re.search(r"on 127\.0\.0\.1:(\d+)", log.read_text())
+                if m:
+                    port.append(int(m.group(1)))
+                return bool(m)
+
+            until(started, timeout=120)
+            p.send_signal(sig)
+            assert p.wait(60) == 128 + sig, log.read_text()[-2000:]
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+
+    def closed() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port[0])) != 0
+
+    until(closed, timeout=30)  # its server stopped, not left running
