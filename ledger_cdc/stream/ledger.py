@@ -46,7 +46,7 @@ REQUIRED_COLUMNS = (
 )
 _OPTIONAL = ("idempotency_key", "hash")
 _ADAPTERS = raw_json_adapters()
-_SESSIONS_KEPT = 65_536  # session ids a row decoder keeps one object of (then it starts over)
+_SESSIONS_KEPT = 8192  # session ids a row decoder keeps one object of, then starts over (1 MB)
 
 
 class LedgerRowDecoder:
