@@ -37,13 +37,17 @@ def _narrow(encoding: str, server: str | None) -> bool:
     return encoding != "utf-8" and server != "SQL_ASCII"
 
 
-def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
+def connect(dsn: str, *, doing: str = "cannot connect", **kwargs: Any) -> psycopg.Connection[Any]:
     """``psycopg.connect`` (``connect_timeout`` 10 s unless given; UTF-8, :func:`speak_utf8`),
-    its failure translated."""
+    its failure translated (``doing`` says what for)."""
     kwargs.setdefault("connect_timeout", 10)
     try:
         conn = psycopg.connect(dsn, **kwargs)
-        speak_utf8(conn)
-        return conn
     except psycopg.Error as e:
-        raise translate(e, dsn=dsn, doing="cannot connect") from e
+        raise translate(e, dsn=dsn, doing=doing) from e
+    try:
+        speak_utf8(conn)
+    except psycopg.Error as e:
+        conn.close()
+        raise translate(e, dsn=dsn, doing=doing) from e
+    return conn

@@ -22,10 +22,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 log = logging.getLogger(__name__)
 
 
-def on_stop_signals(stop: Callable[[int], None]) -> None:
-    """From now on, SIGINT and SIGTERM call ``stop(signum)`` on the ``ledger-cdc-signals``
-    thread, once per signal received (signals that arrive together may be counted once). Main
-    thread only, as :func:`signal.signal` is."""
+def on_stop_signals(stop: Callable[[], None]) -> None:
+    """From now on, SIGINT and SIGTERM log "signal N: finishing the current batch" and call
+    ``stop()`` on the ``ledger-cdc-signals`` thread, once per signal received (signals that
+    arrive together may be counted once). Main thread only, as :func:`signal.signal` is."""
     r, w = os.pipe()
     os.set_blocking(w, False)
 
@@ -36,8 +36,9 @@ def on_stop_signals(stop: Callable[[int], None]) -> None:
     def relay() -> None:
         while data := os.read(r, 64):
             for signum in data:
+                log.info("signal %s: finishing the current batch", signum)
                 try:
-                    stop(signum)
+                    stop()
                 except Exception:  # the next signal is still relayed
                     log.exception("stopping on signal %s failed", signum)
 

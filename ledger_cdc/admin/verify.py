@@ -56,7 +56,7 @@ __all__ = ["Difference", "VerifyReport", "verify"]
 class Difference:
     """One disagreement between the log and what is stored (or within the log itself)."""
 
-    session_id: uuid.UUID  # (None for rows without a session, in a ledger altered by hand)
+    session_id: uuid.UUID | None  # None: rows without a session, in a ledger altered by hand
     kind: str  # projection | snapshot | memo | chain | orphan | archive
     seq: int | None  # the seq of the stored object (or of the event) that differs
     position: int | None

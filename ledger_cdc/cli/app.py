@@ -587,13 +587,9 @@ def fold(
     ledger_checkpoints) commits with what it covers, so a worker killed at any point restarts
     where it was. Runs until SIGINT or SIGTERM.
     """
-    import logging
-
     from ledger_cdc.cli.runner import setup_logging
     from ledger_cdc.consumer.fold_nats import FoldConfig, FoldWorker, parse_partition
     from ledger_cdc.stopping import ignore_stop_signals, on_stop_signals
-
-    log = logging.getLogger("ledger_cdc.fold")
 
     k, n = parse_partition(partition)
     setup_logging(log_format)
@@ -610,11 +606,7 @@ def fold(
         )
     )
 
-    def stop(signum: int) -> None:
-        log.info("signal %s: finishing the current batch", signum)
-        worker.stop()
-
-    on_stop_signals(stop)
+    on_stop_signals(worker.stop)
     try:
         worker.run()
     finally:

@@ -653,11 +653,7 @@ def dispatch(
         )
     )
 
-    def stop(signum: int) -> None:
-        log.info("signal %s: finishing the current batch", signum)
-        d.stop()
-
-    on_stop_signals(stop)
+    on_stop_signals(d.stop)
     log.info(
         "dispatching outbox rows for %s",
         ", ".join(f"{n} ({t!r})" for n, t in sorted(table.items())),

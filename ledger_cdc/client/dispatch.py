@@ -51,7 +51,7 @@ import msgspec
 import psycopg
 
 from ledger_cdc import retry
-from ledger_cdc.connect import speak_utf8
+from ledger_cdc.connect import connect
 from ledger_cdc.errors import ConfigError, LedgerError, RetryableError, translate
 
 __all__ = [
@@ -362,18 +362,12 @@ class Dispatcher:
 
     def open(self) -> None:
         """Connect now: at start-up a database that cannot be reached is said at once."""
-        from ledger_cdc.connect import connect
-
         self._conn = connect(self.config.dsn, autocommit=True)
 
     @property
     def conn(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:
-            try:
-                self._conn = psycopg.connect(self.config.dsn, autocommit=True, connect_timeout=10)
-                speak_utf8(self._conn)
-            except psycopg.Error as e:
-                raise translate(e, dsn=self.config.dsn, doing="outbox database") from e
+            self._conn = connect(self.config.dsn, doing="outbox database", autocommit=True)
         return self._conn
 
     def _sql(self, query: str, params: Any) -> list[tuple[Any, ...]]:

@@ -206,12 +206,7 @@ class Consumer:
     def install_signal_handlers(self) -> None:
         """SIGINT and SIGTERM stop the consumer after its current batch (the handler takes no
         lock: see :mod:`ledger_cdc.stopping`)."""
-
-        def stop(signum: int) -> None:
-            log.info("signal %s: finishing the current batch", signum)
-            self.stop()
-
-        on_stop_signals(stop)
+        on_stop_signals(self.stop)
 
     def _reset_stream_state(self, checkpoint: int) -> None:
         self.ledger = LedgerStream(

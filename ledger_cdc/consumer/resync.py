@@ -18,7 +18,7 @@ from psycopg import sql
 
 from ledger_cdc.admin.schema import LEDGER_SCHEMA_SQL, load_migrations
 from ledger_cdc.client.read import load_events_sized
-from ledger_cdc.connect import speak_utf8
+from ledger_cdc.connect import connect
 from ledger_cdc.errors import ConfigError, SchemaError, translate
 from ledger_cdc.events import LedgerEvent
 from ledger_cdc.names import LEDGER_TABLE
@@ -41,8 +41,7 @@ SELECT current_setting('wal_level'),
 def connected(dsn: str, what: str, *, autocommit: bool = True) -> Iterator[psycopg.Connection[Any]]:
     """A short-lived connection whose failures leave translated (errors.translate)."""
     try:
-        with psycopg.connect(dsn, autocommit=autocommit, connect_timeout=10) as conn:
-            speak_utf8(conn)
+        with connect(dsn, doing=what, autocommit=autocommit) as conn:
             yield conn
     except psycopg.Error as e:
         raise translate(e, dsn=dsn, doing=what) from e

@@ -52,7 +52,7 @@ from urllib.parse import unquote
 import msgspec
 
 from ledger_cdc.errors import ConfigError, InvalidEventError, JetStreamError, LedgerError
-from ledger_cdc.events import LedgerEvent, Rejected, admit_time, load_payload
+from ledger_cdc.events import LedgerEvent, Rejected, admit_time, load_payload, unplaced
 
 __all__ = ["JetStreamError", "JetStreamPublisher", "JetStreamSettings", "WireEvent"]
 
@@ -197,8 +197,8 @@ def wire_event(w: WireEvent, payload: bytes) -> LedgerEvent | Rejected:
             None,
             w.idempotency_key,
             # a row whose session or position could not be read goes out as the nil session or
-            # position 0: in no session's history, as the relay's own fold would have it
-            unplaced=w.position < 1 or w.session_id.int == 0,
+            # position 0: in no session's history, by the rule every reader shares
+            unplaced=unplaced(w.session_id if w.session_id.int else None, w.position),
         )
 
     if w.rejected is not None:

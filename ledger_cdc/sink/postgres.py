@@ -951,11 +951,9 @@ _PROBE_AFTER = 0.05  # seconds: an idle look at them no sooner than this after t
 _WAL_POSITIONS = "SELECT pg_current_wal_insert_lsn()::text, pg_current_wal_flush_lsn()::text"
 _APPLY_NAME, _APPLY_OBSERVED_NAME = b"ledger_apply", b"ledger_apply_observed"
 _LOAD_NAME, _LOAD_RAW = b"ledger_load", LOAD_PROJECTIONS.encode()
-_APPLY_RAW = b"SELECT ledger_apply_batch($1, $2::pg_lsn, $3::jsonb)"
-_APPLY_OBSERVED_RAW = (
-    b"SELECT pg_current_wal_insert_lsn()::text, pg_current_wal_flush_lsn()::text, "
-    b"ledger_apply_batch($1, $2::pg_lsn, $3::jsonb)"
-)
+_APPLY_CALL = "ledger_apply_batch($1, $2::pg_lsn, $3::jsonb)"
+_APPLY_RAW = f"SELECT {_APPLY_CALL}".encode()
+_APPLY_OBSERVED_RAW = f"{_WAL_POSITIONS}, {_APPLY_CALL}".encode()
 _FENCED = "LF001"
 
 

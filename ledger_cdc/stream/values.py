@@ -79,18 +79,17 @@ class RowLoader:
         # a domain's values load as its base type's (SQL readers see the base type too)
         bases = base_types or {}
         self.oids = [bases.get(col.type_oid, col.type_oid) for col in relation.columns]
-        self._oids = self.oids
         self._adapters = adapters or _default_adapters()
         self._text = Transformer(self._adapters)
-        self._text.set_loader_types(self._oids, Format.TEXT)
+        self._text.set_loader_types(self.oids, Format.TEXT)
         self._binary: TransformerProto | None = None
 
     def load(self, values: tuple[Any, ...], wal_start: int = 0) -> tuple[Any, ...]:
         """Raw tuple values → Python values (None and UNCHANGED kept as they are)."""
-        if len(values) != len(self._oids):
+        if len(values) != len(self.oids):
             raise DecodeError(
                 f"tuple has {len(values)} columns, relation {self.relation.name} has "
-                f"{len(self._oids)}",
+                f"{len(self.oids)}",
                 message_type="Tuple",
                 lsn=wal_start,
             )
@@ -111,8 +110,8 @@ class RowLoader:
         if type(v) is Binary:
             if self._binary is None:
                 self._binary = Transformer(self._adapters)
-            return self._binary.get_loader(self._oids[i], Format.BINARY).load(bytes(v))
-        return self._text.get_loader(self._oids[i], Format.TEXT).load(v)
+            return self._binary.get_loader(self.oids[i], Format.BINARY).load(bytes(v))
+        return self._text.get_loader(self.oids[i], Format.TEXT).load(v)
 
     def load_one(self, name: str, value: Any) -> Any:
         """One column's raw value → Python (raises psycopg.DataError / ValueError when it
