@@ -196,6 +196,7 @@ class Consumer:
         self._nonce = os.urandom(12).hex()  # marks this process's heartbeats
         self._schema: str | None = None  # the ledger table's schema (None: not looked up)
         self._probed_at = 0.0
+        self._sent_at = 0.0  # when the server sent the last run of messages read (Unix time)
         self._reset_stream_state(0)
 
     # -- control --------------------------------------------------------------------------------
@@ -454,6 +455,7 @@ class Consumer:
             if msgs:
                 drained = len(msgs) < _READ_MANY  # (else the idle pass's wait finds more)
                 metrics.server_wal_end = msgs[-1].wal_end
+                self._sent_at = msgs[-1].send_time.timestamp()  # by the server's clock
                 msgs.reverse()  # popped as handled: a large message is not held to the end
                 while msgs:
                     msg = msgs.pop()
@@ -518,12 +520,13 @@ class Consumer:
     # -- what the stream stage hands over -------------------------------------------------------
 
     def _take(self, txns: list[Transaction[Item]]) -> None:
+        sent = self._sent_at - _PG_EPOCH
         for t in txns:
             if t.spilled or t.size > self._budget:
                 self._big(t)
                 continue
             self._pending.append(t)
-            self.flush_policy.add(len(t.items), t.size)
+            self.flush_policy.add(len(t.items), t.size, sent - t.commit_ts / 1e6)
 
     def _on_heartbeat(self, lsn: int, sent: float) -> None:
         """Our own heartbeat, back through the slot: the end-to-end lag, and an idle position to

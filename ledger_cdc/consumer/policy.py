@@ -3,8 +3,13 @@
 A batch goes when it is **full** (``batch_size`` events, or its byte budget passed: the loop
 then waits for the sink if it is still writing the previous one), or when it is **overdue**
 (older than ``max_delay`` and the sink is free: a quiet stream still commits within
-``max_delay``, and a busy sink is never queued behind). Snapshots are the batch builder's
-:class:`~ledger_cdc.sink.batch.SnapshotPolicy`.
+``max_delay``, and a busy sink is never queued behind). While the stream **catches up** (the
+server sent the transaction last taken more than ``CATCH_UP_LAG`` seconds after it committed,
+both by the server's clock), an overdue batch waits until it is ``CATCH_UP_DELAY`` old
+instead, or full: every batch rewrites
+the projection of each session it touches, and in a backlog a few large batches rewrite them
+less often than many small ones, while the delay adds nothing to a lag already that large.
+Snapshots are the batch builder's :class:`~ledger_cdc.sink.batch.SnapshotPolicy`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ __all__ = ["FlushPolicy"]
 IDLE_WAIT = 0.1  # seconds to wait on the socket with nothing in hand
 INLINE_TRANSACTIONS = 4  # a batch of at most this many …
 INLINE_BYTES = 64 * 1024  # … and this many bytes of projections is committed by the loop itself
+CATCH_UP_LAG = 1.0  # seconds from commit to send that make the stream a backlog
+CATCH_UP_DELAY = 0.5  # seconds a batch may wait for more while the stream catches up
 
 
 @dataclass
@@ -29,11 +36,14 @@ class FlushPolicy:
     events: int = 0
     size: int = 0
     since: float | None = None  # when the oldest transaction in hand arrived
+    catching_up: bool = False  # the transaction last taken was sent long after its commit
 
-    def add(self, events: int, size: int) -> None:
-        """A committed transaction is in hand."""
+    def add(self, events: int, size: int, lag: float = 0.0) -> None:
+        """A committed transaction is in hand; the server sent it ``lag`` seconds after it
+        committed."""
         self.events += events
         self.size += size
+        self.catching_up = lag > CATCH_UP_LAG
         if self.since is None:
             self.since = self.clock()
 
@@ -42,9 +52,10 @@ class FlushPolicy:
         return self.events >= self.batch_size or self.size > self.budget
 
     def overdue(self, sink_busy: bool) -> bool:
-        return (
-            self.since is not None and not sink_busy and self.clock() - self.since > self.max_delay
-        )
+        if self.since is None or sink_busy:
+            return False
+        delay = max(self.max_delay, CATCH_UP_DELAY) if self.catching_up else self.max_delay
+        return self.clock() - self.since > delay
 
     def reset(self, events: int = 0, size: int = 0) -> None:
         """A batch went to the sink; ``events`` and ``size`` are what is left in hand."""

@@ -22,6 +22,7 @@ import select
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any, Protocol
 
 import psycopg2
@@ -65,6 +66,7 @@ class XLogData(Protocol):
 
     data_start: int
     wal_end: int
+    send_time: datetime  # the server's clock when it sent the message (naive, local time)
     payload: bytes
 
 

@@ -984,3 +984,45 @@ def test_a_row_without_a_position_is_dead_lettered_and_breaks_no_reader(db: Data
     result = run_cli("verify", "--all", "--dsn", db.dsn)  # the broken rule is a difference
     assert result.exit_code == 1 and "a row without a position" in result.output, result.output
     assert "1 difference(s)" in result.output, result.output
+
+
+def test_a_backlog_reads_as_catching_up_and_a_live_write_does_not(db: Database) -> None:
+    """The lag the loop hands the flush policy is the server's send time less the commit time,
+    both by the server's clock: transactions committed seconds before the consumer starts read
+    as a backlog (their batch may wait for more), one written while it streams does not."""
+    from ledger_cdc.consumer.policy import CATCH_UP_LAG
+
+    with db.connect() as setup:
+        create_slot(setup, "agent_slot")
+    sid = uuid.uuid4()
+    with Ledger(db.dsn) as ledger:
+        for i in range(5):
+            ledger.append(sid, "a", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
+        with db.connect() as conn:  # the backlog ages by the server's clock
+
+            def aged() -> bool:
+                row = conn.execute(
+                    "SELECT extract(epoch FROM clock_timestamp() - max(created_at)) "
+                    "FROM agent_events"
+                ).fetchone()
+                return row is not None and float(row[0]) > CATCH_UP_LAG + 1
+
+            until(aged, 30)
+        lags: list[float] = []
+        it = InThread(db.dsn, precreate_slot=False)
+        policy = it.consumer.flush_policy
+        add = policy.add
+
+        def record(events: int, size: int, lag: float = 0.0) -> None:
+            lags.append(lag)
+            add(events, size, lag)
+
+        policy.add = record  # type: ignore[method-assign]
+        with it:
+            until(lambda: len(lags) >= 5)
+            assert all(CATCH_UP_LAG + 1 < lag < 300 for lag in lags), lags
+            assert policy.catching_up
+            ledger.append(sid, "a", "tool.observed", {"call_id": "c0", "result": "ok"})
+            until(lambda: len(lags) >= 6)
+            assert -5 < lags[-1] < CATCH_UP_LAG, lags
+            assert not policy.catching_up

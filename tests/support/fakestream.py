@@ -48,6 +48,7 @@ class XLog:
     data_start: int
     wal_end: int
     payload: bytes
+    send_time: dt.datetime = field(default_factory=dt.datetime.now)
 
 
 def _col(value: str | bytes | None) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import uuid
 import msgspec
 import pytest
 
-from ledger_cdc.consumer.policy import IDLE_WAIT, FlushPolicy
+from ledger_cdc.consumer.policy import CATCH_UP_DELAY, CATCH_UP_LAG, IDLE_WAIT, FlushPolicy
 from ledger_cdc.fold import SessionContext, SessionStatus
 from ledger_cdc.retry import Backoff, delay
 from ledger_cdc.sink.batch import SnapshotPolicy
@@ -58,6 +58,31 @@ def test_flush_policy_reset_and_wait() -> None:
     assert (p.events, p.size) == (2, 5) and not p.overdue(False)
     p.reset()
     assert p.since is None and p.wait_timeout() == IDLE_WAIT
+
+
+def test_flush_policy_waits_longer_while_catching_up() -> None:
+    """A transaction sent long after its commit (a backlog) lets an overdue batch wait for
+    more, up to CATCH_UP_DELAY; one sent promptly brings max_delay back; full is full."""
+    clock = Clock()
+    p = FlushPolicy(batch_size=10, budget=1000, max_delay=0.05, clock=clock)
+    p.add(3, 100, lag=CATCH_UP_LAG + 30)
+    clock.now += 0.06
+    assert p.catching_up and not p.overdue(False)
+    clock.now += CATCH_UP_DELAY
+    assert p.overdue(False) and not p.overdue(True)
+    p.reset()
+    p.add(3, 100, lag=CATCH_UP_LAG + 30)
+    p.add(7, 100, lag=CATCH_UP_LAG + 30)
+    assert p.full  # batch_size, however far behind
+    p.reset()
+    p.add(3, 100, lag=CATCH_UP_LAG + 30)
+    p.add(1, 10, lag=CATCH_UP_LAG / 2)  # caught up: the batch in hand is overdue as usual
+    clock.now += 0.06
+    assert not p.catching_up and p.overdue(False)
+    slow = FlushPolicy(batch_size=10, budget=1000, max_delay=CATCH_UP_DELAY * 2, clock=clock)
+    slow.add(1, 10, lag=CATCH_UP_LAG + 30)
+    clock.now += CATCH_UP_DELAY + 0.01
+    assert not slow.overdue(False)  # a max_delay above the catch-up delay still holds
 
 
 def _ctx(count: int, status: str = SessionStatus.RUNNING) -> SessionContext:
