@@ -36,7 +36,7 @@ from ledger_cdc.admin.schema import drop_slot
 from ledger_cdc.client.recovery import rebuild_context
 from ledger_cdc.consumer.config import ConsumerConfig
 from ledger_cdc.consumer.metrics import Metrics
-from ledger_cdc.consumer.policy import FlushPolicy
+from ledger_cdc.consumer.policy import CATCH_UP_DELAY, FlushPolicy
 from ledger_cdc.consumer.resync import History, connected, count_unfolded, preflight
 from ledger_cdc.consumer.tasks import (
     VACUUM_TICK,
@@ -186,7 +186,12 @@ class Consumer:
             by_reference=bool(getattr(self.sink, "by_reference", False)),
             folds=config.fold,
         )
-        self.flush_policy = FlushPolicy(config.batch_size, self._budget, config.max_delay)
+        self.flush_policy = FlushPolicy(
+            config.batch_size,
+            self._budget,
+            config.max_delay,
+            catch_up_delay=0.0 if config.sinks else CATCH_UP_DELAY,
+        )
         self._worker = SinkWorker(self.sink)
         self._guard = SlotGuard(config.slot, config.thresholds, self.metrics)
         self._backoff = Backoff(

@@ -8,7 +8,10 @@ server sent the transaction last taken more than ``CATCH_UP_LAG`` seconds after 
 both by the server's clock), an overdue batch waits until it is ``CATCH_UP_DELAY`` old
 instead, or full: every batch rewrites
 the projection of each session it touches, and in a backlog a few large batches rewrite them
-less often than many small ones, while the delay adds nothing to a lag already that large.
+less often than many small ones, while the delay adds nothing to a lag already that large. A
+consumer that also publishes to JetStream does not wait (``catch_up_delay`` 0): publishing costs
+its sink per event, not per session, so the sink is what a drain waits for, and a batch held back
+only leaves it idle.
 Snapshots are the batch builder's :class:`~ledger_cdc.sink.batch.SnapshotPolicy`.
 """
 
@@ -32,6 +35,7 @@ class FlushPolicy:
     batch_size: int
     budget: int  # bytes of transactions in hand
     max_delay: float
+    catch_up_delay: float = CATCH_UP_DELAY
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     events: int = 0
     size: int = 0
@@ -54,7 +58,7 @@ class FlushPolicy:
     def overdue(self, sink_busy: bool) -> bool:
         if self.since is None or sink_busy:
             return False
-        delay = max(self.max_delay, CATCH_UP_DELAY) if self.catching_up else self.max_delay
+        delay = max(self.max_delay, self.catch_up_delay) if self.catching_up else self.max_delay
         return self.clock() - self.since > delay
 
     def reset(self, events: int = 0, size: int = 0) -> None:

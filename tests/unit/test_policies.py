@@ -83,6 +83,10 @@ def test_flush_policy_waits_longer_while_catching_up() -> None:
     slow.add(1, 10, lag=CATCH_UP_LAG + 30)
     clock.now += CATCH_UP_DELAY + 0.01
     assert not slow.overdue(False)  # a max_delay above the catch-up delay still holds
+    eager = FlushPolicy(batch_size=10, budget=1000, max_delay=0.05, catch_up_delay=0, clock=clock)
+    eager.add(1, 10, lag=CATCH_UP_LAG + 30)
+    clock.now += 0.06
+    assert eager.catching_up and eager.overdue(False)  # (a consumer that publishes)
 
 
 def _ctx(count: int, status: str = SessionStatus.RUNNING) -> SessionContext:
@@ -192,3 +196,21 @@ def test_the_projections_are_vacuumed_after_enough_writes_or_time_and_never_when
     step(conn)  # type: ignore[arg-type]
     assert len(conn.sent) == 3
     assert all(q.startswith("VACUUM (SKIP_LOCKED) agent_sessions") for q in conn.sent)
+
+
+def test_a_consumer_that_publishes_never_holds_a_backlog_batch() -> None:
+    """Publishing costs the sink per event: with a JetStream sink the batch goes as soon as the
+    sink is free, backlog or not; PostgreSQL alone holds it for more."""
+    pytest.importorskip("nats")
+    from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+
+    dsn = "postgresql://ledger@127.0.0.1:9/ledger"  # nothing is connected to
+    alone = Consumer(ConsumerConfig(dsn=dsn))
+    fanned = Consumer(ConsumerConfig(dsn=dsn, sinks=("nats://127.0.0.1:9",)))
+    try:
+        assert alone.flush_policy.catch_up_delay == CATCH_UP_DELAY
+        assert fanned.flush_policy.catch_up_delay == 0
+    finally:
+        for c in (alone, fanned):
+            c.sink.close()
+            c.stream.close()
