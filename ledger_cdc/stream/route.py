@@ -25,7 +25,9 @@ from ledger_cdc.errors import DecodeError, LedgerError
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.names import HEARTBEAT_PREFIX, LEDGER_TABLE
 from ledger_cdc.pgoutput import (
+    Begin,
     BeginPrepare,
+    Commit,
     CommitPrepared,
     Decoder,
     Delete,
@@ -247,6 +249,8 @@ class LedgerStream:
             self._unknown_kind(payload, e)
             return []
         kind = type(msg)
+        if kind is Begin or kind is Commit:  # two of a one-row transaction's three messages
+            return self._feed(msg, None, 0, lsn)
         item: Item | None = None
         if kind is Insert:
             rows = self._rows.get(msg.relation_id)  # type: ignore[union-attr]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import operator
 import os
 import select
 import threading
@@ -73,6 +74,9 @@ class XLogData(Protocol):
 MESSAGE_OVERHEAD = 160
 """Bytes a message read ahead holds beyond its payload (psycopg2's message object, the payload's
 bytes object, the buffer's slot): the read-ahead bound counts them."""
+
+
+_PAYLOAD = operator.attrgetter("payload")
 
 
 def _held(msg: XLogData) -> int:
@@ -367,11 +371,14 @@ class ReplicationStream:
         ahead = self._ahead
         if ahead:
             self._read_ahead()  # the server goes on sending while this is worked off
-            popleft = ahead.popleft
-            while ahead and len(out) < limit:
-                msg = popleft()
-                self._ahead_bytes -= _held(msg)
-                out.append(msg)
+            n = min(limit, len(ahead))
+            if n == len(ahead):
+                out = list(ahead)
+                ahead.clear()
+            else:
+                popleft = ahead.popleft
+                out = [popleft() for _ in range(n)]
+            self._ahead_bytes -= sum(map(len, map(_PAYLOAD, out))) + n * MESSAGE_OVERHEAD
             return out
         try:
             with self._lock:
@@ -389,19 +396,21 @@ class ReplicationStream:
 
     def _read_ahead(self) -> None:
         """What the socket has ready, into the read-ahead buffer, up to its byte limit."""
-        ahead = self._ahead
+        append = self._ahead.append
+        size, limit = self._ahead_bytes, self._ahead_limit
         try:
             with self._lock:
                 read = self._cur.read_message
-                while self._ahead_bytes < self._ahead_limit:
+                while size < limit:
                     msg = read()
                     if msg is None:
                         break
-                    ahead.append(msg)
-                    self._ahead_bytes += _held(msg)
+                    append(msg)
+                    size += len(msg.payload) + MESSAGE_OVERHEAD
         except (psycopg2.Error, AttributeError) as e:
-            self.close()
+            self.close()  # (the buffer goes with the connection)
             raise self._failure(e, "replication stream lost") from e
+        self._ahead_bytes = size
 
     def wait(self, timeout: float, *also: int) -> None:
         """Block until the socket (or one of the ``also`` descriptors) is readable, or

@@ -5,6 +5,7 @@ consumer's checkpoint: what the checkpoint covers must still be dropped, never a
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.errors import SlotError, TransportError
 from ledger_cdc.lsn import format_lsn, parse_lsn
-from ledger_cdc.stream.transport import ReplicationStream
+from ledger_cdc.stream.transport import MESSAGE_OVERHEAD, ReplicationStream
 from tests.support.cdc import (
     ConsumerProcess,
     assert_verify_exact,
@@ -151,3 +152,36 @@ def test_a_stream_lost_after_it_began_early_is_a_stream_lost(db: Database) -> No
     with pytest.raises(TransportError, match="replication stream lost"):
         early.start(0)
     early.close()
+
+
+def test_the_read_ahead_counts_what_it_holds(db: Database) -> None:
+    """The read-ahead's byte count (what bounds it) is what its messages hold, as they are read
+    ahead and taken, whatever the run sizes; it is 0 once the buffer is empty."""
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+    with Ledger(db.dsn) as ledger:
+        for _ in range(40):
+            ledger.append(uuid.uuid4(), "a", "tool.invoked", _TOOL)
+    early = ReplicationStream(db.dsn, "agent_slot", "agent_pub")
+    early.prefetch(1 << 20)
+    pre = early._prefetch
+    assert pre is not None
+    try:
+        until(lambda: sum(m.payload[:1] == b"C" for m in list(pre.messages)) >= 10)
+        early.start(0)
+
+        def counted() -> bool:
+            held = sum(len(m.payload) + MESSAGE_OVERHEAD for m in early._ahead)
+            assert early._ahead_bytes == held
+            return held > 0
+
+        until(counted)  # read ahead (by the early stream, then by the reads)
+        commits = 0
+        for n in itertools.cycle((1, 3, 64, 7)):
+            commits += sum(m.payload[:1] == b"C" for m in early.read_many(n))
+            counted()
+            if commits >= 40:
+                break
+        until(lambda: not early.read_many(64) and not counted())
+    finally:
+        early.close()
