@@ -193,10 +193,14 @@ def ensure(
     DEFINER, sql/0016_archiving.sql) creates them as the ledger's owner."""
     if not 0 <= ahead <= 120:
         raise ConfigError(f"partitions ahead must be 0 to 120, got {ahead}")
-    with conn.transaction():
-        return [
-            str(r[0]) for r in conn.execute("SELECT ledger_ensure_partitions(%s, %s)", (ahead, at))
-        ]
+    try:
+        with conn.transaction():
+            return [
+                str(r[0])
+                for r in conn.execute("SELECT ledger_ensure_partitions(%s, %s)", (ahead, at))
+            ]
+    except psycopg.errors.DatetimeFieldOverflow as e:  # past year 9999 (sql/0017)
+        raise ConfigError(e.diag.message_primary or str(e)) from None
 
 
 def ensure_for(conn: psycopg.Connection[Any], times: Iterable[dt.datetime]) -> list[str]:

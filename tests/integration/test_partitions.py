@@ -447,3 +447,39 @@ def test_archive_keeps_what_stored_contexts_and_memo_rows_reference(
             assert not verify(dsn).differences
     finally:
         consumer.kill()
+
+
+def test_partitions_for_a_time_out_of_range_are_refused_not_made_wrong(empty_db: Database) -> None:
+    """ledger_ensure_partitions (open to the consumer's role) takes a time: infinity, a year BC
+    or past 9999 is refused in one line (SQLSTATE 22008). A year BC made the partition named
+    for the same day AD, which was then never made."""
+    init(empty_db.dsn, partition_by="month")
+    with psycopg.connect(empty_db.dsn, autocommit=True) as conn:
+        for at, ahead in [
+            ("infinity", 0),
+            ("-infinity", 0),
+            ("0001-01-15 00:00+00 BC", 0),
+            ("294000-01-01 00:00+00", 0),
+            ("9999-12-15 00:00+00", 1),  # its partition ends in 10000, the next one after
+        ]:
+            with pytest.raises(psycopg.errors.DatetimeFieldOverflow, match="years 1 to 9999"):
+                conn.execute("SELECT ledger_ensure_partitions(%s, %s::timestamptz)", (ahead, at))
+        made = conn.execute(
+            "SELECT ledger_ensure_partitions(0, '0001-01-15 00:00+00'::timestamptz)"
+        ).fetchall()
+        assert made == [("agent_events_p00010101",)]
+        assert conn.execute(
+            "SELECT ledger_ensure_partitions(0, '9999-12-15 00:00+00'::timestamptz)"
+        ).fetchall() == [("agent_events_p99991201",)]
+        starts = {p.name: p.start for p in partitions.list_partitions(conn)}
+        assert starts["agent_events_p00010101"] == dt.datetime(1, 1, 1, tzinfo=dt.timezone.utc)
+        with pytest.raises(ConfigError, match="years 1 to 9999"):
+            ensure(conn, 1, at=dt.datetime(9999, 12, 2, tzinfo=dt.timezone.utc))
+        # the consumer's role may ensure partitions, not make them past the check
+        (checked, unchecked) = conn.execute(
+            "SELECT has_function_privilege('ledger_consumer', "
+            "'ledger_ensure_partitions(integer, timestamptz)', 'EXECUTE'), "
+            "has_function_privilege('ledger_consumer', "
+            "'ledger_make_partitions(integer, timestamptz)', 'EXECUTE')"
+        ).fetchone()  # type: ignore[misc]
+        assert (checked, unchecked) == (True, False)
