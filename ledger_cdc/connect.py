@@ -8,10 +8,25 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from ledger_cdc.errors import translate
+from ledger_cdc.names import CONNECT_TIMEOUT
 
-__all__ = ["connect", "speak_utf8", "speak_utf8_async"]
+__all__ = ["CONNECT_TIMEOUT", "connect", "connect_timeout", "speak_utf8", "speak_utf8_async"]
+
+
+def connect_timeout(dsn: str, seconds: float | None = None) -> dict[str, Any]:
+    """``{"connect_timeout": seconds}`` (``CONNECT_TIMEOUT`` by default) to pass to a connect,
+    unless the DSN gives its own, which a keyword would override: a server that accepts but
+    never answers must not hang a connection forever, and a DSN's timeout is its user's."""
+    try:
+        given = "connect_timeout" in conninfo_to_dict(dsn)
+    except psycopg.Error:
+        given = False  # a DSN that does not parse: the connect says why
+    if given:
+        return {}
+    return {"connect_timeout": max(1, round(CONNECT_TIMEOUT if seconds is None else seconds))}
 
 
 def speak_utf8(conn: psycopg.Connection[Any]) -> None:
@@ -38,9 +53,11 @@ def _narrow(encoding: str, server: str | None) -> bool:
 
 
 def connect(dsn: str, *, doing: str = "cannot connect", **kwargs: Any) -> psycopg.Connection[Any]:
-    """``psycopg.connect`` (``connect_timeout`` 10 s unless given; UTF-8, :func:`speak_utf8`),
-    its failure translated (``doing`` says what for)."""
-    kwargs.setdefault("connect_timeout", 10)
+    """``psycopg.connect`` (``connect_timeout`` :data:`CONNECT_TIMEOUT` unless given, by the
+    caller or the DSN; UTF-8, :func:`speak_utf8`), its failure translated (``doing`` says what
+    for)."""
+    if "connect_timeout" not in kwargs:
+        kwargs.update(connect_timeout(dsn))
     try:
         conn = psycopg.connect(dsn, **kwargs)
     except psycopg.Error as e:

@@ -1,9 +1,10 @@
 """Default names, one place each: the slot, publication and table, the NOTIFY channels, the
-heartbeat's message prefix, and the columns the publication streams."""
+heartbeat's message prefix, and the columns the publication streams; and the connect timeout."""
 
 from __future__ import annotations
 
 __all__ = [
+    "CONNECT_TIMEOUT",
     "DEFAULT_PUBLICATION",
     "DEFAULT_SLOT",
     "HEARTBEAT_PREFIX",
@@ -14,6 +15,9 @@ __all__ = [
     "shard_names",
 ]
 
+CONNECT_TIMEOUT = 10
+"""Seconds a connection attempt may take, unless its DSN gives its own ``connect_timeout``: a
+server that accepts but never answers fails the attempt (retried where the caller retries)."""
 DEFAULT_SLOT = "agent_slot"
 DEFAULT_PUBLICATION = "agent_pub"
 LEDGER_TABLE = "agent_events"

@@ -46,6 +46,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ledger_cdc.connect import connect_timeout
 from ledger_cdc.errors import ArchiveRefusedError, ConfigError, InvalidEventError
 from ledger_cdc.fold import (
     FORMAT_VERSION,
@@ -654,7 +655,10 @@ def _undo(conn: psycopg.Connection[Any], p: Partition, files: Iterable[Path]) ->
         return
     try:
         other = psycopg.connect(
-            conn.info.dsn, password=conn.info.password, autocommit=True, connect_timeout=10
+            conn.info.dsn,
+            password=conn.info.password,
+            autocommit=True,
+            **connect_timeout(conn.info.dsn),
         )
     except psycopg.Error:
         return

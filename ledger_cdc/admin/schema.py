@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ledger_cdc.connect import connect
+from ledger_cdc.connect import connect, connect_timeout
 from ledger_cdc.errors import ConfigError, MigrationError, translate
 from ledger_cdc.names import (
     DEFAULT_PUBLICATION,
@@ -341,7 +341,7 @@ def init(
         validate_slot_name(slot)
     created: list[str] = []
     try:
-        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+        with psycopg.connect(dsn, autocommit=True, **connect_timeout(dsn)) as conn:
             preflight(conn, slot=slot is not None or bool(shards))
             fresh = partitions.setup(conn, partition_by) if partition_by else False
             applied = migrate(conn)

@@ -749,7 +749,7 @@ def lag(
                 param_hint=f"--warn-{name}",
             )
     th = Thresholds(warn_share, crit_share, warn_bytes, crit_bytes, warn_seconds, crit_seconds)
-    with connect(dsn, autocommit=True, connect_timeout=10) as conn:
+    with connect(dsn, autocommit=True) as conn:
         while True:
             slots = check_slots(conn, slot, thresholds=th, sample_seconds=sample_seconds)
             if as_json:

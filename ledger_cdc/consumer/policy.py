@@ -3,15 +3,17 @@
 A batch goes when it is **full** (``batch_size`` events, or its byte budget passed: the loop
 then waits for the sink if it is still writing the previous one), or when it is **overdue**
 (older than ``max_delay`` and the sink is free: a quiet stream still commits within
-``max_delay``, and a busy sink is never queued behind). While the stream **catches up** (the
-server sent the transaction last taken more than ``CATCH_UP_LAG`` seconds after it committed,
-both by the server's clock), an overdue batch waits until it is ``CATCH_UP_DELAY`` old
-instead, or full: every batch rewrites
-the projection of each session it touches, and in a backlog a few large batches rewrite them
-less often than many small ones, while the delay adds nothing to a lag already that large. A
-consumer that also publishes to JetStream does not wait (``catch_up_delay`` 0): publishing costs
-its sink per event, not per session, so the sink is what a drain waits for, and a batch held back
-only leaves it idle.
+``max_delay``, and a busy sink is never queued behind).
+
+While the stream **catches up** (the server sent the transaction last taken more than
+``CATCH_UP_LAG`` seconds after it committed, both by the server's clock), an overdue batch
+waits until it is ``CATCH_UP_DELAY`` old instead, or full: every batch rewrites the projection
+of each session it touches, and in a backlog a few large batches rewrite them less often than
+many small ones, while the delay adds nothing to a lag already that large. A consumer that also
+publishes to JetStream does not wait (``catch_up_delay`` 0): publishing costs its sink per
+event, not per session, so the sink is what a drain waits for, and a batch held back only
+leaves it idle.
+
 Snapshots are the batch builder's :class:`~ledger_cdc.sink.batch.SnapshotPolicy`.
 """
 

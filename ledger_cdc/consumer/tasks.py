@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 
 from ledger_cdc.admin.health import LOST, RateWatch, Thresholds, check_slots
-from ledger_cdc.connect import speak_utf8
+from ledger_cdc.connect import connect_timeout, speak_utf8
 from ledger_cdc.consumer.metrics import Metrics
 from ledger_cdc.names import HEARTBEAT_PREFIX
 
@@ -79,7 +79,9 @@ class Periodic:
                 wait = self.interval
                 try:
                     if conn is None or conn.closed:
-                        conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=5)
+                        conn = psycopg.connect(
+                            self.dsn, autocommit=True, **connect_timeout(self.dsn, 5)
+                        )
                         speak_utf8(conn)
                     if self.step(conn) is False:
                         return

@@ -26,7 +26,7 @@ from psycopg.adapt import Transformer
 from psycopg.pq import DiagnosticField, ExecStatus, TransactionStatus
 from psycopg.pq.abc import PGconn, PGresult
 
-from ledger_cdc.connect import speak_utf8
+from ledger_cdc.connect import connect
 from ledger_cdc.errors import (
     FencedError,
     WindowMissingError,
@@ -391,8 +391,7 @@ class PgSink:
         if self._conn is None or self._conn.closed:
             # UTF-8 whatever the database's or role's client_encoding: the hot path's statements
             # send the batch's JSON as the UTF-8 bytes msgspec made (and any text fits)
-            self._conn = psycopg.connect(self.dsn, autocommit=True)
-            speak_utf8(self._conn)
+            self._conn = connect(self.dsn, doing="projection database", autocommit=True)
             # psycopg prepares nothing here on its own: it would DEALLOCATE ALL after a
             # ROLLBACK or a DROP/ALTER, and with it the statements _prepared made
             self._conn.prepare_threshold = None

@@ -41,6 +41,7 @@ from ledger_cdc.errors import (
     format_lsn,
     translate,
 )
+from ledger_cdc.names import CONNECT_TIMEOUT
 
 __all__ = [
     "FEEDBACK_EVERY",
@@ -77,6 +78,15 @@ bytes object, the buffer's slot): the read-ahead bound counts them."""
 
 
 _PAYLOAD = operator.attrgetter("payload")
+
+
+def _timeout(dsn: str) -> dict[str, Any]:
+    """A connect timeout unless the DSN gives its own (see ``connect.connect_timeout``)."""
+    try:
+        given = "connect_timeout" in psycopg2.extensions.parse_dsn(dsn)
+    except psycopg2.Error:
+        given = False  # a DSN that does not parse: the connect says why
+    return {} if given else {"connect_timeout": CONNECT_TIMEOUT}
 
 
 def _held(msg: XLogData) -> int:
@@ -195,7 +205,7 @@ class ReplicationStream:
                 options=_SESSION_OPTIONS,
                 # names this process in pg_stat_replication (which consumer holds the slot)
                 application_name=f"ledger-cdc:{self.slot}:{os.getpid()}"[:63],
-                connect_timeout=10,
+                **_timeout(self.dsn),
                 keepalives=1,
                 keepalives_idle=10,
                 keepalives_interval=5,

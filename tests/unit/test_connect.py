@@ -1,0 +1,89 @@
+"""Connect timeouts: every connection this package makes gives up on a server that accepts but
+never answers, after ``CONNECT_TIMEOUT`` seconds or the DSN's own ``connect_timeout``."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import ledger_cdc.connect as connect_module
+import ledger_cdc.stream.transport as transport
+from ledger_cdc.connect import connect, connect_timeout
+from ledger_cdc.errors import DatabaseUnavailable, LedgerError
+from ledger_cdc.names import CONNECT_TIMEOUT
+from ledger_cdc.sink.postgres import PgSink
+
+
+@pytest.mark.parametrize(
+    ("dsn", "want"),
+    [
+        ("host=127.0.0.1 dbname=ledger", {"connect_timeout": CONNECT_TIMEOUT}),
+        ("postgresql://u@127.0.0.1/ledger", {"connect_timeout": CONNECT_TIMEOUT}),
+        ("host=127.0.0.1 dbname=ledger connect_timeout=3", {}),
+        ("postgresql://u@127.0.0.1/ledger?connect_timeout=3", {}),
+        ("host='unterminated", {"connect_timeout": CONNECT_TIMEOUT}),  # the connect says why
+    ],
+)
+def test_a_dsn_s_own_timeout_is_kept(dsn: str, want: dict[str, Any]) -> None:
+    assert connect_timeout(dsn) == want
+    assert transport._timeout(dsn) == want  # the replication connection's, by psycopg2
+
+
+def test_a_caller_s_timeout_is_the_default_it_gives() -> None:
+    assert connect_timeout("host=127.0.0.1", 5) == {"connect_timeout": 5}
+    assert connect_timeout("host=127.0.0.1 connect_timeout=2", 5) == {}
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that takes connections (the kernel completes the handshake) and never answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield int(s.getsockname()[1])
+
+
+def _fails_within(make: Callable[[], object], seconds: float) -> BaseException:
+    """``make()`` raises within ``seconds`` (run on a thread: a hang fails the test, not the
+    run)."""
+    out: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            make()
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    started = time.monotonic()
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still connecting after {seconds}s"
+    assert out, "connected to a server that never answers"
+    assert time.monotonic() - started < seconds
+    return out[0]
+
+
+def test_the_sink_gives_up_on_a_server_that_never_answers(
+    silent_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The projections' connection had no timeout: a hung server hung the consumer for good.
+    Now it fails as DatabaseUnavailable, which the consumer retries."""
+    monkeypatch.setattr(connect_module, "CONNECT_TIMEOUT", 1)
+    sink = PgSink(f"host=127.0.0.1 port={silent_port} dbname=x user=x", "agent_slot")
+    err = _fails_within(lambda: sink.conn, 8)
+    assert isinstance(err, DatabaseUnavailable), err
+
+
+def test_a_dsn_s_timeout_is_not_overridden(
+    silent_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(connect_module, "CONNECT_TIMEOUT", 60)
+    dsn = f"host=127.0.0.1 port={silent_port} dbname=x user=x connect_timeout=1"
+    err = _fails_within(lambda: connect(dsn), 8)
+    assert isinstance(err, LedgerError), err
