@@ -20,7 +20,7 @@ class ConsumerConfig:
     target_dsn: str | None = None
     create_slot: bool = False
     batch_size: int = 20000
-    max_delay: float = 0.05
+    max_delay: float = 0.05  # (a backlog's batch may wait longer: consumer/policy.py)
     snapshot_every: int = 100
     heartbeat_interval: float | None = None
     status_interval: float = 2.0
