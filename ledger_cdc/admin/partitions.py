@@ -150,9 +150,10 @@ def _timestamp(text: str) -> dt.datetime:
     """A partition bound as PostgreSQL prints it, read the same on every Python this package
     supports (3.10's ``fromisoformat`` reads neither the ``+00`` offset nor a fraction of other
     than 3 or 6 digits). A bound Python cannot hold — the year 10000 that ends a partition of
-    9999's last interval, or a year BC, both of which ``ledger_ensure_partitions`` makes when
-    asked — is the latest (earliest) time it can: such a partition is listed, and never
-    archived for its end, instead of breaking every command that lists partitions."""
+    9999's last interval, or a year BC, which ``ledger_ensure_partitions`` made when asked
+    before sql/0017 (a database may still hold one) — is the latest (earliest) time it can:
+    such a partition is listed, and never archived for its end, instead of breaking every
+    command that lists partitions."""
     m = _TIMESTAMPTZ.fullmatch(text)
     if m is None:
         raise ConfigError(f"cannot read the partition bound {text!r}")
@@ -191,7 +192,8 @@ def ensure(
     """Create the partitions for the interval holding ``at`` (now) and the next ``ahead``
     intervals (at most 120), if missing. Returns the names created. Idempotent, safe to run
     concurrently, and open to the consumer's role: ``ledger_ensure_partitions`` (SECURITY
-    DEFINER, sql/0016_archiving.sql) creates them as the ledger's owner."""
+    DEFINER, sql/0016_archiving.sql and 0017) creates them as the ledger's owner, for the
+    years 1 to 9999 only (past them: ConfigError)."""
     if not 0 <= ahead <= 120:
         raise ConfigError(f"partitions ahead must be 0 to 120, got {ahead}")
     try:
