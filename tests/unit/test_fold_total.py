@@ -195,6 +195,8 @@ def _parse_time(text: str) -> dt.datetime | None:
     only inside MIN_TIME..MAX_TIME (else NULL, and the text beside it)."""
     if text.endswith(("BC",)) or "infinity" in text:
         return None
+    if text[-3:-2] in ("+", "-") and text[-2:].isdigit():
+        text += ":00"  # an offset of whole hours, as Python 3.10's fromisoformat needs it
     try:
         value = dt.datetime.fromisoformat(text)
     except ValueError:
