@@ -16,10 +16,9 @@ from collections.abc import AsyncIterator
 
 import msgspec
 import psycopg
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ledger_cdc.client.read import COLUMNS, row_event
-from ledger_cdc.connect import speak_utf8_async
+from ledger_cdc.connect import connect_timeout, speak_utf8_async
 from ledger_cdc.errors import ConfigError, DatabaseUnavailable
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.names import SESSIONS_CHANNEL
@@ -42,9 +41,9 @@ async def follow_postgres(
 ) -> AsyncIterator[LedgerEvent | Rejected]:
     """Events of the session after position ``after``, as the consumer folds them (a row the
     consumer quarantined comes as :class:`~ledger_cdc.events.Rejected`)."""
-    if "connect_timeout" not in conninfo_to_dict(dsn):
-        dsn = make_conninfo(dsn, connect_timeout=10)
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+    async with await psycopg.AsyncConnection.connect(
+        dsn, autocommit=True, **connect_timeout(dsn)
+    ) as conn:
         await speak_utf8_async(conn)
         await conn.execute(f"LISTEN {SESSIONS_CHANNEL}")
         last = after

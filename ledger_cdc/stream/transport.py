@@ -388,6 +388,7 @@ class ReplicationStream:
             else:
                 popleft = ahead.popleft
                 out = [popleft() for _ in range(n)]
+            # (_held of each, summed without a call per message)
             self._ahead_bytes -= sum(map(len, map(_PAYLOAD, out))) + n * MESSAGE_OVERHEAD
             return out
         try:
@@ -416,7 +417,7 @@ class ReplicationStream:
                     if msg is None:
                         break
                     append(msg)
-                    size += len(msg.payload) + MESSAGE_OVERHEAD
+                    size += len(msg.payload) + MESSAGE_OVERHEAD  # (_held, inline)
         except (psycopg2.Error, AttributeError) as e:
             self.close()  # (the buffer goes with the connection)
             raise self._failure(e, "replication stream lost") from e
