@@ -124,7 +124,10 @@ event_strategy = st.one_of(
         st.integers(0, 5),
         st.one_of(
             st.integers(),
-            st.text(st.characters(blacklist_characters="\x00"), max_size=5),
+            # (no NUL, no lone surrogate: a writer refuses both, and these events are written)
+            st.text(
+                st.characters(exclude_characters="\x00", exclude_categories=["Cs"]), max_size=5
+            ),
             st.none(),
         ),
     ),
