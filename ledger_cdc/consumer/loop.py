@@ -226,7 +226,8 @@ class Consumer:
             on_count=self.metrics.count,
         )
         self.assembler = self.ledger.assembler
-        self._pending: list[Transaction[Item]] = []
+        self._pending: list[Transaction[Item]] = []  # taken, not folded yet
+        self.builder.drop_ahead()
         self.flush_policy.reset()
         self._idle_lsn: int | None = None  # heartbeat LSN to confirm when nothing is in flight
         self._idle_hb_at: float | None = None
@@ -448,6 +449,11 @@ class Consumer:
         metrics = self.metrics
         lost = self._guard.lost
         read_many = stream.read_many
+        # A publisher (JetStream) handles its acknowledgements on a thread of this process: a
+        # loop folding ahead while the sink writes would hold the interpreter from it, and a
+        # fan-out drain took longer (1.35 s against 1.27 s for 30,000 events). It then folds
+        # ahead only while the sink is idle.
+        ahead_while_writing = not getattr(self.sink, "publishers", None)
         drained = False  # the last read took what the socket had: none ready, most likely
         while True:
             if worker.done:
@@ -468,6 +474,8 @@ class Consumer:
                     if txns:
                         take(txns)
                 del msg
+                if self._pending and (ahead_while_writing or not worker.busy):
+                    self._fold_ahead()
                 if policy.full:
                     self._flush(wait=True)  # the batch is full: wait for the sink if it is busy
                 elif policy.overdue(worker.busy):
@@ -478,7 +486,9 @@ class Consumer:
                 continue
             # nothing ready: hand what we have to the sink (if it is free), confirm an idle
             # position, then wait for the socket or for the sink to finish
-            if (self._pending or self._idle_lsn is not None) and not worker.busy:
+            if (
+                self._pending or self.builder.folded_ahead or self._idle_lsn is not None
+            ) and not worker.busy:
                 self._flush(inline=True)
             metrics.server_wal_end = max(metrics.server_wal_end, stream.wal_end)
             if self.sink.pending and not worker.busy:
@@ -498,6 +508,7 @@ class Consumer:
                 and not self.sink.pending
                 and not self.assembler.in_flight
                 and not self._pending
+                and not self.builder.folded_ahead
                 and stream.wal_end > stream.confirmed
             ):
                 stream.confirm(stream.wal_end, force=False)
@@ -513,7 +524,7 @@ class Consumer:
     def _drain(self) -> None:
         self._worker.wait()
         self._settle()
-        if self._pending or self._idle_lsn is not None:
+        if self._pending or self.builder.folded_ahead or self._idle_lsn is not None:
             self._flush(wait=True)
             self._worker.wait()
             self._settle()
@@ -532,6 +543,15 @@ class Consumer:
                 continue
             self._pending.append(t)
             self.flush_policy.add(len(t.items), t.size, sent - t.commit_ts / 1e6)
+
+    def _fold_ahead(self) -> None:
+        """Fold what is in hand into the next batch now, ahead of its flush, as far as no load
+        is needed (:meth:`BatchBuilder.fold_ahead`): while the sink writes one batch, the loop
+        folds the next instead of waiting for the socket, and the sink, once free, is not kept
+        waiting for a fold. Committed, confirmed and dropped on failure with the rest in hand."""
+        done = self.builder.fold_ahead(self._pending)
+        if done:
+            del self._pending[:done]
 
     def _on_heartbeat(self, lsn: int, sent: float) -> None:
         """Our own heartbeat, back through the slot: the end-to-end lag, and an idle position to
@@ -593,7 +613,10 @@ class Consumer:
                 worker.wait()
         self._settle()
         txns, self._pending = self._pending, []
-        batch, rest = self.builder.fold(txns) if txns else (Batch(end_lsn=0), [])
+        if txns or self.builder.folded_ahead:
+            batch, rest = self.builder.fold(txns)
+        else:
+            batch, rest = Batch(end_lsn=0), []
         self._pending = rest
         self.flush_policy.reset(sum(len(t.items) for t in rest), sum(t.size for t in rest))
         hb_at = None
@@ -611,11 +634,12 @@ class Consumer:
             batch.committed_at = time.time()
             self._settled(batch)
             return
+        batch.freeze()  # (the loop folds on into the same contexts while the sink writes it)
         worker.submit(batch)
 
     def _drain_pending(self) -> None:
         """Commit everything folded or pending before what comes next, in order."""
-        while self._pending or self._worker.busy:
+        while self._pending or self.builder.folded_ahead or self._worker.busy:
             self._flush(wait=True)
             with self.stream.keepalive_during():
                 self._worker.wait()

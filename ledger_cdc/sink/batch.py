@@ -25,6 +25,8 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
+
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.fold import (
     REFERENCE_MIN,
@@ -53,6 +55,7 @@ __all__ = [
     "SnapshotRow",
     "Tail",
     "context_size",
+    "frozen",
 ]
 
 log = logging.getLogger("ledger_cdc.consumer")
@@ -113,11 +116,38 @@ class Batch:
     touched: list[tuple[uuid.UUID, int, str, str | None, int | None]] = field(default_factory=list)
     published: list[tuple[Any, int]] = field(default_factory=list)  # (event, commit LSN) to fan out
 
+    def freeze(self) -> None:
+        """Its contexts replaced by copies that later folds do not change (:func:`frozen`):
+        for a batch the sink writes on its own thread while the loop folds the next one into
+        the same cached contexts."""
+        self.sessions = {
+            sid: (frozen(ctx), data, lsn, head)
+            for sid, (ctx, data, lsn, head) in self.sessions.items()
+        }
+
     def stored_size(self) -> int:
         """Bytes of the stored JSON this batch writes: its projections and snapshots."""
         return sum(len(data) for _, data, _, _ in self.sessions.values()) + sum(
             len(s.context) for s in self.snapshots
         )
+
+
+def frozen(ctx: SessionContext) -> SessionContext:
+    """A copy of ``ctx``, one level deep, that folding on does not change: its lists, dicts and
+    mutable parts (the run, the usage) are its own, their elements shared (the reducers replace
+    those rather than change them; a custom reducer's state in ``extra`` is its own affair).
+    The batch's stored JSON holds the whole state as sealed."""
+    copy = msgspec.structs.replace(ctx)
+    for name in ctx.__struct_fields__:
+        value = getattr(ctx, name)
+        kind = type(value)
+        if kind is list:
+            setattr(copy, name, list(value))
+        elif kind is dict:
+            setattr(copy, name, dict(value))
+        elif isinstance(value, msgspec.Struct) and not value.__struct_config__.frozen:
+            setattr(copy, name, msgspec.structs.replace(value))
+    return copy
 
 
 class Tail(Protocol):
@@ -321,6 +351,7 @@ class BatchBuilder:
         self.spill_dir = spill_dir
         self.on_anomaly = on_anomaly
         self._loaded_bytes = 0  # contexts loaded since the part in hand began (_Part.used)
+        self._ahead: _Part | None = None  # the next batch, folded ahead of time (fold_ahead)
         # sessions the loader rebuilt from the ledger (their stored projection unusable), with
         # the memo rows of every call they completed: the next batch that has one of their
         # events writes them (even an event already folded), and those rows (agent_memo keeps
@@ -331,31 +362,75 @@ class BatchBuilder:
 
     def fold(self, txns: list[Transaction[Item]]) -> tuple[Batch, list[Transaction[Item]]]:
         """Fold committed transactions into one batch, as many as fit its byte budget (at least
-        one): the batch, and the transactions left for the next."""
-        f = _Part(Batch(end_lsn=0))
+        one), after those :meth:`fold_ahead` folded into it already: the batch, and the
+        transactions left for the next."""
+        f, self._ahead = self._ahead, None
+        if f is None:
+            f = _Part(Batch(end_lsn=0))
         rest: list[Transaction[Item]] = []
         loaded_upto = 0
         for i, txn in enumerate(txns):
-            before: dict[uuid.UUID, tuple[int, str]] = {}
-            items = txn.items
-            assert isinstance(items, list)
+            if f.batch.transactions and f.used > self.budget:
+                rest = txns[i:]
+                break
             if i >= loaded_upto and self.folds:
                 loaded_upto = self._load_for(txns, i)
-            f.used += self._loaded_bytes
-            self._loaded_bytes = 0
-            for it in items:
-                self._fold_item(f, it, txn, before)
-            self._cut_snapshots(f, before)
-            f.batch.transactions += 1
-            f.batch.end_lsn = txn.end_lsn
-            f.batch.commit_times.append(txn.commit_ts)
-            f.batch.last_commit_ts = txn.commit_ts
-            f.used += txn.size
-            if f.used > self.budget and i + 1 < len(txns):
-                rest = txns[i + 1 :]
-                break
+            self._fold_transaction(f, txn)
         self.seal(f)
         return f.batch, rest
+
+    def fold_ahead(self, txns: list[Transaction[Item]]) -> int:
+        """Fold the first of ``txns`` into the next batch before it is due: as many as need no
+        load (every session they touch is in the cache: the sink's connection may be busy)
+        and fit the batch's budget. The loop does this while the sink writes the previous
+        batch, so that handing the next one over costs only its sealing. Returns how many it
+        folded: the caller drops them from its list, and :meth:`fold` goes on after them."""
+        f = self._ahead
+        cache = self.cache
+        done = 0
+        for txn in txns:
+            if f is not None and f.used > self.budget:
+                break
+            items = txn.items
+            assert isinstance(items, list)
+            if self.folds:
+                for it in items:
+                    sid = session_of(it)
+                    if sid is not None and sid not in cache:
+                        return done
+            if f is None:
+                f = self._ahead = _Part(Batch(end_lsn=0))
+            self._fold_transaction(f, txn)
+            done += 1
+        return done
+
+    @property
+    def folded_ahead(self) -> int:
+        """Transactions :meth:`fold_ahead` folded into the next batch (0: none)."""
+        return 0 if self._ahead is None else self._ahead.batch.transactions
+
+    def drop_ahead(self) -> None:
+        """Forget what :meth:`fold_ahead` folded (the stream starts again from the
+        checkpoint): the cached contexts it folded into are dropped with it."""
+        if self._ahead is not None:
+            self._ahead = None
+            self.cache.clear()
+
+    def _fold_transaction(self, f: _Part, txn: Transaction[Item]) -> None:
+        before: dict[uuid.UUID, tuple[int, str]] = {}
+        items = txn.items
+        assert isinstance(items, list)
+        f.used += self._loaded_bytes
+        self._loaded_bytes = 0
+        for it in items:
+            self._fold_item(f, it, txn, before)
+        self._cut_snapshots(f, before)
+        batch = f.batch
+        batch.transactions += 1
+        batch.end_lsn = txn.end_lsn
+        batch.commit_times.append(txn.commit_ts)
+        batch.last_commit_ts = txn.commit_ts
+        f.used += txn.size
 
     def _load_for(self, txns: list[Transaction[Item]], i: int) -> int:
         """Load the contexts that the transactions from ``i`` on need and the cache lacks, up to

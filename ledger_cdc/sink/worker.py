@@ -15,8 +15,10 @@ __all__ = ["SinkWorker"]
 
 class SinkWorker:
     """Commits batches on a thread of its own (group commit): while one batch is being written,
-    the stream loop goes on reading and folding the next, so batches grow with the sink's
-    latency under load and stay single transactions when idle. One batch at a time, in order."""
+    the stream loop goes on reading and folding the next (reading only, when the sink also
+    publishes: see ``Consumer._stream_loop``), so batches grow with the sink's latency under
+    load and stay single transactions when idle. One batch at a time, in order; the loop hands
+    each over frozen (:meth:`Batch.freeze`)."""
 
     def __init__(self, sink: Sink) -> None:
         self.sink = sink

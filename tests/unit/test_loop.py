@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ledger_cdc.consumer import Consumer, ConsumerConfig
+from ledger_cdc.errors import DatabaseUnavailable
 from ledger_cdc.events import LedgerEvent
-from ledger_cdc.fold import SessionContext, encode_stored, fold_one
+from ledger_cdc.fold import SessionContext, decode_context, encode_stored, fold_one
 from ledger_cdc.sink.batch import Batch
 from ledger_cdc.sink.memory import MemorySink, MemoryStore
 from ledger_cdc.stream.route import Anomaly, LedgerStream
@@ -308,3 +309,89 @@ def test_a_trickle_is_committed_by_the_loop_itself_and_a_backlog_by_the_sink_thr
         until(lambda: store.checkpoint == wal.commits[-1])
     assert "ledger-cdc-sink" in sink.threads[3:]
     assert_matches(store, wal)
+
+
+def _held_write(
+    wal: Wal, sid: uuid.UUID, consumer: Consumer, more: int, *, fail: bool
+) -> tuple[Callable[[Batch], None], list[object]]:
+    """A before_commit hook for the first batch the sink's thread writes: while it is held,
+    ``more`` transactions of session ``sid`` arrive, and the hook waits until the loop has
+    folded some of them into the next batch; it then records what the batch being written
+    holds (its context of ``sid``, that context as stored, the slot's confirmed position) and
+    lets the write go on, or fails it."""
+    seen: list[object] = []
+
+    def hook(batch: Batch) -> None:
+        if seen or threading.current_thread().name != "ledger-cdc-sink":
+            return
+        before = wal.commits[-1]
+        for t in range(more):
+            wal.transaction([wal.row(sid, "tool.invoked", {"call_id": f"m{t}", "tool": "x"})])
+        deadline = time.monotonic() + 30
+        while not consumer.builder.folded_ahead and time.monotonic() < deadline:
+            time.sleep(0.005)
+        ctx, data, _, _ = batch.sessions[sid]
+        seen.append(
+            (
+                consumer.builder.folded_ahead,
+                (ctx.last_position, ctx.event_count, len(ctx.pending_tools)),
+                decode_context(data),
+                consumer.stream.confirmed,
+                before,
+            )
+        )
+        if fail:
+            raise DatabaseUnavailable("the projections' server went away mid-write")
+
+    return hook, seen
+
+
+def test_the_loop_folds_the_next_batch_while_the_sink_writes_one() -> None:
+    """While the sink's thread writes a batch, the loop folds what arrives into the next one
+    instead of waiting; the batch being written keeps the contexts it was sealed with, though
+    the loop folds on into the same session; the slot is confirmed no further than what the
+    sink committed; everything ends as a fold from zero, each event counted once."""
+    wal = Wal()
+    sid = uuid.uuid4()
+    for t in range(50):  # a backlog: its batch goes to the sink's thread
+        wal.transaction([wal.row(sid, "tool.invoked", {"call_id": f"c{t}", "tool": "x"})])
+    store = MemoryStore()
+    sink = MemorySink(store)
+    slot = FakeSlot(wal)
+    c = Consumer(config(), sink=sink, transport=slot.transport())
+    sink.before_commit, seen = _held_write(wal, sid, c, 30, fail=False)
+    with running(c):
+        until(lambda: len(wal.commits) == 80 and store.checkpoint == wal.commits[-1])
+    assert seen, "no batch was written by the sink's thread"
+    ahead, (position, count, pending), stored, confirmed, before = seen[0]  # type: ignore[misc]
+    assert ahead > 0  # folded while the sink was busy
+    # what the sink writes is the batch as sealed: its counters and its stored JSON agree,
+    # and neither has the transactions folded ahead
+    assert (position, count, pending) == (
+        stored.last_position,
+        stored.event_count,
+        len(stored.pending_tools),
+    )
+    assert position <= 50
+    assert confirmed <= before  # nothing folded ahead (nor in the batch) was confirmed
+    assert_matches(store, wal)
+    assert c.metrics.events == 80
+
+
+def test_a_failed_write_drops_what_was_folded_ahead_without_loss_or_double() -> None:
+    """The sink fails while the loop has folded the next batch ahead: the consumer reconnects
+    from the checkpoint, and what it folded ahead is neither written nor counted twice."""
+    wal = Wal()
+    sid = uuid.uuid4()
+    for t in range(50):
+        wal.transaction([wal.row(sid, "tool.invoked", {"call_id": f"c{t}", "tool": "x"})])
+    store = MemoryStore()
+    sink = MemorySink(store)
+    c = Consumer(config(), sink=sink, transport=FakeSlot(wal).transport())
+    sink.before_commit, seen = _held_write(wal, sid, c, 30, fail=True)
+    with running(c):
+        until(lambda: len(wal.commits) == 80 and store.checkpoint == wal.commits[-1])
+    assert seen and seen[0][0] > 0  # type: ignore[index]
+    assert c.metrics.reconnects >= 1
+    assert_matches(store, wal)
+    assert c.metrics.events == 80  # the batch folded ahead, then dropped, is not counted
