@@ -23,7 +23,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -132,21 +132,29 @@ class Batch:
         )
 
 
+_S = TypeVar("_S", bound=msgspec.Struct)
+
+
 def frozen(ctx: SessionContext) -> SessionContext:
-    """A copy of ``ctx``, one level deep, that folding on does not change: its lists, dicts and
-    mutable parts (the run, the usage) are its own, their elements shared (the reducers replace
-    those rather than change them; a custom reducer's state in ``extra`` is its own affair).
-    The batch's stored JSON holds the whole state as sealed."""
-    copy = msgspec.structs.replace(ctx)
-    for name in ctx.__struct_fields__:
-        value = getattr(ctx, name)
+    """A copy of ``ctx`` that folding on does not change: its lists and dicts are its own, and
+    so are its mutable parts (the run and its lease and inbox, the usage), copied the same way;
+    what those hold is shared (the reducers replace such values rather than change them; a
+    custom reducer's state in ``extra`` is its own affair). The batch's stored JSON holds the
+    whole state as sealed."""
+    return _own(ctx)
+
+
+def _own(struct: _S) -> _S:
+    copy = msgspec.structs.replace(struct)
+    for name in struct.__struct_fields__:
+        value = getattr(struct, name)
         kind = type(value)
         if kind is list:
             setattr(copy, name, list(value))
         elif kind is dict:
             setattr(copy, name, dict(value))
         elif isinstance(value, msgspec.Struct) and not value.__struct_config__.frozen:
-            setattr(copy, name, msgspec.structs.replace(value))
+            setattr(copy, name, _own(value))
     return copy
 
 

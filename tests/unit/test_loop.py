@@ -5,11 +5,13 @@ state, and hostile rows and messages: each run ends where a fold from zero ends.
 
 from __future__ import annotations
 
+import datetime as dt
 import random
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,9 +19,9 @@ from hypothesis import strategies as st
 
 from ledger_cdc.consumer import Consumer, ConsumerConfig
 from ledger_cdc.errors import DatabaseUnavailable
-from ledger_cdc.events import LedgerEvent
+from ledger_cdc.events import LedgerEvent, decode_payload, encode_payload
 from ledger_cdc.fold import SessionContext, decode_context, encode_stored, fold_one
-from ledger_cdc.sink.batch import Batch
+from ledger_cdc.sink.batch import Batch, frozen
 from ledger_cdc.sink.memory import MemorySink, MemoryStore
 from ledger_cdc.stream.route import Anomaly, LedgerStream
 from tests.support.fakestream import FakeSlot, Row, Wal, _Crash, logical, running
@@ -395,3 +397,45 @@ def test_a_failed_write_drops_what_was_folded_ahead_without_loss_or_double() -> 
     assert c.metrics.reconnects >= 1
     assert_matches(store, wal)
     assert c.metrics.events == 80  # the batch folded ahead, then dropped, is not counted
+
+
+def test_a_frozen_context_is_not_changed_by_folding_on() -> None:
+    """What the sink's thread writes while the loop folds on into the same session: every
+    list, dict and mutable part a fold changes in place (messages, sources, handoffs, agents,
+    pending calls, the run and its inbox, the usage) is the copy's own."""
+    sid = uuid.uuid4()
+    seq = iter(range(1, 1000))
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+
+    def ev(pos: int, etype: str, payload: dict[str, Any], agent: str = "a") -> LedgerEvent:
+        value = decode_payload(etype, encode_payload(etype, payload))
+        return LedgerEvent(next(seq), sid, pos, agent, etype, value, t0)
+
+    ctx = SessionContext(sid)
+    first = [
+        ev(1, "run.queued", {}),
+        ev(2, "run.leased", {"worker": "w", "ttl": 30}),
+        ev(3, "tool.invoked", {"call_id": "c1", "tool": "t"}),
+        ev(4, "run.suspended", {"reason": "approval", "wait_for": ["approve"]}),
+    ]
+    for e in first:
+        fold_one(ctx, e)
+    sealed = encode_stored(ctx)
+    copy = frozen(ctx)
+    later = [
+        ev(5, "signal.received", {"name": "early"}),  # the run's inbox, appended to
+        ev(6, "model.requested", {"request_id": "r1", "model": "m"}),
+        ev(
+            7,
+            "model.responded",
+            {"request_id": "r1", "model": "m", "content": "x" * 300, "usage": {"input_tokens": 5}},
+        ),
+        ev(8, "tool.observed", {"call_id": "c1", "result": "y" * 300}),
+        ev(9, "handoff.emitted", {"handoff_id": "h1", "to_agent": "b"}, agent="other"),
+        ev(10, "tool.invoked", {"call_id": "c2", "tool": "t"}),
+    ]
+    for e in later:
+        fold_one(ctx, e)
+    assert encode_stored(ctx) != sealed
+    assert encode_stored(copy) == sealed
+    assert copy.run is not None and copy.run.inbox == [] and copy.usage.input_tokens == 0
