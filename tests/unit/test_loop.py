@@ -319,14 +319,13 @@ def _held_write(
     """A before_commit hook for the first batch the sink's thread writes: while it is held,
     ``more`` transactions of session ``sid`` arrive, and the hook waits until the loop has
     folded some of them into the next batch; it then records what the batch being written
-    holds (its context of ``sid``, that context as stored, the slot's confirmed position) and
-    lets the write go on, or fails it."""
+    holds (its context of ``sid``, that context as stored), the position confirmed to the slot
+    and the one the sink has committed, and lets the write go on, or fails it."""
     seen: list[object] = []
 
     def hook(batch: Batch) -> None:
         if seen or threading.current_thread().name != "ledger-cdc-sink":
             return
-        before = wal.commits[-1]
         for t in range(more):
             wal.transaction([wal.row(sid, "tool.invoked", {"call_id": f"m{t}", "tool": "x"})])
         deadline = time.monotonic() + 30
@@ -339,7 +338,7 @@ def _held_write(
                 (ctx.last_position, ctx.event_count, len(ctx.pending_tools)),
                 decode_context(data),
                 consumer.stream.confirmed,
-                before,
+                consumer.sink.durable(),
             )
         )
         if fail:
@@ -365,7 +364,7 @@ def test_the_loop_folds_the_next_batch_while_the_sink_writes_one() -> None:
     with running(c):
         until(lambda: len(wal.commits) == 80 and store.checkpoint == wal.commits[-1])
     assert seen, "no batch was written by the sink's thread"
-    ahead, (position, count, pending), stored, confirmed, before = seen[0]  # type: ignore[misc]
+    ahead, (position, count, pending), stored, confirmed, committed = seen[0]  # type: ignore[misc]
     assert ahead > 0  # folded while the sink was busy
     # what the sink writes is the batch as sealed: its counters and its stored JSON agree,
     # and neither has the transactions folded ahead
@@ -375,7 +374,7 @@ def test_the_loop_folds_the_next_batch_while_the_sink_writes_one() -> None:
         len(stored.pending_tools),
     )
     assert position <= 50
-    assert confirmed <= before  # nothing folded ahead (nor in the batch) was confirmed
+    assert confirmed <= committed  # nothing folded ahead (nor in the batch) was confirmed
     assert_matches(store, wal)
     assert c.metrics.events == 80
 
