@@ -282,21 +282,39 @@ class Consumer:
                 log.warning("%s; the first batch tries again", e)
 
     def _await_confirmed(self, timeout: float = 5.0) -> None:
-        """After a stop: until the server shows the last confirmed position in the slot (the
-        walsender handles the final status message on its own time), so that a consumer that
-        exited 0 has confirmed everything it committed. Bounded; best effort."""
+        """After a stop: until the server shows the last confirmed position in the slot, so
+        that a consumer that exited 0 has confirmed everything it committed. The walsender
+        reads the final status message on its own time, and may never read it: a connection
+        closed while the server is still streaming is reset, and what the walsender had not
+        read is lost with it. So a slot still behind once its walsender is gone (the slot not
+        active) is advanced there with ``pg_replication_slot_advance``: the position is that
+        of batches committed and on disk. Bounded; best effort (a standby that took the slot
+        meanwhile starts from the checkpoint anyway)."""
         lsn = self._stopped_at
         if self._standalone or not lsn:
             return
         deadline = time.monotonic() + timeout
         with contextlib.suppress(Exception), connected(self.config.dsn, "ledger database") as c:
+            c.execute("SELECT set_config('statement_timeout', %s, false)", (f"{timeout:.0f}s",))
             while time.monotonic() < deadline:
                 row = c.execute(
-                    "SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots "
+                    "SELECT confirmed_flush_lsn >= %s::pg_lsn, active FROM pg_replication_slots "
                     "WHERE slot_name = %s",
                     (format_lsn(lsn), self.config.slot),
                 ).fetchone()
                 if row is None or row[0]:
+                    return
+                if not row[1]:
+                    c.execute(
+                        "SELECT pg_replication_slot_advance(%s, %s::pg_lsn)",
+                        (self.config.slot, format_lsn(lsn)),
+                    )
+                    log.info(
+                        "slot %s advanced to %s: its walsender ended before reading the last "
+                        "confirmation",
+                        self.config.slot,
+                        format_lsn(lsn),
+                    )
                     return
                 time.sleep(0.01)
 

@@ -108,6 +108,30 @@ def _checkpoint_lsn(db: Database) -> int:
     return parse_lsn(row[0]) if row else 0
 
 
+def test_a_last_confirmation_the_server_never_read_is_made_good_after_the_stop(
+    db: Database,
+) -> None:
+    """The walsender may never read a consumer's last status message (a connection closed
+    while the server still streams is reset, and what it had not read is lost): once its
+    stream is closed, the consumer advances its slot itself to what it committed."""
+    sid = uuid.uuid4()
+    with InThread(db.dsn) as c, Ledger(db.dsn) as ledger:
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "c0", "tool": "t"})
+        wait_caught_up(db.dsn)
+        first = _checkpoint_lsn(db)
+        c.stream._feedback = lambda force: None  # type: ignore[method-assign]  # none arrives
+        for i in range(1, 20):
+            ledger.append(sid, "a", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
+        wait_caught_up(db.dsn)
+        last = _checkpoint_lsn(db)
+    assert last > first > 0
+    with db.connect() as conn:
+        (confirmed,) = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots"
+        ).fetchone()  # type: ignore[misc]
+    assert parse_lsn(confirmed) >= last
+
+
 def test_sigterm_finishes_the_batch_and_exits_zero(db: Database, tmp_path: Path) -> None:
     with db.connect() as conn:
         create_slot(conn, "agent_slot")
