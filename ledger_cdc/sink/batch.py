@@ -394,18 +394,14 @@ class BatchBuilder:
         batch, so that handing the next one over costs only its sealing. Returns how many it
         folded: the caller drops them from its list, and :meth:`fold` goes on after them."""
         f = self._ahead
-        cache = self.cache
         done = 0
         for txn in txns:
             if f is not None and f.used > self.budget:
                 break
             items = txn.items
             assert isinstance(items, list)
-            if self.folds:
-                for it in items:
-                    sid = session_of(it)
-                    if sid is not None and sid not in cache:
-                        return done
+            if self.folds and any(self._uncached(items)):
+                return done
             if f is None:
                 f = self._ahead = _Part(Batch(end_lsn=0))
             self._fold_transaction(f, txn)
@@ -444,19 +440,23 @@ class BatchBuilder:
         """Load the contexts that the transactions from ``i`` on need and the cache lacks, up to
         a few hundred sessions in one query; returns the index of the first transaction not
         covered."""
-        cache = self.cache
         missing: dict[uuid.UUID, None] = {}
         j = i
         while j < len(txns) and len(missing) < LOAD_AT_ONCE:
             items = txns[j].items
             assert isinstance(items, list)
-            for it in items:
-                sid = session_of(it)
-                if sid is not None and sid not in cache:
-                    missing[sid] = None
+            missing.update(dict.fromkeys(self._uncached(items)))
             j += 1
         self._load(list(missing))
         return j
+
+    def _uncached(self, items: list[Item]) -> Iterator[uuid.UUID]:
+        """The sessions of these changes whose contexts the cache lacks."""
+        cache = self.cache
+        for it in items:
+            sid = session_of(it)
+            if sid is not None and sid not in cache:
+                yield sid
 
     def _load(self, missing: list[uuid.UUID]) -> None:
         """Bring these sessions into the cache: their projected context, or a new one for a
