@@ -869,7 +869,18 @@ class JetStreamPublisher:
     ) -> Publishing:
         """Start publishing what :meth:`publish` takes and return at once: the caller does its
         own work meanwhile (the sink writes the batch's rows) and calls ``wait()`` before its
-        commit, or ``cancel()`` when it gives the batch up."""
+        commit, or ``cancel()`` when it gives the batch up. The messages are built on the
+        publisher's thread too, so the caller's work starts at once; neither sequence may
+        change until then."""
+        return Publishing(self, events, sessions)
+
+    def _messages(
+        self,
+        events: Sequence[tuple[LedgerEvent | Rejected, int]],
+        sessions: Sequence[tuple[Any, ...]],
+    ) -> list[tuple[bytes, bytes, bytes, int, int]]:
+        """(subject, body, message id, position, commit LSN) of each event, then of each
+        session's projection, in that order."""
         from ledger_cdc.errors import format_lsn
 
         p = self.settings.prefix
@@ -915,7 +926,16 @@ class JetStreamPublisher:
             )
             for s in sessions
         ]
-        return Publishing(self, msgs)
+        return msgs
+
+    async def _build_and_publish(
+        self,
+        events: Sequence[tuple[LedgerEvent | Rejected, int]],
+        sessions: Sequence[tuple[Any, ...]],
+    ) -> tuple[int, int]:
+        """Messages published and messages in all (the rest the stream held already)."""
+        msgs = self._messages(events, sessions)
+        return await self._publish(msgs), len(msgs)
 
     def close(self) -> None:
         log.info(
@@ -967,12 +987,19 @@ class _FastBatch:
 class Publishing:
     """A batch being published (:meth:`JetStreamPublisher.begin`)."""
 
-    def __init__(self, pub: JetStreamPublisher, msgs: list[tuple[bytes, bytes, bytes, int, int]]):
+    def __init__(
+        self,
+        pub: JetStreamPublisher,
+        events: Sequence[tuple[LedgerEvent | Rejected, int]],
+        sessions: Sequence[tuple[Any, ...]],
+    ) -> None:
         self._pub = pub
-        self._total = len(msgs)
-        self._timeout = 2 * pub.settings.ack_timeout + 5 + len(msgs) / 1000
+        n = len(events) + len(sessions)
+        self._timeout = 2 * pub.settings.ack_timeout + 5 + n / 1000
         self._fut = (
-            asyncio.run_coroutine_threadsafe(pub._publish(msgs), pub._loop) if msgs else None
+            asyncio.run_coroutine_threadsafe(pub._build_and_publish(events, sessions), pub._loop)
+            if n
+            else None
         )
 
     def wait(self) -> None:
@@ -982,13 +1009,13 @@ class Publishing:
             return
         pub = self._pub
         try:
-            sent = pub._result(fut, self._timeout)
+            sent, total = pub._result(fut, self._timeout)
         except (JetStreamError, ConfigError):
             raise
         except Exception as e:
             raise JetStreamError(f"publish to JetStream failed: {type(e).__name__}: {e}") from e
         pub.published += sent
-        pub.skipped += self._total - sent
+        pub.skipped += total - sent
 
     def cancel(self) -> None:
         """Gives the batch up (its connection is dropped; a retry publishes it again)."""
