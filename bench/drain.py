@@ -9,7 +9,8 @@ from /proc. pg_recvlogical is timed from start until it reaches the WAL end (``-
 With ``--fan-out`` the same backlog is then drained ``--runs`` times each, alternately, by
 ``--sink postgres`` alone and by ``--sink postgres --sink nats://…`` (a fresh local
 ``nats-server`` with JetStream each time), every drain from a twin slot of its own into a
-database of its own: the medians of their times and CPU are printed side by side.
+database of its own: the medians of their times and CPU are printed side by side, with the
+nats-server's CPU meanwhile (it shares the machine's cores with the consumer and PostgreSQL).
 
     sh scripts/dev.sh bench drain [--events 100000] [--sessions 1000] [--pg-major 15]
                                   [--fan-out [--runs 3]]
@@ -18,6 +19,7 @@ database of its own: the medians of their times and CPU are printed side by side
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import socket
 import statistics
@@ -27,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 import psycopg
-from common import consume_until, recvlogical, timed_backlog, wait_until
+from common import consume_until, proc_cpu_seconds, recvlogical, timed_backlog, wait_until
 
 from ledger_cdc.admin.schema import create_slot, init
 from ledger_cdc.demo.embedded import EmbeddedPostgres
@@ -88,14 +90,18 @@ def fan_out(args: argparse.Namespace, pg: EmbeddedPostgres, dsn: str) -> None:
     JetStream sink (a fresh nats-server each time), alternately, ``--runs`` times each."""
     alone: list[tuple[float, float, float]] = []
     fan: list[tuple[float, float, float]] = []
+    server_cpu: list[float] = []  # nats-server's, during each fan-out drain
     for i in range(args.runs):
         opts = ["--slot", f"alone{i}", "--target-dsn", pg.dsn(f"alone{i}"), "--sink", "postgres"]
         t, start, cpu, _ = drain(args, dsn, pg.dsn(f"alone{i}"), opts)
         alone.append((t, start, cpu))
-        with NatsProcess() as url:
+        nats = NatsProcess()
+        with nats as url:
             opts = ["--slot", f"fanout{i}", "--target-dsn", pg.dsn(f"fanout{i}")]
             opts += ["--sink", "postgres", "--sink", url]
+            before = proc_cpu_seconds(nats.proc.pid)
             t, start, cpu, _ = drain(args, dsn, pg.dsn(f"fanout{i}"), opts)
+            server_cpu.append(proc_cpu_seconds(nats.proc.pid) - before)
         fan.append((t, start, cpu))
         print(
             f"  run {i + 1}: PostgreSQL alone {alone[-1][0]:.2f}s, with JetStream {t:.2f}s "
@@ -113,6 +119,11 @@ def fan_out(args: argparse.Namespace, pg: EmbeddedPostgres, dsn: str) -> None:
     print(
         f"    --sink postgres --sink nats://…  {tf:.2f}s  (start-up {sf:.2f}s)  "
         f"CPU {cf / n:.3f} s per 1,000 events"
+    )
+    print(
+        f"    nats-server, meanwhile                         "
+        f"CPU {statistics.median(server_cpu) / n:.3f} s per 1,000 events "
+        f"(on the same {os.cpu_count()} cores)"
     )
     print(
         f"    fan-out ÷ PostgreSQL alone: {tf / ta:.2f}× the time end to end, "
