@@ -416,7 +416,7 @@ def drop_slot(dsn: str, name: str, *, force: bool = False) -> bool:
 
 
 def _drop_slot(dsn: str, name: str, force: bool) -> bool:
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn, autocommit=True, **connect_timeout(dsn)) as conn:
         for _ in range(50):
             row = conn.execute(
                 "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (name,)

@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ledger_cdc.connect import speak_utf8_async
+from ledger_cdc.connect import connect_timeout, speak_utf8_async
 from ledger_cdc.errors import ConfigError, InvalidEventError
 from ledger_cdc.events import (
     LedgerEvent,
@@ -201,7 +201,9 @@ async def pending_runs(
     re-check of the projections every ``recheck`` seconds. A run is yielded again only when its
     projection moved on, or after ``recheck`` seconds if it is still ready (nobody took it)."""
     listen = sql.SQL("LISTEN {}").format(sql.Identifier(check_channel(channel)))
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+    async with await psycopg.AsyncConnection.connect(
+        dsn, autocommit=True, **connect_timeout(dsn)
+    ) as conn:
         await speak_utf8_async(conn)
         await conn.execute(listen)
         seen: dict[uuid.UUID, tuple[int, float]] = {}

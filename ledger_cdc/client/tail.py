@@ -142,7 +142,9 @@ async def _omitted_event(dsn: str | None, w: WireEvent) -> LedgerEvent | Rejecte
     why = f"published without its payload ({w.omitted:,} bytes, over the NATS server's max_payload)"
     if dsn is not None:
         try:
-            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            async with await psycopg.AsyncConnection.connect(
+                dsn, autocommit=True, **connect_timeout(dsn)
+            ) as conn:
                 await speak_utf8_async(conn)
                 cur = await conn.execute(_ONE.encode(), (w.session_id, w.position))
                 row = await cur.fetchone()

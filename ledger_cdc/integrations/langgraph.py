@@ -901,8 +901,9 @@ def _migrate(dsn: str) -> None:
     import psycopg
 
     from ledger_cdc.admin.schema import migrate
+    from ledger_cdc.connect import connect_timeout
 
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn, autocommit=True, **connect_timeout(dsn)) as conn:
         migrate(conn)
 
 

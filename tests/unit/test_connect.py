@@ -3,19 +3,29 @@ never answers, after ``CONNECT_TIMEOUT`` seconds or the DSN's own ``connect_time
 
 from __future__ import annotations
 
+import asyncio
+import datetime as dt
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 
 import ledger_cdc.connect as connect_module
 import ledger_cdc.stream.transport as transport
+from ledger_cdc.admin.schema import drop_slot
+from ledger_cdc.client.read import pending_runs
+from ledger_cdc.client.tail import _omitted_event
 from ledger_cdc.connect import connect, connect_timeout
 from ledger_cdc.errors import DatabaseUnavailable, LedgerError
+from ledger_cdc.events import Rejected
+from ledger_cdc.integrations.langgraph import _migrate
 from ledger_cdc.names import CONNECT_TIMEOUT
+from ledger_cdc.sink.jetstream import WireEvent
 from ledger_cdc.sink.postgres import PgSink
 
 
@@ -87,3 +97,31 @@ def test_a_dsn_s_timeout_is_not_overridden(
     dsn = f"host=127.0.0.1 port={silent_port} dbname=x user=x connect_timeout=1"
     err = _fails_within(lambda: connect(dsn), 8)
     assert isinstance(err, LedgerError), err
+
+
+def test_the_other_connections_give_up_on_a_server_that_never_answers(
+    silent_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dropping a slot, waiting for runs, reading back an event published without its payload
+    and the LangGraph saver's migration: each fails within the timeout instead of hanging."""
+    monkeypatch.setattr(connect_module, "CONNECT_TIMEOUT", 1)
+    dsn = f"host=127.0.0.1 port={silent_port} dbname=x user=x"
+
+    err = _fails_within(lambda: drop_slot(dsn, "agent_slot"), 8)
+    assert isinstance(err, LedgerError), err
+    err = _fails_within(lambda: asyncio.run(anext(pending_runs(dsn))), 8)
+    assert isinstance(err, psycopg.OperationalError), err
+    err = _fails_within(lambda: _migrate(dsn), 8)
+    assert isinstance(err, psycopg.OperationalError), err
+
+    w = WireEvent(
+        1, uuid.uuid4(), 1, "a", "tool.observed", None, dt.datetime.now(dt.timezone.utc), omitted=9
+    )
+    got: list[object] = []
+
+    def read_back() -> None:
+        got.append(asyncio.run(_omitted_event(dsn, w)))
+        raise RuntimeError("returned")  # (_fails_within wants a raise: the answer is in got)
+
+    _fails_within(read_back, 8)
+    assert isinstance(got[0], Rejected) and "cannot read it from agent_events" in got[0].reason
