@@ -11,10 +11,10 @@ Every latency counts from the same instant, the writer's commit timestamp (the s
 ``track_commit_timestamp``): ledger-cdc's ends when the consumer saw the sink transaction
 holding the event commit (the commit's answer back in its process); the poller's and NOTIFY's
 when the row (or its notification) reached the reader (``pg_xact_commit_timestamp(xmin)`` of the
-row). The
-poller's missed events are rows it never returned (their seq was below its cursor when they
-committed). After the writers stop: the time for the consumer to drain to zero, and a check that
-every projection holds all its session's events up to its last position (no loss, order kept).
+row). The poller's missed events are rows it never returned (their seq was below its cursor
+when they committed). After the writers stop: the time for the consumer to drain to zero, and a
+check that every projection holds all its session's events up to its last position (no loss,
+order kept).
 Consumer CPU is what its process used from the writers' start until it drained (its start-up
 is not spread over the events).
 
