@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +170,11 @@ def compiled() -> None:
 
 
 def consume_until(
-    dsn: str, check_dsn: str, events: int, extra: list[str] | None = None
+    dsn: str,
+    check_dsn: str,
+    events: int,
+    extra: list[str] | None = None,
+    on_streaming: Callable[[], None] | None = None,
 ) -> tuple[float, float, float, float]:
     """Run ``ledger-cdc consume`` as its own process until ``events`` events are folded into
     ``check_dsn``'s committed projections: (seconds from the process's start, seconds until it
@@ -180,7 +185,8 @@ def consume_until(
     commit in commit order, so every earlier event is in a committed projection then. That is
     one primary-key lookup per look, every 20 ms; a ``sum(event_count)`` over the projections
     would scan a table the consumer is rewriting, on the server's two cores, and slow the
-    drain it times. The sum is checked once, after the clock stops."""
+    drain it times. The sum is checked once, after the clock stops. ``on_streaming`` is called
+    once its log says it is streaming the slot."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         last = conn.execute(
             "SELECT session_id, position FROM agent_events ORDER BY seq DESC LIMIT 1"
@@ -202,6 +208,8 @@ def consume_until(
                 cpu, rss = proc_cpu_seconds(proc.pid), proc_peak_rss_mb(proc.pid)
                 if not started and "streaming slot" in Path(log.name).read_text():
                     started.append(time.monotonic() - t0)
+                    if on_streaming is not None:
+                        on_streaming()
                 row = conn.execute(
                     "SELECT last_position >= %s FROM agent_sessions WHERE session_id = %s",
                     (last[1], last[0]),

@@ -11,6 +11,10 @@ With ``--fan-out`` the same backlog is then drained ``--runs`` times each, alter
 ``nats-server`` with JetStream each time), every drain from a twin slot of its own into a
 database of its own: the medians of their times and CPU are printed side by side, with the
 nats-server's CPU meanwhile (it shares the machine's cores with the consumer and PostgreSQL).
+A third drain each time, ``--sink postgres`` alone again, runs beside another process
+(``js_traffic.py``) publishing the same messages through the same publisher to a fresh
+nats-server from when the drain streams: what the traffic itself costs on these cores, with
+none of it in the consumer's process (the bound any split of the consumer would meet).
 
     sh scripts/dev.sh bench drain [--events 100000] [--sessions 1000] [--pg-major 15]
                                   [--fan-out [--runs 3]]
@@ -19,6 +23,7 @@ nats-server's CPU meanwhile (it shares the machine's cores with the consumer and
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -26,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -53,12 +59,13 @@ def main() -> None:
             create_slot(conn, "agent_slot")
             create_slot(conn, "twin")
             for i in range(args.runs if args.fan_out else 0):
-                for kind in ("alone", "fanout"):
+                for kind in ("alone", "fanout", "beside"):
                     create_slot(conn, f"{kind}{i}")
                     conn.execute(f"CREATE DATABASE {kind}{i}")
         for i in range(args.runs if args.fan_out else 0):
             init(pg.dsn(f"alone{i}"))
             init(pg.dsn(f"fanout{i}"))
+            init(pg.dsn(f"beside{i}"))
         end = timed_backlog(pg, dsn, args.events, args.sessions)
 
         t_ref = recvlogical(pg, end)
@@ -91,6 +98,7 @@ def fan_out(args: argparse.Namespace, pg: EmbeddedPostgres, dsn: str) -> None:
     alone: list[tuple[float, float, float]] = []
     fan: list[tuple[float, float, float]] = []
     server_cpu: list[float] = []  # nats-server's, during each fan-out drain
+    beside: list[float] = []  # PostgreSQL alone, another process publishing the same traffic
     for i in range(args.runs):
         opts = ["--slot", f"alone{i}", "--target-dsn", pg.dsn(f"alone{i}"), "--sink", "postgres"]
         t, start, cpu, _ = drain(args, dsn, pg.dsn(f"alone{i}"), opts)
@@ -103,9 +111,13 @@ def fan_out(args: argparse.Namespace, pg: EmbeddedPostgres, dsn: str) -> None:
             t, start, cpu, _ = drain(args, dsn, pg.dsn(f"fanout{i}"), opts)
             server_cpu.append(proc_cpu_seconds(nats.proc.pid) - before)
         fan.append((t, start, cpu))
+        t_beside, published = beside_traffic(args, pg, dsn, i)
+        beside.append(t_beside)
         print(
             f"  run {i + 1}: PostgreSQL alone {alone[-1][0]:.2f}s, with JetStream {t:.2f}s "
-            f"({t / alone[-1][0]:.2f}×)"
+            f"({t / alone[-1][0]:.2f}×); PostgreSQL alone beside the same traffic from another "
+            f"process {t_beside:.2f}s ({t_beside / alone[-1][0]:.2f}×; it published "
+            f"{published['published']:,} messages in {published['seconds']:.2f}s)"
         )
     (ta, sa, ca), (tf, sf, cf) = (
         tuple(statistics.median(r[k] for r in runs) for k in range(3)) for runs in (alone, fan)
@@ -129,14 +141,64 @@ def fan_out(args: argparse.Namespace, pg: EmbeddedPostgres, dsn: str) -> None:
         f"    fan-out ÷ PostgreSQL alone: {tf / ta:.2f}× the time end to end, "
         f"{(tf - sf) / max(1e-6, ta - sa):.2f}× streaming alone (target ≤ 1.25×)"
     )
+    tb = statistics.median(beside)
+    print(
+        f"    PostgreSQL alone while another process publishes the same messages to JetStream "
+        f"(from when the drain streams): {tb:.2f}s = {tb / ta:.2f}× — what the traffic costs "
+        "on these cores with none of it in the consumer's process"
+    )
+
+
+def beside_traffic(
+    args: argparse.Namespace, pg: EmbeddedPostgres, dsn: str, i: int
+) -> tuple[float, dict[str, float]]:
+    """``--sink postgres`` alone into ``beside{i}``, while ``js_traffic.py`` (a process of its
+    own) publishes the fan-out's messages — the same events, and the projections of the
+    ``alone{i}`` drain — to a fresh nats-server, starting when the drain streams."""
+    with NatsProcess() as url:
+        helper = subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).with_name("js_traffic.py")),
+                url,
+                dsn,
+                pg.dsn(f"alone{i}"),
+                f"beside{i}",
+                str(args.batch_size),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert helper.stdin is not None and helper.stdout is not None
+        try:
+            if helper.stdout.readline().strip() != "ready":
+                raise SystemExit("js_traffic.py did not start")
+
+            def go() -> None:
+                helper.stdin.write("go\n")  # type: ignore[union-attr]
+                helper.stdin.flush()  # type: ignore[union-attr]
+
+            opts = ["--slot", f"beside{i}", "--target-dsn", pg.dsn(f"beside{i}")]
+            t, _, _, _ = drain(args, dsn, pg.dsn(f"beside{i}"), [*opts, "--sink", "postgres"], go)
+            published = json.loads(helper.stdout.readline())
+            helper.wait(60)
+        finally:
+            if helper.poll() is None:
+                helper.kill()
+    return t, published
 
 
 def drain(
-    args: argparse.Namespace, dsn: str, check_dsn: str, extra: list[str] | None = None
+    args: argparse.Namespace,
+    dsn: str,
+    check_dsn: str,
+    extra: list[str] | None = None,
+    on_streaming: Callable[[], None] | None = None,
 ) -> tuple[float, float, float, float]:
     """``ledger-cdc consume`` until every event is folded into ``check_dsn``'s projections."""
     opts = ["--batch-size", str(args.batch_size), "--snapshot-every", "100", *(extra or [])]
-    return consume_until(dsn, check_dsn, args.events, opts)
+    return consume_until(dsn, check_dsn, args.events, opts, on_streaming)
 
 
 class NatsProcess:

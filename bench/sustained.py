@@ -14,7 +14,9 @@ when the row (or its notification) reached the reader (``pg_xact_commit_timestam
 row). The poller's missed events are rows it never returned (their seq was below its cursor
 when they committed). After the writers stop: the time for the consumer to drain to zero, and a
 check that every projection holds all its session's events up to its last position (no loss,
-order kept).
+order kept). At the limited rate, the part of ledger-cdc's latency that is PostgreSQL's own is
+printed too: from the commit to the walsender's send of the transaction (the send time the
+server stamps on each message; one clock, one machine), over the batches of one transaction.
 Consumer CPU is what its process used from the writers' start until it drained (its start-up
 is not spread over the events).
 
@@ -52,10 +54,14 @@ CREATE TRIGGER bench_notify AFTER INSERT ON agent_events FOR EACH ROW EXECUTE FU
 
 def consumer_role(dsn: str, out: str) -> None:
     lat: list[float] = []
+    sent: list[float] = []  # commit → the walsender's send, for batches of one transaction
 
     def on_batch(batch: object, m: object) -> None:
         done = batch.committed_at  # type: ignore[attr-defined]
-        lat.extend(done - (PG_EPOCH + ts / 1e6) for ts in batch.commit_times)  # type: ignore[attr-defined]
+        times = batch.commit_times  # type: ignore[attr-defined]
+        lat.extend(done - (PG_EPOCH + ts / 1e6) for ts in times)
+        if len(times) == 1:  # the send time of the last message read is this transaction's
+            sent.append(c._sent_at - (PG_EPOCH + times[0] / 1e6))
 
     c = Consumer(ConsumerConfig(dsn=dsn), on_batch=on_batch)
     c.install_signal_handlers()
@@ -65,6 +71,7 @@ def consumer_role(dsn: str, out: str) -> None:
         json.dumps(
             {
                 "latencies": lat,
+                "sent": sent,
                 "cpu": ru.ru_utime + ru.ru_stime,
                 "maxrss_mb": ru.ru_maxrss / 1024,
                 "events": c.metrics.events,
@@ -184,6 +191,8 @@ def one_phase(
         "events": c["events"],
         "p50": percentile(lat, 50) * 1000,
         "p99": percentile(lat, 99) * 1000,
+        "sent_p50": percentile(c["sent"], 50) * 1000,
+        "sent_n": len(c["sent"]),
         "drain": drain,
         "complete": complete,
         "cpu_per_1000": cpu / max(1, c["events"]) * 1000,
@@ -227,6 +236,12 @@ def main() -> None:
                 f"{a['drain']:.2f}s  CPU {a['cpu_per_1000']:.3f} s/1000 events "
                 f"({a['cpu_total_per_1000']:.3f} with its start-up)  peak RSS {a['rss']:.0f} MB"
             )
+            if rate:  # (under full load a batch holds many transactions)
+                print(
+                    f"    of which PostgreSQL's own: the walsender sent a transaction p50 "
+                    f"{a['sent_p50']:.2f} ms after its commit ({a['sent_n']} batches of one "
+                    f"transaction); the rest is the consumer's wake, read, fold and sink commit"
+                )
             print(
                 "  projections: "
                 + (
