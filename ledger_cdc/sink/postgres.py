@@ -945,7 +945,11 @@ def _owed_notices(batch: Batch) -> list[tuple[str, str]]:
 _SMALL_BYTES = 256 * 1024
 _SMALL_ROWS = 200
 OBSERVE_EVERY = 0.1  # seconds: a small batch reads the WAL positions at most this often
-_PROBE_AFTER = 0.05  # seconds: an idle look at them no sooner than this after the last one
+# seconds: an idle look at them no sooner than this after the last one. Longer than
+# OBSERVE_EVERY: while small batches come, their statements look (no round trip of its own);
+# shorter, the loop's looks came first and the statements never did (13 looks a second at
+# 200 transactions a second, each a round trip)
+_PROBE_AFTER = 1.5 * OBSERVE_EVERY
 # the WAL positions as this statement starts: after every earlier commit of this connection
 _WAL_POSITIONS = "SELECT pg_current_wal_insert_lsn()::text, pg_current_wal_flush_lsn()::text"
 _APPLY_NAME, _APPLY_OBSERVED_NAME = b"ledger_apply", b"ledger_apply_observed"

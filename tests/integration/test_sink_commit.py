@@ -5,7 +5,9 @@ passes its commit, the slot is confirmed past it only then — and, idle or stop
 from __future__ import annotations
 
 import threading
+import time
 import uuid
+from typing import Any
 
 import psycopg
 import pytest
@@ -56,6 +58,46 @@ def test_an_asynchronous_commit_is_durable_only_once_a_later_look_finds_it_flush
         assert sink.durable() == 0x1000
         sink.flush()  # waits for the flush itself
         assert sink.durable() == 0x2000 and not sink.pending
+    finally:
+        sink.shutdown()
+
+
+def test_while_small_batches_come_their_statements_read_the_wal_positions(
+    db: Database,
+) -> None:
+    """At about 40 small batches a second, what is durable is learnt from the batches' own
+    statements (one in every OBSERVE_EVERY reads the WAL positions as it writes), not from the
+    idle loop's look between batches, a round trip of its own: that look waits until no
+    statement has read them for longer than a statement would."""
+    sink = PgSink(db.dsn, "s_look", durable_commits=False)
+    own_looks = 0  # the loop's looks (PgSink.probe): the only user of the kept cursor here
+    all_looks = 0
+    cursor, observed = sink._cursor, sink._observed
+
+    def counted_cursor() -> psycopg.Cursor[Any]:
+        nonlocal own_looks
+        own_looks += 1
+        return cursor()
+
+    def counted_observed(row: tuple[Any, ...] | None) -> None:
+        nonlocal all_looks
+        all_looks += 1
+        observed(row)
+
+    try:
+        sink.load_checkpoint()
+        sink._cursor = counted_cursor  # type: ignore[method-assign]
+        sink._observed = counted_observed  # type: ignore[method-assign]
+        lsn = 0x1000
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            lsn += 0x100
+            sink.commit(Batch(end_lsn=lsn))  # a small batch: one statement
+            sink.probe()  # as the stream loop does between batches while some await the disk
+            time.sleep(0.025)  # (the pace of the batches, not a wait for anything)
+        statement_looks = all_looks - own_looks
+        assert statement_looks >= 4, (statement_looks, own_looks)
+        assert own_looks <= statement_looks // 2, (statement_looks, own_looks)
     finally:
         sink.shutdown()
 
