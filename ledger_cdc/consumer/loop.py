@@ -504,9 +504,7 @@ class Consumer:
                 continue
             # nothing ready: hand what we have to the sink (if it is free), confirm an idle
             # position, then wait for the socket or for the sink to finish
-            if (
-                self._pending or self.builder.folded_ahead or self._idle_lsn is not None
-            ) and not worker.busy:
+            if (self._in_hand() or self._idle_lsn is not None) and not worker.busy:
                 self._flush(inline=True)
             metrics.server_wal_end = max(metrics.server_wal_end, stream.wal_end)
             if self.sink.pending and not worker.busy:
@@ -525,8 +523,7 @@ class Consumer:
                 and self._submitted_lsn <= stream.confirmed
                 and not self.sink.pending
                 and not self.assembler.in_flight
-                and not self._pending
-                and not self.builder.folded_ahead
+                and not self._in_hand()
                 and stream.wal_end > stream.confirmed
             ):
                 stream.confirm(stream.wal_end, force=False)
@@ -542,7 +539,7 @@ class Consumer:
     def _drain(self) -> None:
         self._worker.wait()
         self._settle()
-        if self._pending or self.builder.folded_ahead or self._idle_lsn is not None:
+        if self._in_hand() or self._idle_lsn is not None:
             self._flush(wait=True)
             self._worker.wait()
             self._settle()
@@ -561,6 +558,11 @@ class Consumer:
                 continue
             self._pending.append(t)
             self.flush_policy.add(len(t.items), t.size, sent - t.commit_ts / 1e6)
+
+    def _in_hand(self) -> bool:
+        """Whether transactions were taken that no batch handed to the sink holds yet: pending,
+        or folded ahead into the next batch."""
+        return bool(self._pending) or bool(self.builder.folded_ahead)
 
     def _fold_ahead(self) -> None:
         """Fold what is in hand into the next batch now, ahead of its flush, as far as no load
@@ -657,7 +659,7 @@ class Consumer:
 
     def _drain_pending(self) -> None:
         """Commit everything folded or pending before what comes next, in order."""
-        while self._pending or self.builder.folded_ahead or self._worker.busy:
+        while self._in_hand() or self._worker.busy:
             self._flush(wait=True)
             with self.stream.keepalive_during():
                 self._worker.wait()
