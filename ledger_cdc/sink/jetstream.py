@@ -111,7 +111,8 @@ _OPTIONS: dict[str, tuple[Callable[[str], Any], str]] = {
     "stream": (_stream_name, "a stream name (no spaces, dots, wildcards or slashes)"),
     "prefix": (_subject_prefix, "a subject prefix (dot-separated tokens, no wildcards)"),
     "replicas": (_replicas, "a whole number from 1 to 5"),
-    "duplicate_window": (_seconds_between(0.001, 86_400 * 365), "seconds, from 0.001 to a year"),
+    # (the server refuses a window under 100 ms)
+    "duplicate_window": (_seconds_between(0.1, 86_400 * 365), "seconds, from 0.1 to a year"),
     "ack_timeout": (_seconds_between(0.1, 3600), "seconds, from 0.1 to 3600"),
     "batched": (_flag, "true or false"),
 }

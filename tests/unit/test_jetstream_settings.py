@@ -32,7 +32,8 @@ def test_a_url_with_every_option_is_read() -> None:
         ("ack_timeout=nan", "ack_timeout='nan' is not seconds, from 0.1 to 3600"),
         ("ack_timeout=0", "from 0.1 to 3600"),
         ("ack_timeout=inf", "from 0.1 to 3600"),
-        ("duplicate_window=-1", "duplicate_window='-1' is not seconds, from 0.001"),
+        ("duplicate_window=-1", "duplicate_window='-1' is not seconds, from 0.1"),
+        ("duplicate_window=0.05", "from 0.1 to a year"),  # the server's own lower bound
         ("stream=a.b", "stream='a.b' is not a stream name"),
         ("stream=", "is not a stream name"),
         ("stream=A B", "is not a stream name"),
@@ -42,7 +43,7 @@ def test_a_url_with_every_option_is_read() -> None:
         ("batched=maybe", "batched='maybe' is not true or false"),
         ("colour=red", "unknown option 'colour'"),
         ("ack_timeout=1e-9", "from 0.1 to 3600"),
-        ("duplicate_window=1e-300", "from 0.001 to a year"),
+        ("duplicate_window=1e-300", "from 0.1 to a year"),
         ("duplicate_window=60&duplicate_window=5", "duplicate_window given twice"),
         ("stream=A%00B", "is not a stream name"),
         ("stream=LED%20GER", "stream='LED GER' is not a stream name"),
