@@ -59,6 +59,20 @@ class ConfigError(LedgerError):
     exit_code = 4
 
 
+def check_ranges(what: str, settings: object, ranges: dict[str, tuple[float, float]]) -> None:
+    """Raise ConfigError naming every setting of ``settings`` (an attribute each) that is not a
+    number from its least to its most in ``ranges`` (NaN is in no range; a bool is no number)."""
+    bad: list[str] = []
+    for name, (low, high) in ranges.items():
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            bad.append(f"{name}={value!r} is not a number")
+        elif not low <= value <= high:
+            bad.append(f"{name}={value!r} is not from {low:g} to {high:g}")
+    if bad:
+        raise ConfigError(f"{what} out of range: " + "; ".join(bad))
+
+
 class PostgresNotFoundError(ConfigError):
     """No PostgreSQL server binaries were found."""
 
@@ -413,6 +427,7 @@ __all__ = [
     "TransportError",
     "UnknownEventTypeError",
     "WindowMissingError",
+    "check_ranges",
     "describe",
     "first_line",
     "format_lsn",

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ledger_cdc.cli.base import (
+    DAY,
     DSN,
     Finite,
     State,
@@ -318,7 +319,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--max-delay-ms",
     default=50,
     show_default=True,
-    type=click.IntRange(0),
+    type=click.IntRange(0, 3_600_000),
     envvar=_env("MAX_DELAY_MS"),
     help="Flush at the latest this long after a batch's first transaction (while catching "
     "up on a backlog, at least half a second: fewer, larger batches; not with a nats:// sink).",
@@ -328,7 +329,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--heartbeat-interval",
     default=0.0,
     show_default=True,
-    type=Finite(0),
+    type=Finite(0, DAY),
     envvar=_env("HEARTBEAT_INTERVAL"),
     help="Seconds between heartbeat messages (0: off); keeps an idle slot advancing "
     "and measures end-to-end lag.",
@@ -370,7 +371,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--health-interval",
     default=10.0,
     show_default=True,
-    type=Finite(0),
+    type=Finite(0, DAY),
     envvar=_env("HEALTH_INTERVAL"),
     help="Seconds between slot health checks (0: off).",
 )
@@ -403,7 +404,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--vacuum-interval",
     default=2.0,
     show_default=True,
-    type=Finite(0),
+    type=Finite(0, DAY),
     help="Seconds between VACUUMs of agent_sessions, which every batch rewrites, while batches "
     "are written (sooner after 200 rewritten rows; none while idle). 0: leave it to "
     "autovacuum, whose one-minute naptime lets a busy table grow several times its data.",
@@ -412,7 +413,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--standby-poll",
     default=0.5,
     show_default=True,
-    type=Finite(0.001),
+    type=Finite(0.001, 3600),
     help="Seconds between tries for a slot another consumer holds (hot standby).",
 )
 @option(
@@ -656,14 +657,14 @@ def _human_seconds(s: float | None) -> str:
     "--interval",
     default=2.0,
     show_default=True,
-    type=Finite(0.1),
+    type=Finite(0.1, DAY),
     help="Seconds between --watch refreshes.",
 )
 @option(
     "--sample-seconds",
     default=1.0,
     show_default=True,
-    type=Finite(0),
+    type=Finite(0, 3600),
     help="How long to sample the WAL generation rate for the forecast.",
 )
 @option(

@@ -165,6 +165,11 @@ def safe(value: object) -> str:
     return escape(printable(value))
 
 
+DAY = 86_400
+"""The longest interval, wait or timeout an option takes (beyond it a wait overflows the
+platform's clock, or a health check never comes: refused as out of range)."""
+
+
 class Finite(click.FloatRange):
     """A float option's type: ``click.FloatRange`` that also refuses NaN and ±inf (``nan``
     passes every range check; ``inf`` seconds overflows a wait)."""

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ledger_cdc.cli.base import (
+    DAY,
     EXIT_PROBLEM,
     Finite,
     State,
@@ -195,7 +196,7 @@ def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_
     "--consumer-wait",
     default=10.0,
     show_default=True,
-    type=Finite(0.0),
+    type=Finite(0.0, 3600),
     help="Seconds to wait for a running consumer to apply past verify's snapshot, to tell a "
     "projection deleted or put back by hand from one not yet written (0: judge by what the "
     "slots have confirmed already).",
@@ -546,28 +547,28 @@ def fork(
     "--backoff",
     default=1.0,
     show_default=True,
-    type=Finite(0),
+    type=Finite(0, DAY),
     help="Seconds before the 2nd attempt; doubles, capped by --backoff-cap.",
 )
 @option(
     "--backoff-cap",
     default=300.0,
     show_default=True,
-    type=Finite(0),
+    type=Finite(0, DAY),
     help="Longest wait between attempts (s).",
 )
 @option(
     "--poll-interval",
     default=0.5,
     show_default=True,
-    type=Finite(0.001),
+    type=Finite(0.001, 3600),
     help="Seconds between polls when nothing is due.",
 )
 @option(
     "--timeout",
     default=10.0,
     show_default=True,
-    type=Finite(0.001),
+    type=Finite(0.001, DAY),
     help="Deadline of one call (s): an HTTP target's whole request and answer (not each "
     "read); a Python target still running by then is recorded as failed.",
 )
@@ -575,7 +576,7 @@ def fork(
     "--claim-seconds",
     default=30.0,
     show_default=True,
-    type=Finite(0.1),
+    type=Finite(0.1, DAY),
     help="Lease of a claimed row, renewed while its call is in flight: a dead dispatcher's "
     "rows are retried by another after this long.",
 )

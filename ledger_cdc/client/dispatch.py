@@ -52,7 +52,7 @@ import psycopg
 
 from ledger_cdc import retry
 from ledger_cdc.connect import connect
-from ledger_cdc.errors import ConfigError, LedgerError, RetryableError, translate
+from ledger_cdc.errors import ConfigError, LedgerError, RetryableError, check_ranges, translate
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -277,6 +277,22 @@ class DispatchConfig:
     # HttpTarget ends itself at its own timeout; this bounds a Python target that hangs)
     call_timeout: float = 60.0
 
+    def check(self) -> None:
+        """Raise ConfigError for a value out of range (a NaN, a wait too long for the
+        platform's clock, a batch of no rows): the dispatcher checks before it starts."""
+        day = 86_400.0
+        ranges: dict[str, tuple[float, float]] = {
+            "batch_size": (1, 2**31),
+            "concurrency": (1, 2**31),
+            "max_attempts": (1, 2**31),
+            "backoff_base": (0, day),
+            "backoff_cap": (0, day),
+            "poll_interval": (0.001, 3600),
+            "claim_seconds": (0.1, day),
+            "call_timeout": (0.001, day),
+        }
+        check_ranges("dispatcher settings", self, ranges)
+
 
 @dataclass
 class DispatchMetrics:
@@ -342,6 +358,7 @@ class Dispatcher:
     """Claim due outbox rows, call their targets, record the outcome (see the module doc)."""
 
     def __init__(self, config: DispatchConfig) -> None:
+        config.check()
         if not config.targets:
             raise ConfigError(
                 "no targets: give --target NAME=URL or install a package with "

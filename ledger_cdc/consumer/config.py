@@ -6,10 +6,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ledger_cdc.admin.health import Thresholds
+from ledger_cdc.errors import check_ranges
 from ledger_cdc.fold import Reducers
 from ledger_cdc.names import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, RUNS_CHANNEL
 
 __all__ = ["ConsumerConfig"]
+
+DAY = 86_400.0  # the longest interval or wait: beyond it a wait overflows the platform's clock
+
+# field → (least, most): what Consumer takes (ConsumerConfig.check); NaN is in no range
+_RANGES: dict[str, tuple[float, float]] = {
+    "batch_size": (1, 2**31),
+    "max_delay": (0, 3600),
+    "snapshot_every": (0, 2**31),
+    "status_interval": (0.01, DAY),
+    "memory_limit": (1, 2**62),
+    "reconnect_base": (0.001, 3600),
+    "reconnect_cap": (0.001, DAY),
+    "health_interval": (0, DAY),
+    "lease_watch_interval": (0, DAY),
+    "vacuum_interval": (0, DAY),
+    "partition_ensure_interval": (0, DAY),
+    "partitions_ahead": (0, 120),
+    "standby_poll": (0.001, 3600),
+    "sink_idle_timeout": (0.001, DAY),
+}
 
 
 @dataclass
@@ -55,3 +76,12 @@ class ConsumerConfig:
     thresholds: Thresholds = field(default_factory=Thresholds)
     progress: Callable[[int, int], None] | None = None  # bootstrap progress (done, total)
     reducers: Reducers | None = None  # None: the process's default reducers
+
+    def check(self) -> None:
+        """Raise ConfigError for a value out of range (a NaN, a wait too long for the
+        platform's clock, a batch of no events): ``Consumer`` checks its config before it
+        starts anything, so a bad value is said at once instead of killing a thread later."""
+        ranges = dict(_RANGES)
+        if self.heartbeat_interval is not None:  # (None: no heartbeat)
+            ranges["heartbeat_interval"] = (0, DAY)
+        check_ranges("consumer settings", self, ranges)

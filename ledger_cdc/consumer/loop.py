@@ -125,6 +125,7 @@ class Consumer:
         transport: Transport | None = None,
         prefetched: ReplicationStream | None = None,
     ) -> None:
+        config.check()
         self.config = config
         self.metrics = Metrics()
         self.on_batch = on_batch

@@ -56,7 +56,7 @@ def test_an_error_holding_markup_is_one_plain_line() -> None:
     ("args", "says"),
     [
         (["consume", "--heartbeat-interval", "nan"], "finite"),
-        (["consume", "--heartbeat-interval", "inf"], "finite"),
+        (["consume", "--heartbeat-interval", "inf"], "--heartbeat-interval"),
         (["consume", "--health-interval", "-inf"], "--health-interval"),
         (["lag", "--crit-share", "nan"], "finite"),
         (["lag", "--warn-share", "0.9", "--crit-share", "0.5"], "a warning comes first"),
@@ -72,6 +72,20 @@ def test_an_error_holding_markup_is_one_plain_line() -> None:
         (["partitions", "archive", "--older-than", "1e10d", "--to", "/tmp"], "duration"),
         (["partitions", "archive", "--older-than", "", "--to", "/tmp"], "duration"),
         (["signal", str(uuid.uuid4()), "s", "--payload", "[" * 50_000], "--payload"),
+        # finite, but past what a wait can take (the platform's clock overflows): the
+        # heartbeat and slot-check threads died of it while the consumer went on unchecked
+        (["consume", "--heartbeat-interval", "1e10"], "--heartbeat-interval"),
+        (["consume", "--health-interval", "1e10"], "--health-interval"),
+        (["consume", "--vacuum-interval", "1e10"], "--vacuum-interval"),
+        (["consume", "--standby-poll", "1e10"], "--standby-poll"),
+        (["consume", "--max-delay-ms", "99999999999999999999"], "--max-delay-ms"),
+        (["lag", "--sample-seconds", "1e10"], "--sample-seconds"),
+        (["lag", "--watch", "--interval", "1e10"], "--interval"),
+        (["verify", "--all", "--consumer-wait", "1e10"], "--consumer-wait"),
+        (["dispatch", "--poll-interval", "1e10"], "--poll-interval"),
+        (["dispatch", "--backoff-cap", "1e10"], "--backoff-cap"),
+        (["dispatch", "--timeout", "1e10"], "--timeout"),
+        (["dispatch", "--claim-seconds", "1e10"], "--claim-seconds"),
     ],
 )
 def test_an_option_no_command_can_use_is_a_usage_error(args: list[str], says: str) -> None:
