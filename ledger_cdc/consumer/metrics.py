@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ledger_cdc.errors import ConfigError
+
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import Metric
@@ -167,5 +169,10 @@ def serve(reg: CollectorRegistry, port: int, host: str = "127.0.0.1") -> Metrics
     """Serve ``reg`` on ``host:port`` (port 0: any free port) in a daemon thread."""
     from prometheus_client import start_http_server
 
-    server, _thread = start_http_server(port, addr=host, registry=reg)
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=reg)
+    except (OSError, ValueError, UnicodeError) as e:  # a name that resolves to nothing, a port
+        # in use or not ours to bind, a host no socket takes
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"cannot serve metrics on {host!r} port {port}: {why}") from None
     return MetricsServer(int(server.server_address[1]), server)

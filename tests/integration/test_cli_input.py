@@ -5,6 +5,7 @@ error naming the option (exit 2), never a traceback, a busy loop or a wrong answ
 from __future__ import annotations
 
 import json
+import socket
 import uuid
 from pathlib import Path
 
@@ -158,3 +159,18 @@ def test_a_service_that_does_not_exist_is_not_retried() -> None:
     r = run_cli("consume", "--dsn", "service=ledger_cdc_no_such_service")
     assert_clean_exit(r, 4)
     assert "definition of service" in r.output, r.output
+
+
+def test_a_metrics_port_already_taken_is_one_line() -> None:
+    """consume and dispatch serve /metrics where told: a port another process holds (or a host
+    no socket takes) is said in one line (exit 4), not an internal error."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        # (consume serves its metrics before it connects: the DSN is never reached)
+        r = run_cli(
+            "consume", "--dsn", "host=127.0.0.1 port=1 connect_timeout=1", "--metrics-port", port
+        )
+    assert_clean_exit(r, 4)
+    assert f"cannot serve metrics on '127.0.0.1' port {port}" in r.output, r.output
