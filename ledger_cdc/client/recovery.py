@@ -126,6 +126,13 @@ def _session(session_id: uuid.UUID | str) -> uuid.UUID:
         raise InvalidEventError(f"session id must be a UUID, got {session_id!r}") from None
 
 
+def _upto(upto_seq: int | None) -> int | None:
+    """``upto_seq`` as given: None (the whole history) or a whole number (a bool is none)."""
+    if upto_seq is not None and (isinstance(upto_seq, bool) or not isinstance(upto_seq, int)):
+        raise InvalidEventError(f"upto_seq must be a whole number or None, got {upto_seq!r}")
+    return upto_seq
+
+
 def snapshot_context(sid: uuid.UUID, row: Sequence[Any]) -> SessionContext | None:
     """The snapshot's context if its bytes still hash to its content hash, else None.
 
@@ -331,7 +338,7 @@ def rebuild_context(
     context equal to a fold from zero. A session without any event gives an empty context
     (``last_position == 0``), so a worker can start a new session the same way it resumes one.
     """
-    return run(conn, _rebuild_steps(_session(session_id), upto_seq, memo))
+    return run(conn, _rebuild_steps(_session(session_id), _upto(upto_seq), memo))
 
 
 async def rebuild_context_async(
@@ -342,7 +349,7 @@ async def rebuild_context_async(
     memo: bool = False,
 ) -> SessionContext:
     """:func:`rebuild_context` on an async connection (the same steps)."""
-    return await run_async(conn, _rebuild_steps(_session(session_id), upto_seq, memo))
+    return await run_async(conn, _rebuild_steps(_session(session_id), _upto(upto_seq), memo))
 
 
 # -- the memo: completed calls, in the context or in agent_memo ---------------------------------
@@ -659,6 +666,7 @@ def fork(
     first ``session.forked`` event that records where it came from. Outbox rows are not copied:
     the fork replays history, it does not repeat side effects. One transaction."""
     origin = _session(session_id)
+    upto_seq = _upto(upto_seq)
     bound = _NO_LIMIT if upto_seq is None else upto_seq
     new = new_session_id or uuid.uuid4()
     with conn.transaction():

@@ -365,6 +365,27 @@ def test_async_rebuild_and_retry(db: Database) -> None:
     assert ctx.pending_tools["c2"].attempts == 2
 
 
+@pytest.mark.parametrize("upto", ["5", 5.0, True, b"5"])
+def test_an_upto_seq_that_is_no_whole_number_is_refused_by_name(db: Database, upto: object) -> None:
+    """Not a driver error from deep in a query (``invalid input syntax for type bigint``): the
+    argument is named before anything is read, by rebuild, its async twin and fork."""
+    sid = uuid.uuid4()
+    _agent_run(db, sid)
+    with db.connect() as conn:
+        with pytest.raises(InvalidEventError, match="upto_seq"):
+            rebuild_context(conn, sid, upto)  # type: ignore[arg-type]
+        with pytest.raises(InvalidEventError, match="upto_seq"):
+            fork(conn, sid, upto)  # type: ignore[arg-type]
+        assert rebuild_context(conn, sid, 10**30).last_position > 0  # a whole number: any
+
+    async def go() -> None:
+        async with await psycopg.AsyncConnection.connect(db.dsn, autocommit=True) as conn:
+            with pytest.raises(InvalidEventError, match="upto_seq"):
+                await rebuild_context_async(conn, sid, upto)  # type: ignore[arg-type]
+
+    asyncio.run(go())
+
+
 def test_snapshot_of_another_format_or_corrupted_is_skipped(consumed: Database) -> None:
     sid = uuid.uuid4()
     _agent_run(consumed, sid)
