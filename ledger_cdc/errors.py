@@ -59,16 +59,23 @@ class ConfigError(LedgerError):
     exit_code = 4
 
 
-def check_ranges(what: str, settings: object, ranges: dict[str, tuple[float, float]]) -> None:
+def check_ranges(
+    what: str,
+    settings: object,
+    ranges: dict[str, tuple[float, float]],
+    off: tuple[str, ...] = (),
+) -> None:
     """Raise ConfigError naming every setting of ``settings`` (an attribute each) that is not a
-    number from its least to its most in ``ranges`` (NaN is in no range; a bool is no number)."""
+    number from its least to its most in ``ranges`` (NaN is in no range; a bool is no number),
+    or 0 for one in ``off`` (0 turns it off)."""
     bad: list[str] = []
     for name, (low, high) in ranges.items():
         value = getattr(settings, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             bad.append(f"{name}={value!r} is not a number")
-        elif not low <= value <= high:
-            bad.append(f"{name}={value!r} is not from {low:g} to {high:g}")
+        elif not (low <= value <= high or (name in off and value == 0)):
+            zero = "0 or " if name in off else ""
+            bad.append(f"{name}={value!r} is not {zero}from {low:g} to {high:g}")
     if bad:
         raise ConfigError(f"{what} out of range: " + "; ".join(bad))
 

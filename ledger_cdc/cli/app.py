@@ -15,6 +15,7 @@ from ledger_cdc.cli.base import (
     DAY,
     DSN,
     Finite,
+    Interval,
     State,
     _env,
     ahead_option,
@@ -329,7 +330,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--heartbeat-interval",
     default=0.0,
     show_default=True,
-    type=Finite(0, DAY),
+    type=Interval(),
     envvar=_env("HEARTBEAT_INTERVAL"),
     help="Seconds between heartbeat messages (0: off); keeps an idle slot advancing "
     "and measures end-to-end lag.",
@@ -371,7 +372,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--health-interval",
     default=10.0,
     show_default=True,
-    type=Finite(0, DAY),
+    type=Interval(),
     envvar=_env("HEALTH_INTERVAL"),
     help="Seconds between slot health checks (0: off).",
 )
@@ -404,7 +405,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--vacuum-interval",
     default=2.0,
     show_default=True,
-    type=Finite(0, DAY),
+    type=Interval(),
     help="Seconds between VACUUMs of agent_sessions, which every batch rewrites, while batches "
     "are written (sooner after 200 rewritten rows; none while idle). 0: leave it to "
     "autovacuum, whose one-minute naptime lets a busy table grow several times its data.",

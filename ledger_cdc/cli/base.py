@@ -181,6 +181,24 @@ class Finite(click.FloatRange):
         return rv
 
 
+class Interval(Finite):
+    """Seconds between runs of a periodic task: 0 (off), or from ``least`` (a denormal such as
+    ``1e-320`` would run it without pause: a busy loop of queries) to a day."""
+
+    def __init__(self, least: float = 0.1) -> None:
+        super().__init__(0, DAY)
+        self.least = least
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if 0 < rv < self.least:
+            self.fail(f"{value!r} is neither 0 (off) nor from {self.least:g} to {DAY}.", param, ctx)
+        return rv
+
+    def _describe_range(self) -> str:  # (the help's range)
+        return f"0 or {self.least:g}<=x<={DAY}"
+
+
 option = partial(click.option, show_envvar=True)
 """``click.option`` whose help shows its environment variable: the shared options have fixed
 names (``LEDGER_CDC_DSN`` serves every command), the others get click's automatic ones

@@ -23,14 +23,16 @@ _RANGES: dict[str, tuple[float, float]] = {
     "memory_limit": (1, 2**62),
     "reconnect_base": (0.001, 3600),
     "reconnect_cap": (0.001, DAY),
-    "health_interval": (0, DAY),
-    "lease_watch_interval": (0, DAY),
-    "vacuum_interval": (0, DAY),
-    "partition_ensure_interval": (0, DAY),
+    "health_interval": (0.1, DAY),
+    "lease_watch_interval": (0.1, DAY),
+    "vacuum_interval": (0.1, DAY),
+    "partition_ensure_interval": (0.1, DAY),
     "partitions_ahead": (0, 120),
     "standby_poll": (0.001, 3600),
     "sink_idle_timeout": (0.001, DAY),
 }
+# periodic tasks 0 turns off (else from their least: a denormal interval is a busy loop)
+_OFF = ("health_interval", "lease_watch_interval", "vacuum_interval", "partition_ensure_interval")
 
 
 @dataclass
@@ -82,6 +84,6 @@ class ConsumerConfig:
         platform's clock, a batch of no events): ``Consumer`` checks its config before it
         starts anything, so a bad value is said at once instead of killing a thread later."""
         ranges = dict(_RANGES)
-        if self.heartbeat_interval is not None:  # (None: no heartbeat)
-            ranges["heartbeat_interval"] = (0, DAY)
-        check_ranges("consumer settings", self, ranges)
+        if self.heartbeat_interval is not None:  # (None, or 0: no heartbeat)
+            ranges["heartbeat_interval"] = (0.1, DAY)
+        check_ranges("consumer settings", self, ranges, (*_OFF, "heartbeat_interval"))

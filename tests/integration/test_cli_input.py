@@ -79,6 +79,10 @@ def test_an_error_holding_markup_is_one_plain_line() -> None:
         (["consume", "--health-interval", "1e10"], "--health-interval"),
         (["consume", "--vacuum-interval", "1e10"], "--vacuum-interval"),
         (["consume", "--standby-poll", "1e10"], "--standby-poll"),
+        # not 0 (off), and so small the task would run without pause: a busy loop of queries
+        (["consume", "--health-interval", "1e-320"], "neither 0 (off) nor from 0.1"),
+        (["consume", "--heartbeat-interval", "0.001"], "neither 0 (off) nor from 0.1"),
+        (["consume", "--vacuum-interval", "1e-9"], "neither 0 (off) nor from 0.1"),
         (["consume", "--max-delay-ms", "99999999999999999999"], "--max-delay-ms"),
         (["lag", "--sample-seconds", "1e10"], "--sample-seconds"),
         (["lag", "--watch", "--interval", "1e10"], "--interval"),

@@ -20,6 +20,8 @@ DSN = "host=127.0.0.1 port=1 connect_timeout=1"  # never reached: refused before
     ("field", "value"),
     [
         ("health_interval", 1e10),
+        ("health_interval", 1e-320),  # not 0 (off): a slot check without pause
+        ("vacuum_interval", 0.001),
         ("health_interval", math.nan),
         ("vacuum_interval", -1.0),
         ("standby_poll", 0.0),
@@ -27,6 +29,7 @@ DSN = "host=127.0.0.1 port=1 connect_timeout=1"  # never reached: refused before
         ("batch_size", 0),
         ("heartbeat_interval", 1e10),
         ("heartbeat_interval", math.nan),
+        ("heartbeat_interval", 1e-9),
         ("sink_idle_timeout", "10"),
         ("partitions_ahead", 10_000),
     ],
