@@ -59,6 +59,11 @@ class ConfigError(LedgerError):
     exit_code = 4
 
 
+DAY = 86_400
+"""Seconds: the longest interval, wait or timeout a setting takes (past it a wait overflows the
+platform's clock, or a health check never comes)."""
+
+
 def check_ranges(
     what: str,
     settings: object,

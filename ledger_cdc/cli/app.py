@@ -12,7 +12,6 @@ from rich.console import Console
 from rich.table import Table
 
 from ledger_cdc.cli.base import (
-    DAY,
     DSN,
     Finite,
     Interval,
@@ -27,7 +26,7 @@ from ledger_cdc.cli.base import (
     print_records,
     safe,
 )
-from ledger_cdc.errors import LedgerError
+from ledger_cdc.errors import DAY, LedgerError
 
 # options that consume and fold share
 target_dsn_option = option(

@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ledger_cdc._version import __version__
-from ledger_cdc.errors import LedgerError
+from ledger_cdc.errors import DAY, LedgerError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -163,11 +163,6 @@ def safe(value: object) -> str:
     """:func:`printable`, with rich markup escaped: for untrusted text inside a markup string
     or a table cell (``[/]`` in an agent id must print as itself, not end a style)."""
     return escape(printable(value))
-
-
-DAY = 86_400
-"""The longest interval, wait or timeout an option takes (beyond it a wait overflows the
-platform's clock, or a health check never comes: refused as out of range)."""
 
 
 class Finite(click.FloatRange):

@@ -17,7 +17,6 @@ from rich.table import Table
 from rich.text import Text
 
 from ledger_cdc.cli.base import (
-    DAY,
     EXIT_PROBLEM,
     Finite,
     State,
@@ -32,7 +31,7 @@ from ledger_cdc.cli.base import (
     printable,
     safe,
 )
-from ledger_cdc.errors import NoSuchSessionError
+from ledger_cdc.errors import DAY, NoSuchSessionError
 
 if TYPE_CHECKING:
     import psycopg

@@ -52,7 +52,14 @@ import psycopg
 
 from ledger_cdc import retry
 from ledger_cdc.connect import connect
-from ledger_cdc.errors import ConfigError, LedgerError, RetryableError, check_ranges, translate
+from ledger_cdc.errors import (
+    DAY,
+    ConfigError,
+    LedgerError,
+    RetryableError,
+    check_ranges,
+    translate,
+)
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -280,16 +287,15 @@ class DispatchConfig:
     def check(self) -> None:
         """Raise ConfigError for a value out of range (a NaN, a wait too long for the
         platform's clock, a batch of no rows): the dispatcher checks before it starts."""
-        day = 86_400.0
         ranges: dict[str, tuple[float, float]] = {
             "batch_size": (1, 2**31),
             "concurrency": (1, 2**31),
             "max_attempts": (1, 2**31),
-            "backoff_base": (0, day),
-            "backoff_cap": (0, day),
+            "backoff_base": (0, DAY),
+            "backoff_cap": (0, DAY),
             "poll_interval": (0.001, 3600),
-            "claim_seconds": (0.1, day),
-            "call_timeout": (0.001, day),
+            "claim_seconds": (0.1, DAY),
+            "call_timeout": (0.001, DAY),
         }
         check_ranges("dispatcher settings", self, ranges)
 

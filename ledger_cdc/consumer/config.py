@@ -6,13 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ledger_cdc.admin.health import Thresholds
-from ledger_cdc.errors import check_ranges
+from ledger_cdc.errors import DAY, check_ranges
 from ledger_cdc.fold import Reducers
 from ledger_cdc.names import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, RUNS_CHANNEL
 
 __all__ = ["ConsumerConfig"]
-
-DAY = 86_400.0  # the longest interval or wait: beyond it a wait overflows the platform's clock
 
 # field → (least, most): what Consumer takes (ConsumerConfig.check); NaN is in no range
 _RANGES: dict[str, tuple[float, float]] = {
