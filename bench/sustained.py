@@ -20,6 +20,13 @@ server stamps on each message; one clock, one machine), over the batches of one 
 Consumer CPU is what its process used from the writers' start until it drained (its start-up
 is not spread over the events).
 
+At the limited rate a third phase measures a floor: the least a Python reader does per
+transaction, in its own process on a slot of its own (no ledger-cdc running): wake on the
+replication socket, read the messages with the same driver, and at each Commit one prepared
+one-row UPDATE committed asynchronously, as the consumer's sink commits. Its p50 is what this
+machine, this server and the language take before any of ledger-cdc's own work (decode, fold,
+the projection's statement).
+
     sh scripts/dev.sh bench sustained [--seconds 10] [--pg-major 15]
 """
 
@@ -29,7 +36,9 @@ import argparse
 import json
 import os
 import resource
+import select
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -78,6 +87,73 @@ def consumer_role(dsn: str, out: str) -> None:
             }
         )
     )
+
+
+FLOOR_SLOT = "bench_floor"
+
+
+def floor_role(dsn: str, out: str) -> None:
+    """The floor reader (see the module's doc): until SIGTERM, then its latencies to ``out``."""
+    import psycopg2
+    import psycopg2.extras
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    lat: list[float] = []
+    repl = psycopg2.connect(dsn, connection_factory=psycopg2.extras.LogicalReplicationConnection)
+    cur = repl.cursor()
+    cur.start_replication(
+        slot_name=FLOOR_SLOT,
+        decode=False,
+        options={"proto_version": "1", "publication_names": "agent_pub"},
+    )
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as w:
+        w.execute("SET synchronous_commit = off")
+        while not stop.is_set():
+            msg = cur.read_message()
+            if msg is None:
+                select.select([repl], [], [], 0.2)
+                continue
+            if msg.payload[:1] == b"C":  # Commit: flags, commit LSN, end LSN, commit time
+                (ts,) = struct.unpack_from(">q", msg.payload, 18)
+                w.execute("UPDATE bench_floor SET lsn = %s WHERE id = 1", (msg.data_start,))
+                lat.append(time.time() - (PG_EPOCH + ts / 1e6))
+                cur.send_feedback(flush_lsn=msg.data_start)
+    repl.close()
+    Path(out).write_text(json.dumps({"latencies": lat}))
+
+
+def floor_phase(
+    pg: EmbeddedPostgres, dsn: str, clients: int, rate: int, seconds: int
+) -> list[float]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE bench_floor (id int PRIMARY KEY, lsn bigint)")
+        conn.execute("INSERT INTO bench_floor VALUES (1, 0)")
+        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (FLOOR_SLOT,))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            script = Path(tmp) / "insert.sql"
+            script.write_text(PGBENCH_SCRIPT)
+            os.chmod(tmp, 0o755)
+            os.chmod(script, 0o644)
+            out = Path(tmp) / "floor.json"
+            reader = subprocess.Popen(
+                [sys.executable, __file__, "--role", "floor", "--dsn", dsn, "--out", str(out)],
+                cwd=ROOT,
+            )
+            time.sleep(1.0)
+            argv = pgbench_argv(pg, script, clients, seconds)
+            argv[1:1] = ["-R", str(rate)]
+            subprocess.run(argv, capture_output=True, text=True, check=True)
+            time.sleep(0.5)
+            reader.send_signal(signal.SIGTERM)
+            reader.wait(60)
+            lat: list[float] = json.loads(out.read_text())["latencies"]
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (FLOOR_SLOT,))
+            conn.execute("DROP TABLE bench_floor")
+    return lat
 
 
 class Poller(threading.Thread):
@@ -215,6 +291,9 @@ def main() -> None:
     if args.role == "consumer":
         consumer_role(args.dsn, args.out)
         return
+    if args.role == "floor":
+        floor_role(args.dsn, args.out)
+        return
     with EmbeddedPostgres(
         major=args.pg_major, fsync=True, settings={"track_commit_timestamp": "on"}
     ) as pg:
@@ -258,6 +337,18 @@ def main() -> None:
                 f"  LISTEN/NOTIFY    p50 {b['side_p50']:7.1f} ms  p99 {b['side_p99']:7.1f} ms  "
                 f"(ledger-cdc beside it: p50 {b['p50']:.1f} ms, p99 {b['p99']:.1f} ms)"
             )
+            if rate:
+                floor = floor_phase(pg, dsn, clients, rate, args.seconds)
+                print(
+                    f"  floor reader     p50 {percentile(floor, 50) * 1000:7.2f} ms  p99 "
+                    f"{percentile(floor, 99) * 1000:7.1f} ms  (wake, read, one one-row UPDATE "
+                    f"per transaction, {len(floor)} of them: the least a Python reader takes)"
+                )
+                print(
+                    f"  ledger-cdc p50 ÷ LISTEN/NOTIFY p50: {a['p50'] / b['side_p50']:.2f}× "
+                    f"(target ≤ 1.5×); the floor reader's: "
+                    f"{percentile(floor, 50) * 1000 / b['side_p50']:.2f}×"
+                )
 
 
 if __name__ == "__main__":
