@@ -123,6 +123,22 @@ def floor_role(dsn: str, out: str) -> None:
     Path(out).write_text(json.dumps({"latencies": lat}))
 
 
+def start_role(role: str, dsn: str, tmp: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """This script as ``role`` in a process of its own, writing its results to a file in
+    ``tmp``, and the pgbench script beside it: (the process, the results file, the script).
+    Waits a second for it to start streaming."""
+    script = Path(tmp) / "insert.sql"
+    script.write_text(PGBENCH_SCRIPT)
+    os.chmod(tmp, 0o755)
+    os.chmod(script, 0o644)
+    out = Path(tmp) / f"{role}.json"
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--role", role, "--dsn", dsn, "--out", str(out)], cwd=ROOT
+    )
+    time.sleep(1.0)
+    return proc, out, script
+
+
 def floor_phase(
     pg: EmbeddedPostgres, dsn: str, clients: int, rate: int, seconds: int
 ) -> list[float]:
@@ -132,16 +148,7 @@ def floor_phase(
         conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (FLOOR_SLOT,))
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            script = Path(tmp) / "insert.sql"
-            script.write_text(PGBENCH_SCRIPT)
-            os.chmod(tmp, 0o755)
-            os.chmod(script, 0o644)
-            out = Path(tmp) / "floor.json"
-            reader = subprocess.Popen(
-                [sys.executable, __file__, "--role", "floor", "--dsn", dsn, "--out", str(out)],
-                cwd=ROOT,
-            )
-            time.sleep(1.0)
+            reader, out, script = start_role("floor", dsn, tmp)
             argv = pgbench_argv(pg, script, clients, seconds)
             argv[1:1] = ["-R", str(rate)]
             subprocess.run(argv, capture_output=True, text=True, check=True)
@@ -196,16 +203,7 @@ def one_phase(
     pg: EmbeddedPostgres, dsn: str, clients: int, rate: int | None, seconds: int, reader: str
 ) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "insert.sql"
-        script.write_text(PGBENCH_SCRIPT)
-        os.chmod(tmp, 0o755)
-        os.chmod(script, 0o644)
-        out = Path(tmp) / "consumer.json"
-        cons = subprocess.Popen(
-            [sys.executable, __file__, "--role", "consumer", "--dsn", dsn, "--out", str(out)],
-            cwd=ROOT,
-        )
-        time.sleep(1.0)
+        cons, out, script = start_role("consumer", dsn, tmp)
         side: Poller | Listener = Poller(dsn) if reader == "poller" else Listener(dsn)
         side.start()
         with psycopg.connect(dsn, autocommit=True) as conn:
