@@ -64,6 +64,10 @@ DAY = 86_400
 platform's clock, or a health check never comes)."""
 
 
+def _number(x: float) -> str:
+    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
+
+
 def check_ranges(
     what: str,
     settings: object,
@@ -80,7 +84,7 @@ def check_ranges(
             bad.append(f"{name}={value!r} is not a number")
         elif not (low <= value <= high or (name in off and value == 0)):
             zero = "0 or " if name in off else ""
-            bad.append(f"{name}={value!r} is not {zero}from {low:g} to {high:g}")
+            bad.append(f"{name}={value!r} is not {zero}from {_number(low)} to {_number(high)}")
     if bad:
         raise ConfigError(f"{what} out of range: " + "; ".join(bad))
 
@@ -411,6 +415,7 @@ def describe(e: BaseException, dsn: str | None = None) -> str:
 
 
 __all__ = [
+    "DAY",
     "AppendError",
     "ArchiveRefusedError",
     "ConcurrentAppendError",

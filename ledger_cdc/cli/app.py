@@ -40,7 +40,7 @@ snapshot_every_option = option(
     "--snapshot-every",
     default=100,
     show_default=True,
-    type=click.IntRange(0),
+    type=click.IntRange(0, 2**31),
     envvar=_env("SNAPSHOT_EVERY"),
     help="Snapshot a session every N events (and at task end); 0: only at task end.",
 )
@@ -311,7 +311,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--batch-size",
     default=20000,
     show_default=True,
-    type=click.IntRange(1),
+    type=click.IntRange(1, 2**31),
     envvar=_env("BATCH_SIZE"),
     help="Flush after this many events.",
 )
@@ -352,7 +352,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--memory-limit-mb",
     default=512,
     show_default=True,
-    type=click.IntRange(1),
+    type=click.IntRange(1, 2**42),
     envvar=_env("MEMORY_LIMIT_MB"),
     help="Memory for what grows with the data (buffered transactions, spilled to disk past "
     "their share; the session cache; the batch in hand; a tenth read ahead at start-up): peak "
@@ -562,7 +562,7 @@ def consume(
     "--memory-limit-mb",
     default=256,
     show_default=True,
-    type=click.IntRange(1),
+    type=click.IntRange(1, 2**42),
     envvar=_env("MEMORY_LIMIT_MB"),
     help="Memory for the session cache and the batch in hand.",
 )
