@@ -413,8 +413,9 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "--standby-poll",
     default=0.5,
     show_default=True,
-    type=Finite(0.001, 3600),
-    help="Seconds between tries for a slot another consumer holds (hot standby).",
+    type=Finite(0.1, 3600),
+    help="Seconds between tries for a slot another consumer holds (hot standby); each try is a "
+    "connection to the server.",
 )
 @option(
     "--sink-commit",

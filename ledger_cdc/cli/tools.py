@@ -560,7 +560,7 @@ def fork(
     "--poll-interval",
     default=0.5,
     show_default=True,
-    type=Finite(0.001, 3600),
+    type=Finite(0.01, 3600),
     help="Seconds between polls when nothing is due.",
 )
 @option(

@@ -293,7 +293,7 @@ class DispatchConfig:
             "max_attempts": (1, 2**31),
             "backoff_base": (0, DAY),
             "backoff_cap": (0, DAY),
-            "poll_interval": (0.001, 3600),
+            "poll_interval": (0.01, 3600),
             "claim_seconds": (0.1, DAY),
             "call_timeout": (0.001, DAY),
         }

@@ -26,7 +26,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "vacuum_interval": (0.1, DAY),
     "partition_ensure_interval": (0.1, DAY),
     "partitions_ahead": (0, 120),
-    "standby_poll": (0.001, 3600),
+    "standby_poll": (0.1, 3600),  # each try is a connection: not a storm of them
     "sink_idle_timeout": (0.001, DAY),
 }
 # periodic tasks 0 turns off (else from their least: a denormal interval is a busy loop)

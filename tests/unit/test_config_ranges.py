@@ -25,6 +25,7 @@ DSN = "host=127.0.0.1 port=1 connect_timeout=1"  # never reached: refused before
         ("health_interval", math.nan),
         ("vacuum_interval", -1.0),
         ("standby_poll", 0.0),
+        ("standby_poll", 0.001),  # a connection a millisecond against the server
         ("max_delay", math.inf),
         ("batch_size", 0),
         ("heartbeat_interval", 1e10),
