@@ -169,8 +169,8 @@ def test_a_service_that_does_not_exist_is_not_retried() -> None:
 
 
 def test_a_metrics_port_already_taken_is_one_line() -> None:
-    """consume and dispatch serve /metrics where told: a port another process holds (or a host
-    no socket takes) is said in one line (exit 4), not an internal error."""
+    """A /metrics port another process holds is said in one line (exit 4), not an internal
+    error (consume and dispatch serve it through the same function)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
