@@ -490,11 +490,13 @@ def consume(
         validate_slot_name(slot)
         validate_publication_name(publication)
         extra = tuple(u for u in sinks if u != "postgres")
-        for u in extra:
+        for i, u in enumerate(extra):
             if not u.startswith(("nats://", "tls://")):
                 raise click.BadParameter(
                     f"{u!r}: use postgres or nats://host:port", param_hint="--sink"
                 )
+            if u in extra[:i]:  # (a second publisher of every batch to the same stream)
+                raise click.BadParameter(f"{u!r} given twice", param_hint="--sink")
         if publish_only and not extra:
             raise click.BadParameter(
                 "--publish-only needs a --sink nats://host:port to publish to", param_hint="--sink"
