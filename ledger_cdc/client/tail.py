@@ -121,7 +121,8 @@ async def follow_jetstream(
                 continue
             try:
                 w = dec.decode(msg.data)
-            except msgspec.DecodeError as e:  # not what a consumer publishes: not an event
+            # not what a consumer publishes (or nested past what the decoder takes): no event
+            except (msgspec.DecodeError, RecursionError) as e:
                 log.warning("skipped a message on %s that is not an event: %s", subject, e)
                 continue
             if w.session_id != session_id or w.position <= after:

@@ -372,7 +372,8 @@ class FoldWorker:
         publish on the subjects can put one there: logged and skipped, never folded)."""
         try:
             ev, lsn = self._event(data)
-        except (msgspec.DecodeError, ValueError) as e:  # ValueError: its commit_lsn
+        # ValueError: its commit_lsn; RecursionError: nested past what the decoder takes
+        except (msgspec.DecodeError, ValueError, RecursionError) as e:
             log.warning(
                 "fold %s: stream message %d is not an event, skipped: %s", self.name, seq, e
             )

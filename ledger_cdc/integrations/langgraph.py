@@ -132,7 +132,8 @@ class _Thread:
             return
         try:
             ev = dec.decode(text)
-        except msgspec.DecodeError as e:  # as every reader does: one bad row is skipped
+        # as every reader does: one bad row (or one nested past the decoder) is skipped
+        except (msgspec.DecodeError, RecursionError) as e:
             log.warning(
                 "thread %r: a %s event that does not fit, skipped: %s",
                 self.thread_id,

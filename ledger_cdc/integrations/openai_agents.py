@@ -143,7 +143,8 @@ class _History:
                     self.items.pop((p.added_at, p.index), None)
                 elif event_type == "openai.items.cleared":
                     self.items.clear()
-            except (msgspec.DecodeError, ValueError) as e:  # as every reader: a bad row is skipped
+            # as every reader: a bad row (or one nested past the decoder) is skipped
+            except (msgspec.DecodeError, ValueError, RecursionError) as e:
                 log.warning(
                     "session %s: a %s event that does not fit, skipped: %s", self.sid, event_type, e
                 )

@@ -99,7 +99,7 @@ def _readable(cls: Any, texts: Iterable[str]) -> list[Any]:
     for text in texts:
         try:
             out.append(_from_json(cls, _record.decode(text).record))
-        except (InvalidEventError, msgspec.DecodeError) as e:
+        except (InvalidEventError, msgspec.DecodeError, RecursionError) as e:
             log.warning("%s; skipped", e)
     return out
 

@@ -307,6 +307,9 @@ def test_a_column_list_without_the_payload_quarantines_rows_and_stops_nothing(
         "context = jsonb_set(context, '{event_count}', '1000000000000000000000000000000')",
         "context = jsonb_set(context, '{pending_tools}', '{\"c\": 5}')",
         "context = jsonb_set(context, '{sources}', '[[999, 2, 600, true]]')",
+        # nested past what the decoder takes (a RecursionError, which stopped the consumer)
+        "context = jsonb_set(context, '{extra}', "
+        "(repeat('{\"k\":', 3000) || '1' || repeat('}', 3000))::jsonb)",
         "format_version = 999",
     ],
 )

@@ -423,6 +423,15 @@ def test_snapshot_of_another_format_or_corrupted_is_skipped(consumed: Database) 
         ).fetchone()
         assert changed == 1  # the corruption took
         _check_rebuild(conn, sid, truth)
+        # … and edited to nest past what the decoder takes, its content hash recomputed to
+        # match: a RecursionError broke the rebuild; skipped like any unreadable snapshot
+        deep = b'{"extra":' + b'{"k":' * 5000 + b"1" + b"}" * 5000 + b"}"
+        conn.execute(
+            "UPDATE agent_snapshots SET data = %s, content_hash = sha256(%s) "
+            "WHERE session_id = %s AND upto_seq = %s",
+            (deep, deep, sid, snaps[-1][0]),
+        )
+        _check_rebuild(conn, sid, truth)
 
 
 def test_fork_copies_the_prefix_and_diff_starts_at_the_fork_point(db: Database) -> None:

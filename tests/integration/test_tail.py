@@ -87,7 +87,8 @@ def test_tail_from_jetstream(db: Database, tmp_path: Path) -> None:
             until(lambda: conn.execute("SELECT count(*) FROM agent_sessions").fetchone() == (1,))
             # what anyone allowed to publish on the subject may put there: skipped, not fatal
             subject = f"ledger.events.{sid}"
-            bodies = [b"not json", b'{"seq": 1}', b'{"commit_lsn": 7}', b"[" * 10_000]
+            deep = b'{"seq": 1, "payload": ' + b"[" * 5000 + b"]" * 5000 + b"}"  # RecursionError
+            bodies = [b"not json", b'{"seq": 1}', b'{"commit_lsn": 7}', b"[" * 10_000, deep]
             publish(srv.url, [(subject, body, None) for body in bodies])
             rows = _follow(db, sid, "--nats", srv.url)
             c.kill()
