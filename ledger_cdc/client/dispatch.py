@@ -446,13 +446,16 @@ class Dispatcher:
         rows = self._sql(_CLAIM, params)
         if not rows:
             return 0
-        msgs = [
-            OutboxMessage(
-                int(r[0]), r[1], int(r[2]), r[3], msgspec.json.decode(r[4]), r[5], int(r[6])
-            )
-            for r in sorted(rows)
-        ]
-        errors = self._call_all(msgs)
+        msgs: list[OutboxMessage] = []
+        unreadable: dict[int, str] = {}  # row → why its payload cannot be read: parked uncalled
+        for r in sorted(rows):
+            try:
+                payload = msgspec.json.decode(r[4])
+            except (msgspec.DecodeError, RecursionError) as e:  # nested past the decoder
+                payload, unreadable[int(r[0])] = None, f"payload cannot be read: {e}"
+            msgs.append(OutboxMessage(int(r[0]), r[1], int(r[2]), r[3], payload, r[5], int(r[6])))
+        called = iter(self._call_all([m for m in msgs if m.id not in unreadable]))
+        errors = [unreadable[m.id] if m.id in unreadable else next(called) for m in msgs]
         done = [m.id for m, err in zip(msgs, errors, strict=True) if err is None]
         if done:
             marked = {r[0] for r in self._sql(_DONE, {"ids": done, "me": self.name})}
@@ -461,7 +464,7 @@ class Dispatcher:
         for m, err in zip(msgs, errors, strict=True):
             if err is None:
                 continue
-            park = m.attempt >= cfg.max_attempts
+            park = m.attempt >= cfg.max_attempts or m.id in unreadable  # (no retry reads it)
             got = self._sql(
                 _FAILED,
                 {

@@ -485,3 +485,25 @@ def test_the_dispatcher_role_is_enough(db: Database) -> None:
     finally:
         with psycopg.connect(db.server.dsn(), autocommit=True) as admin:
             admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_a_payload_nested_past_the_decoder_is_parked_not_fatal(db: Database) -> None:
+    """A row whose payload JSON nests past what the decoder takes (written by raw SQL: msgspec
+    raises RecursionError, not a DecodeError) stopped the whole dispatcher at its claim, the rows
+    claimed with it uncalled, again at every restart. It is parked, uncalled, at once; the
+    others are dispatched."""
+    bad, good = _outbox_rows(db, 2)
+    with db.connect() as conn:
+        conn.execute(
+            "UPDATE agent_outbox SET payload = (repeat('{\"k\":', 3000) || '1' || "
+            "repeat('}', 3000))::jsonb WHERE idempotency_key = %s",
+            (bad,),
+        )
+    called: list[str] = []
+    _, metrics = _dispatch_once(db, lambda m: called.append(m.idempotency_key))
+    assert called == [good]
+    rows = _rows(db)
+    dispatched, parked, attempts, error = rows[bad]
+    assert not dispatched and parked and attempts == 1, rows[bad]
+    assert error is not None and "payload cannot be read" in error
+    assert rows[good][0] and metrics.parked == 1
