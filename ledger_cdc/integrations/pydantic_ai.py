@@ -100,7 +100,7 @@ def _readable(cls: Any, texts: Iterable[str]) -> list[Any]:
         try:
             out.append(_from_json(cls, _record.decode(text).record))
         except (InvalidEventError, msgspec.DecodeError, RecursionError) as e:
-            log.warning("%s; skipped", e)
+            log.warning("%s; skipped", str(e)[:500])
     return out
 
 
@@ -125,8 +125,8 @@ def _snapshots(rows: list[tuple[Any, ...]], keep: int | None) -> list[Continuabl
     the order the snapshots were appended)."""
     snaps: list[ContinuableSnapshot] = []
     high: tuple[int, set[str]] | None = None
-    for _, _, text in rows:
-        snap: ContinuableSnapshot = _from_json(ContinuableSnapshot, _record.decode(text).record)
+    snap: ContinuableSnapshot
+    for snap in _readable(ContinuableSnapshot, (t for _, _, t in rows)):
         key = snap.idempotency_key
         if key is not None:
             seq = _sequence(key)
@@ -184,8 +184,8 @@ class LedgerStepStore:
         rows = await self._rows(run_id, "pydantic.run.registered")
         if not rows:
             return None
-        record: RunRecord = _from_json(RunRecord, _record.decode(rows[-1][2]).record)
-        return record
+        records: list[RunRecord] = _readable(RunRecord, (t for _, _, t in rows))
+        return records[-1] if records else None  # (the latest that reads back)
 
     async def list_runs(
         self, *, parent_run_id: str | None = None, conversation_id: str | None = None
@@ -272,8 +272,8 @@ class LedgerStepStore:
     async def _effects(self, run_id: str) -> dict[str, ToolEffectRecord]:
         rows = await self._rows(run_id, "pydantic.tool.effect")
         out: dict[str, ToolEffectRecord] = {}
-        for _, _, text in rows:
-            r: ToolEffectRecord = _from_json(ToolEffectRecord, _record.decode(text).record)
+        r: ToolEffectRecord
+        for r in _readable(ToolEffectRecord, (t for _, _, t in rows)):
             out[r.tool_call_id] = r  # the latest record of a call wins
         return out
 

@@ -199,28 +199,34 @@ def test_an_agent_run_with_step_persistence_is_a_ledger_session(db: Database) ->
 
 def test_a_stored_record_a_newer_or_broken_writer_left_is_read_or_skipped(db: Database) -> None:
     """A run record with a field this version does not declare reads back without it; one
-    that cannot be made (no run_id) is skipped by list_runs, not fatal to it."""
+    that cannot be made (no run_id), or nests past what the decoder takes (a RecursionError,
+    which ended the call), is skipped by list_runs and get_run, not fatal to them."""
     import json
 
     from ledger_cdc.integrations.pydantic_ai import run_session
 
-    async def go() -> list[str]:
+    deep = '{"run_id": "deep", "x": ' + '{"k":' * 3000 + "1" + "}" * 3000 + "}"
+
+    async def go() -> tuple[list[str], list[str | None]]:
         ledger = await AsyncLedger.connect(db.dsn)
         try:
             store = LedgerStepStore(ledger)
             async with ledger.connection() as conn:
                 for run_id, record in (
-                    ("newer", {"run_id": "newer", "from_the_future": 1}),
-                    ("broken", {"not_a_run": True}),
+                    ("newer", json.dumps({"run_id": "newer", "from_the_future": 1})),
+                    ("broken", json.dumps({"not_a_run": True})),
+                    ("deep", deep),
                 ):
                     await conn.execute(
                         "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
                         "VALUES (%s, 'x', 'pydantic.run.registered', %s::jsonb)",
-                        (run_session(run_id), json.dumps({"record": record})),
+                        (run_session(run_id), '{"record": ' + record + "}"),
                     )
                 await conn.commit()
-            return [r.run_id for r in await store.list_runs()]
+            runs = [r.run_id for r in await store.list_runs()]
+            got = [await store.get_run(run_id=r) for r in ("newer", "broken", "deep")]
+            return runs, [None if r is None else r.run_id for r in got]
         finally:
             await ledger.close()
 
-    assert asyncio.run(go()) == ["newer"]
+    assert asyncio.run(go()) == (["newer"], ["newer", None, None])
