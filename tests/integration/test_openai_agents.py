@@ -190,8 +190,8 @@ def test_concurrent_writers_keep_the_history_whole(db: Database) -> None:
 
 
 def test_a_row_that_does_not_fit_is_skipped_and_pops_stay_linear(db: Database) -> None:
-    """A malformed row is skipped (the rest of the history reads); many pops of a long
-    history are applied by key, not by rebuilding the list per pop."""
+    """A malformed row, or one nested too deep, is skipped (the rest of the history reads);
+    many pops of a long history are applied by key, not by rebuilding the list per pop."""
 
     async def go() -> tuple[list[Any], Any]:
         ledger = await AsyncLedger.connect(db.dsn)
@@ -205,6 +205,13 @@ def test_a_row_that_does_not_fit_is_skipped_and_pops_stay_linear(db: Database) -
                     "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
                     "VALUES (%s, 'x', 'openai.items.added', %s::jsonb)",
                     (ours.ledger_session, json.dumps({"items": "abc"})),
+                )
+                # nested past what the decoder takes (a RecursionError ended get_items)
+                deep = '{"items": [' + '{"k":' * 3000 + "1" + "}" * 3000 + "]}"
+                await conn.execute(
+                    "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
+                    "VALUES (%s, 'x', 'openai.items.added', %s::jsonb)",
+                    (ours.ledger_session, deep),
                 )
                 await conn.commit()
             await ours.add_items([_item(9999)])
