@@ -300,14 +300,17 @@ def test_an_unreadable_row_spoils_only_its_checkpoint(db: Database) -> None:
             bad = json.loads(payload)
             bad["checkpoint_id"] = "~" + bad["checkpoint_id"]  # sorts after: the latest
             bad["checkpoint"] = ["json", "!!not base64"]
+            # … and one nested past what the decoder takes (a RecursionError ended every read)
+            deep = '{"checkpoint_id": "x", "v": ' + '{"k":' * 3000 + "1" + "}" * 3000 + "}"
             for etype, body in (
-                ("langgraph.checkpoint", bad),
-                ("langgraph.from_the_future", {"x": 1}),
+                ("langgraph.checkpoint", json.dumps(bad)),
+                ("langgraph.from_the_future", json.dumps({"x": 1})),
+                ("langgraph.checkpoint", deep),
             ):
                 owner.execute(
                     "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
                     "VALUES (%s, 'langgraph', %s, %s::jsonb)",
-                    (thread_session(a), etype, json.dumps(body)),
+                    (thread_session(a), etype, body),
                 )
             owner.commit()
         fresh = LedgerSaver.from_dsn(db.dsn)
