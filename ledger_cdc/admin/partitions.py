@@ -804,10 +804,16 @@ def check_archive(conn: psycopg.Connection[Any], directory: Path) -> list[str]:
             problems.append(f"{name}: {path if not path.exists() else manifest} is missing")
             continue
         actual = _file_sha256(path)
-        m = json.loads(manifest.read_text())
+        try:
+            m = json.loads(manifest.read_text())
+        except (ValueError, RecursionError) as e:  # edited, cut short: reported, not fatal
+            problems.append(f"{name}: {manifest.name} is not a manifest ({str(e)[:200]})")
+            continue
         if actual != recorded:
             problems.append(f"{name}: {path.name} has sha256 {actual}, recorded {recorded}")
-        elif m.get("file_sha256") != recorded or m.get("events") != events:
+        elif (
+            not isinstance(m, dict) or m.get("file_sha256") != recorded or m.get("events") != events
+        ):
             problems.append(f"{name}: manifest does not match the database's record")
         elif (rows := _rows(path)) != events:
             problems.append(f"{name}: {path.name} holds {rows} rows, recorded {events}")

@@ -311,6 +311,12 @@ def test_archive_under_load_loses_nothing(empty_db: Database, tmp_path: Path) ->
         with empty_db.connect() as conn:
             assert any("sha256" in p for p in check_archive(conn, tmp_path / "archive"))
         assert not verify(dsn, archive_dir=tmp_path / "archive").ok
+        # a manifest cut short (or edited) is a problem reported, not a JSONDecodeError
+        manifest = tmp_path / "archive" / f"{done[0].name}.manifest.json"
+        manifest.write_text(manifest.read_text()[:20])
+        with empty_db.connect() as conn:
+            assert any("is not a manifest" in p for p in check_archive(conn, tmp_path / "archive"))
+        assert not verify(dsn, archive_dir=tmp_path / "archive").ok
     finally:
         if consumer.alive():
             consumer.kill()
