@@ -52,8 +52,14 @@ _line = msgspec.json.Decoder(ImportedEvent)
 
 
 def read_lines(lines: Iterable[bytes | str]) -> Iterator[tuple[int, ImportedEvent]]:
-    """(line number, event) of each non-blank JSON line; InvalidEventError names a bad line."""
+    """(line number, event) of each non-blank JSON line; InvalidEventError names a bad line. A
+    UTF-8 byte order mark opening the first line (as some editors save a file) is skipped."""
     for n, line in enumerate(lines, 1):
+        if n == 1:
+            if isinstance(line, bytes):
+                line = line.removeprefix(b"\xef\xbb\xbf")
+            else:
+                line = line.removeprefix("\ufeff")
         if not line.strip():
             continue
         try:
