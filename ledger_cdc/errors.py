@@ -194,8 +194,11 @@ class UnknownEventTypeError(AppendError):
 
     def __init__(self, event_type: str) -> None:
         self.event_type = event_type
+        name = repr(event_type)
+        if len(name) > 200:  # (a careless writer's 10,000 characters are not one error line)
+            name = f"{name[:200]}… ({len(event_type):,} characters)"
         super().__init__(
-            f"unknown event type {event_type!r}: register it first with "
+            f"unknown event type {name}: register it first with "
             "ledger_cdc.register_event_type(name, PayloadStruct) "
             "(or register_event_type(name) for a free-form JSON object payload)"
         )

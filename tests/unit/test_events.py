@@ -53,6 +53,10 @@ def test_dict_payload_is_converted_and_checked() -> None:
 def test_unknown_type() -> None:
     with pytest.raises(UnknownEventTypeError, match="register_event_type"):
         encode_payload("nope.never", {})
+    with pytest.raises(UnknownEventTypeError) as e:  # a careless writer's type: one short line
+        encode_payload("x" * 10_000, {})
+    assert len(str(e.value)) < 400 and "10,000 characters" in str(e.value)
+    assert e.value.event_type == "x" * 10_000
 
 
 def test_decode_rejects_payload_of_wrong_shape() -> None:
