@@ -319,6 +319,9 @@ _PERMANENT = (
     "definition of service",  # service=… not in the service file
     "service file",
     "bad value for",
+    "server does not support ssl",  # sslmode=require against a server without SSL
+    "cannot execute sql commands in wal sender",  # replication=true in the DSN
+    "not supported in a replication connection",  # replication=database in the DSN
 )
 _PERMANENT_STATES = ("28", "3D", "3F", "42", "54", "55000", "0A000", "22023")
 _PASSWORD_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
@@ -369,6 +372,10 @@ def is_permanent(e: BaseException) -> bool:
     return any(p in text for p in _PERMANENT)
 
 
+_NO_REPLICATION = (
+    "give the DSN without replication=… (ledger-cdc opens a replication connection where it "
+    "needs one)"
+)
 _HINTS = (
     ("password authentication failed", "check the user and password in the DSN"),
     ("no pg_hba.conf entry", "allow this host/user in the server's pg_hba.conf"),
@@ -388,6 +395,9 @@ _HINTS = (
     ("could not translate host name", "fix the host name in the DSN"),
     ("failed to resolve host", "fix the host name in the DSN"),
     ("in uri", "fix the DSN: postgresql://user@host:port/database"),
+    ("server does not support ssl", "lower sslmode in the DSN, or turn ssl on in the server"),
+    ("replication connection", _NO_REPLICATION),
+    ("in wal sender", _NO_REPLICATION),
 )
 
 

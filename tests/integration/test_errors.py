@@ -97,6 +97,12 @@ def _consume(dsn: str, *extra: str, timeout: float = 30) -> subprocess.Completed
 def test_the_consumer_stops_at_once_on_a_permanent_cause(db: Database, empty_db: Database) -> None:
     cases = [(dsn, hint) for dsn, hint in _bad_dsns(db)]
     cases.append((empty_db.dsn, "ledger-cdc init"))  # consume before init
+    # a replication DSN copied from another tool (the consumer makes its replication connection
+    # itself; its ordinary ones cannot run statements in one), and SSL the server does not have:
+    # retried for ever before, a warning every few seconds
+    for extra in (" replication=database", " replication=true"):
+        cases.append((db.dsn + extra, "without replication="))
+    cases.append((db.dsn + " sslmode=require", "sslmode"))
     for dsn, hint in cases:
         started = time.monotonic()
         p = _consume(dsn, "--create-slot")
