@@ -121,6 +121,8 @@ INDEXED_MAX_BYTES = 1024
 def _indexed(what: str, value: str) -> None:
     """A string the ledger indexes (an index entry is bounded, about 2.7 kB) and stores as
     text: at most INDEXED_MAX_BYTES of UTF-8, no NUL, no lone surrogate."""
+    if not isinstance(value, str):
+        raise InvalidEventError(f"{what} must be a string, got {type(value).__name__}")
     try:
         size = len(value.encode())
     except UnicodeEncodeError:

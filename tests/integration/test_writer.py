@@ -266,6 +266,9 @@ def test_a_conflict_inside_a_callers_transaction_does_not_abort_it(db: Database)
         ),
         ({"expected_position": -1}, InvalidEventError, "expected_position"),
         ({"idempotency_key": ""}, InvalidEventError, "idempotency_key"),
+        # an outbox target or key that is no string (an AttributeError from deep inside before)
+        ({"outbox": [OutboxItem(5, {}, "k")]}, InvalidEventError, "outbox target must be"),  # type: ignore[arg-type]
+        ({"outbox": [OutboxItem("t", {}, 5)]}, InvalidEventError, "outbox idempotency_key"),  # type: ignore[arg-type]
     ],
 )
 def test_bad_input_is_refused_and_writes_nothing(
