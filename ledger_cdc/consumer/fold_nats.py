@@ -34,7 +34,7 @@ import psycopg
 
 from ledger_cdc.client.read import COLUMNS, row_event
 from ledger_cdc.connect import connect
-from ledger_cdc.errors import ConfigError, FencedError, LedgerError
+from ledger_cdc.errors import DAY, ConfigError, FencedError, LedgerError, check_ranges
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.fold import default_reducers
 from ledger_cdc.lsn import parse_lsn
@@ -96,9 +96,32 @@ class FoldConfig:
     reconnect_base: float = 0.1
     reconnect_cap: float = 5.0
 
+    def check(self) -> None:
+        """Raise ConfigError for a value out of range (as ``ConsumerConfig.check``): the
+        worker checks its config before it starts anything."""
+        check_ranges(
+            "fold settings",
+            self,
+            {
+                "partition": (0, 255),
+                "partitions": (1, 256),
+                "fetch": (1, 100_000),
+                "snapshot_every": (0, 2**31),
+                "memory_limit": (1, 2**62),
+                "reconnect_base": (0.001, 3600),
+                "reconnect_cap": (0.001, DAY),
+            },
+        )
+        if self.partition >= self.partitions:
+            raise ConfigError(
+                f"fold settings out of range: partition {self.partition} of "
+                f"{self.partitions} (need 0 <= partition < partitions)"
+            )
+
 
 class FoldWorker:
     def __init__(self, config: FoldConfig) -> None:
+        config.check()
         require_nats("fold --from nats://…")
         self.config = config
         self.settings = JetStreamSettings.from_url(config.url, "--from")

@@ -69,3 +69,25 @@ def test_a_dispatcher_setting_out_of_range_is_refused_by_name(field: str, value:
     with pytest.raises(ConfigError, match=field):
         Dispatcher(config)
     DispatchConfig(dsn=DSN, targets={}).check()
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"reconnect_cap": 1e10}, "reconnect_cap"),
+        ({"fetch": 0}, "fetch"),
+        ({"memory_limit": math.nan}, "memory_limit"),
+        ({"partition": 4, "partitions": 4}, "need 0 <= partition < partitions"),
+        ({"partitions": 0}, "partitions"),
+    ],
+)
+def test_a_fold_worker_setting_out_of_range_is_refused_by_name(
+    changes: dict[str, object], says: str
+) -> None:
+    pytest.importorskip("nats")
+    from ledger_cdc.consumer.fold_nats import FoldConfig, FoldWorker
+
+    config = FoldConfig(url="nats://127.0.0.1:1", dsn=DSN, **changes)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=says):
+        FoldWorker(config)
+    FoldConfig(url="nats://127.0.0.1:1", dsn=DSN).check()
