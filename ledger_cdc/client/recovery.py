@@ -152,7 +152,7 @@ def snapshot_context(sid: uuid.UUID, row: Sequence[Any]) -> SessionContext | Non
     try:
         with _no_gc():
             return decode_context(raw)
-    except (msgspec.DecodeError, RecursionError) as e:  # (edited past what the decoder takes)
+    except msgspec.DecodeError as e:
         log.warning(
             "snapshot of session %s at seq %s is unreadable (%s): skipped", sid, upto_seq, e
         )

@@ -57,8 +57,12 @@ def encode_context(ctx: SessionContext) -> bytes:
 
 def decode_context(data: bytes | str) -> SessionContext:
     """A context from its JSON (a stored one may still lack what it references: see
-    :func:`references`)."""
-    return _decoder.decode(data)
+    :func:`references`). Bytes nested past what the decoder takes (msgspec's RecursionError)
+    are a DecodeError, as any other JSON that is no context: every reader handles one kind."""
+    try:
+        return _decoder.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError("JSON nested past what the decoder takes") from None
 
 
 def window_chars(messages: Sequence[Message], length: int) -> int:

@@ -494,13 +494,7 @@ class PgSink:
             try:
                 ctx = decode_context(text)
                 attach(ctx, window, said)
-            except (
-                msgspec.DecodeError,
-                WindowMissingError,
-                ValueError,
-                TypeError,
-                RecursionError,  # edited to nest past what the decoder takes
-            ) as e:
+            except (msgspec.DecodeError, WindowMissingError, ValueError, TypeError) as e:
                 self.unusable[sid] = f"cannot be read back ({first_line(e)})"
                 continue
             if (ctx.session_id, ctx.last_position, ctx.event_count) != (sid, last, count) or not (
