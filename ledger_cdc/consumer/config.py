@@ -10,10 +10,11 @@ from ledger_cdc.errors import DAY, check_ranges
 from ledger_cdc.fold import Reducers
 from ledger_cdc.names import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, RUNS_CHANNEL
 
-__all__ = ["ConsumerConfig"]
+__all__ = ["RANGES", "ConsumerConfig"]
 
-# field → (least, most): what Consumer takes (ConsumerConfig.check); NaN is in no range
-_RANGES: dict[str, tuple[float, float]] = {
+# setting → (least, most): what Consumer takes (ConsumerConfig.check; FoldConfig.check takes
+# the same for the settings it shares); NaN is in no range
+RANGES: dict[str, tuple[float, float]] = {
     "batch_size": (1, 2**31),
     "max_delay": (0, 3600),
     "snapshot_every": (0, 2**31),
@@ -81,7 +82,7 @@ class ConsumerConfig:
         """Raise ConfigError for a value out of range (a NaN, a wait too long for the
         platform's clock, a batch of no events): ``Consumer`` checks its config before it
         starts anything, so a bad value is said at once instead of killing a thread later."""
-        ranges = dict(_RANGES)
+        ranges = dict(RANGES)
         if self.heartbeat_interval is not None:  # (None, or 0: no heartbeat)
             ranges["heartbeat_interval"] = (0.1, DAY)
         check_ranges("consumer settings", self, ranges, (*_OFF, "heartbeat_interval"))

@@ -34,7 +34,8 @@ import psycopg
 
 from ledger_cdc.client.read import COLUMNS, row_event
 from ledger_cdc.connect import connect
-from ledger_cdc.errors import DAY, ConfigError, FencedError, LedgerError, check_ranges
+from ledger_cdc.consumer.config import RANGES
+from ledger_cdc.errors import ConfigError, FencedError, LedgerError, check_ranges
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.fold import default_reducers
 from ledger_cdc.lsn import parse_lsn
@@ -83,6 +84,9 @@ def parse_partition(text: str) -> tuple[int, int]:
     return kk, nn
 
 
+_SHARED = ("snapshot_every", "memory_limit", "reconnect_base", "reconnect_cap")
+
+
 @dataclass(frozen=True)
 class FoldConfig:
     url: str  # nats://…[?stream=&prefix=]
@@ -106,10 +110,8 @@ class FoldConfig:
                 "partition": (0, 255),
                 "partitions": (1, 256),
                 "fetch": (1, 100_000),
-                "snapshot_every": (0, 2**31),
-                "memory_limit": (1, 2**62),
-                "reconnect_base": (0.001, 3600),
-                "reconnect_cap": (0.001, DAY),
+                # the settings it shares with the consumer, bounded as the consumer's are
+                **{k: RANGES[k] for k in _SHARED},
             },
         )
         if self.partition >= self.partitions:
