@@ -13,7 +13,13 @@ from psycopg.conninfo import conninfo_to_dict
 from ledger_cdc.errors import translate
 from ledger_cdc.names import CONNECT_TIMEOUT
 
-__all__ = ["CONNECT_TIMEOUT", "connect", "connect_timeout", "speak_utf8", "speak_utf8_async"]
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "connect",
+    "connect_timeout",
+    "session_setup",
+    "session_setup_async",
+]
 
 
 def connect_timeout(dsn: str, seconds: float | None = None) -> dict[str, Any]:
@@ -29,23 +35,53 @@ def connect_timeout(dsn: str, seconds: float | None = None) -> dict[str, Any]:
     return {"connect_timeout": max(1, round(CONNECT_TIMEOUT if seconds is None else seconds))}
 
 
-def speak_utf8(conn: psycopg.Connection[Any]) -> None:
-    """The session speaks UTF-8, whatever client_encoding the database or role sets: text a
-    narrower encoding cannot hold (an arrow in a LATIN1 session) is then written and read,
-    never refused by the server on every retry. A SQL_ASCII database is left as it is (it
-    converts nothing: its text is read as bytes and decoded leniently)."""
+# What psycopg reads in text: a timestamptz or date only in the ISO DateStyle, an interval only
+# in the postgres IntervalStyle. A database or role may set others (ALTER DATABASE … SET
+# DateStyle = 'SQL, DMY'): every time the server sends would then be unreadable.
+_STYLES = (("DateStyle", "ISO"), ("IntervalStyle", "postgres"))
+
+
+def _restyle(conn_info: Any) -> str | None:
+    """The statement that sets the styles this session lacks, or None when it has them."""
+    sets = []
+    for name, want in _STYLES:
+        now = conn_info.parameter_status(name)
+        if now is not None and now.split(",")[0].strip().lower() != want.lower():
+            sets.append(f"set_config('{name}', '{want}', false)")
+    return f"SELECT {', '.join(sets)}" if sets else None
+
+
+def session_setup(conn: psycopg.Connection[Any]) -> None:
+    """The session speaks what this package reads, whatever the database or role sets:
+    UTF-8 (text a narrower encoding cannot hold, an arrow in a LATIN1 session, is then written
+    and read, never refused by the server on every retry; a SQL_ASCII database is left as it
+    is: it converts nothing, its text is read as bytes and decoded leniently), and the ISO
+    DateStyle and postgres IntervalStyle (psycopg reads times and intervals in no other).
+    Costs a statement only when the session lacks them."""
+    changed = False
     if _narrow(conn.info.encoding, conn.info.parameter_status("server_encoding")):
         conn.execute("SET client_encoding TO 'UTF8'")
-        if not conn.autocommit:
-            conn.commit()
+        changed = True
+    restyle = _restyle(conn.info)
+    if restyle is not None:
+        conn.execute(restyle)
+        changed = True
+    if changed and not conn.autocommit:
+        conn.commit()
 
 
-async def speak_utf8_async(conn: psycopg.AsyncConnection[Any]) -> None:
-    """:func:`speak_utf8` for an async connection."""
+async def session_setup_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    """:func:`session_setup` for an async connection."""
+    changed = False
     if _narrow(conn.info.encoding, conn.info.parameter_status("server_encoding")):
         await conn.execute("SET client_encoding TO 'UTF8'")
-        if not conn.autocommit:
-            await conn.commit()
+        changed = True
+    restyle = _restyle(conn.info)
+    if restyle is not None:
+        await conn.execute(restyle)
+        changed = True
+    if changed and not conn.autocommit:
+        await conn.commit()
 
 
 def _narrow(encoding: str, server: str | None) -> bool:
@@ -54,7 +90,7 @@ def _narrow(encoding: str, server: str | None) -> bool:
 
 def connect(dsn: str, *, doing: str = "cannot connect", **kwargs: Any) -> psycopg.Connection[Any]:
     """``psycopg.connect`` (``connect_timeout`` :data:`CONNECT_TIMEOUT` unless given, by the
-    caller or the DSN; UTF-8, :func:`speak_utf8`), its failure translated (``doing`` says what
+    caller or the DSN; :func:`session_setup`), its failure translated (``doing`` says what
     for)."""
     if "connect_timeout" not in kwargs:
         kwargs.update(connect_timeout(dsn))
@@ -63,7 +99,7 @@ def connect(dsn: str, *, doing: str = "cannot connect", **kwargs: Any) -> psycop
     except psycopg.Error as e:
         raise translate(e, dsn=dsn, doing=doing) from e
     try:
-        speak_utf8(conn)
+        session_setup(conn)
     except psycopg.Error as e:
         conn.close()
         raise translate(e, dsn=dsn, doing=doing) from e

@@ -46,7 +46,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ledger_cdc.connect import connect_timeout
+from ledger_cdc.connect import connect_timeout, session_setup
 from ledger_cdc.errors import ArchiveRefusedError, ConfigError, InvalidEventError
 from ledger_cdc.fold import (
     FORMAT_VERSION,
@@ -666,6 +666,7 @@ def _undo(conn: psycopg.Connection[Any], p: Partition, files: Iterable[Path]) ->
         return
     with other:
         try:
+            session_setup(other)
             if not _lock(other):
                 return
             if _recorded(other, p.name) is False:

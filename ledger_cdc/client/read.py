@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ledger_cdc.connect import connect_timeout, speak_utf8_async
+from ledger_cdc.connect import connect_timeout, session_setup_async
 from ledger_cdc.errors import ConfigError, InvalidEventError
 from ledger_cdc.events import (
     LedgerEvent,
@@ -204,7 +204,7 @@ async def pending_runs(
     async with await psycopg.AsyncConnection.connect(
         dsn, autocommit=True, **connect_timeout(dsn)
     ) as conn:
-        await speak_utf8_async(conn)
+        await session_setup_async(conn)
         await conn.execute(listen)
         seen: dict[uuid.UUID, tuple[int, float]] = {}
         while True:

@@ -18,7 +18,7 @@ import msgspec
 import psycopg
 
 from ledger_cdc.client.read import COLUMNS, row_event
-from ledger_cdc.connect import connect_timeout, speak_utf8_async
+from ledger_cdc.connect import connect_timeout, session_setup_async
 from ledger_cdc.errors import ConfigError, DatabaseUnavailable
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.names import SESSIONS_CHANNEL
@@ -44,7 +44,7 @@ async def follow_postgres(
     async with await psycopg.AsyncConnection.connect(
         dsn, autocommit=True, **connect_timeout(dsn)
     ) as conn:
-        await speak_utf8_async(conn)
+        await session_setup_async(conn)
         await conn.execute(f"LISTEN {SESSIONS_CHANNEL}")
         last = after
         prefix = f"{session_id}:"
@@ -146,7 +146,7 @@ async def _omitted_event(dsn: str | None, w: WireEvent) -> LedgerEvent | Rejecte
             async with await psycopg.AsyncConnection.connect(
                 dsn, autocommit=True, **connect_timeout(dsn)
             ) as conn:
-                await speak_utf8_async(conn)
+                await session_setup_async(conn)
                 cur = await conn.execute(_ONE.encode(), (w.session_id, w.position))
                 row = await cur.fetchone()
         except psycopg.Error as e:

@@ -25,7 +25,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from ledger_cdc.client.read import pending_runs
 from ledger_cdc.client.steps import Step, Steps, run, run_async
-from ledger_cdc.connect import speak_utf8, speak_utf8_async
+from ledger_cdc.connect import session_setup, session_setup_async
 from ledger_cdc.errors import (
     AppendError,
     ConcurrentAppendError,
@@ -478,7 +478,7 @@ class Ledger:
                 min_size=1,
                 max_size=pool_size,
                 kwargs={"autocommit": True},
-                configure=speak_utf8,
+                configure=session_setup,
                 open=True,
                 name="ledger-cdc",
             )
@@ -574,7 +574,7 @@ class AsyncLedger:
             min_size=1,
             max_size=pool_size,
             kwargs={"autocommit": True},
-            configure=speak_utf8_async,
+            configure=session_setup_async,
             open=False,
             name="ledger-cdc",
         )

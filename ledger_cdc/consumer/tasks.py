@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 
 from ledger_cdc.admin.health import LOST, RateWatch, Thresholds, check_slots
-from ledger_cdc.connect import connect_timeout, speak_utf8
+from ledger_cdc.connect import connect_timeout, session_setup
 from ledger_cdc.consumer.metrics import Metrics
 from ledger_cdc.names import HEARTBEAT_PREFIX
 
@@ -82,7 +82,7 @@ class Periodic:
                         conn = psycopg.connect(
                             self.dsn, autocommit=True, **connect_timeout(self.dsn, 5)
                         )
-                        speak_utf8(conn)
+                        session_setup(conn)
                     if self.step(conn) is False:
                         return
                 except self.errors as e:

@@ -902,9 +902,10 @@ def _migrate(dsn: str) -> None:
     import psycopg
 
     from ledger_cdc.admin.schema import migrate
-    from ledger_cdc.connect import connect_timeout
+    from ledger_cdc.connect import connect_timeout, session_setup
 
     with psycopg.connect(dsn, autocommit=True, **connect_timeout(dsn)) as conn:
+        session_setup(conn)
         migrate(conn)
 
 

@@ -89,6 +89,18 @@ def _timeout(dsn: str) -> dict[str, Any]:
     return {} if given else {"connect_timeout": CONNECT_TIMEOUT}
 
 
+def _options(dsn: str) -> str:
+    """The session options of the replication connection: the DSN's own (or PGOPTIONS'),
+    then this package's, which win where both set a value (the later ``-c`` does)."""
+    try:
+        given = psycopg2.extensions.parse_dsn(dsn).get("options")
+    except psycopg2.Error:
+        given = None  # a DSN that does not parse: the connect says why
+    if given is None:
+        given = os.environ.get("PGOPTIONS")
+    return f"{given} {_SESSION_OPTIONS}" if given and given.strip() else _SESSION_OPTIONS
+
+
 def _held(msg: XLogData) -> int:
     """Bytes a message read ahead takes, as the read-ahead bound counts them."""
     return len(msg.payload) + MESSAGE_OVERHEAD
@@ -202,7 +214,7 @@ class ReplicationStream:
             return psycopg2.connect(
                 self.dsn,
                 connection_factory=psycopg2.extras.LogicalReplicationConnection,
-                options=_SESSION_OPTIONS,
+                options=_options(self.dsn),
                 # names this process in pg_stat_replication (which consumer holds the slot)
                 application_name=f"ledger-cdc:{self.slot}:{os.getpid()}"[:63],
                 **_timeout(self.dsn),

@@ -32,6 +32,7 @@ from ledger_cdc.connect import connect
 from ledger_cdc.errors import InvalidEventError
 from ledger_cdc.events import MAX_TIME, MIN_TIME, READ_MAX_DEPTH, Limits
 from ledger_cdc.fold import SessionContext, memo_key
+from ledger_cdc.stream.transport import ReplicationStream
 from tests.support.cdc import (
     ConsumerProcess,
     InThread,
@@ -644,3 +645,83 @@ def test_a_database_whose_sessions_speak_latin1_streams_utf8(db: Database, tmp_p
     assert dead == 0
     assert ctx.event_count == 2 and ctx.completed_tools["é"].result == "↩ 🦜"
     assert ctx == rebuilt
+
+
+def test_a_database_that_prints_times_another_way_is_read(db: Database, tmp_path: Path) -> None:
+    """psycopg reads times and intervals in text only in the ISO DateStyle and the postgres
+    IntervalStyle. A database (or role) may print them otherwise — here day-first SQL dates,
+    SQL-standard intervals, a zone of +05:45 and bytea in escape form — and every session the
+    package opens for itself then asks for what it reads: the writer appends, the consumer
+    folds, recovery rebuilds and the commands report, nothing quarantined, nothing refused."""
+    with db.connect() as conn:
+        for setting, value in (
+            ("DateStyle", "SQL, DMY"),
+            ("IntervalStyle", "sql_standard"),
+            ("TimeZone", "Asia/Kathmandu"),
+            ("bytea_output", "escape"),
+        ):
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} SET {} = {}").format(
+                    sql.Identifier(db.name), sql.Identifier(setting), sql.Literal(value)
+                )
+            )
+    with psycopg.connect(db.dsn, autocommit=True) as conn:  # (what a session gets here)
+        assert conn.execute("SHOW DateStyle").fetchone() == ("SQL, DMY",)
+    sid = uuid.uuid4()
+    log = tmp_path / "consume.log"
+    consumer = ConsumerProcess(db.dsn, "--create-slot", "--snapshot-every", "2", log=log).start()
+    try:
+        wait_streaming(db.dsn)
+        with Ledger(db.dsn) as ledger:
+            first = ledger.append(sid, "a1", "tool.invoked", {"call_id": "c1", "tool": "t"})
+            ledger.append(sid, "a1", "tool.observed", {"call_id": "c1", "result": "r"})
+            ledger.append(sid, "a1", "model.requested", {"model": "m", "request_id": "q1"})
+        assert first.created_at.utcoffset() is not None
+        wait_caught_up(db.dsn)
+        assert consumer.alive(), log.read_text()[-3000:]
+        with connect(db.dsn) as conn:
+            rebuilt = rebuild_context(conn, sid)
+            done = memoised_tool(conn, rebuilt, "c1")
+            (dead,) = conn.execute("SELECT count(*) FROM ledger_dead_letters").fetchone()  # type: ignore[misc]
+            (snaps,) = conn.execute("SELECT count(*) FROM agent_snapshots").fetchone()  # type: ignore[misc]
+            ctx = stored_projections(conn)[sid]
+        assert dead == 0 and snaps >= 1
+        assert rebuilt.event_count == 3 and set(rebuilt.pending_models) == {"q1"}
+        assert done is not None and done.result == "r"
+        assert ctx.last_position == 3 and ctx.completed_tools["c1"].result == "r"
+        assert verify(db.dsn).ok
+        for args in (("lag",), ("inspect", str(sid)), ("replay", str(sid)), ("verify", "--all")):
+            r = run_cli(*args, "--dsn", db.dsn)
+            assert_clean_exit(r)
+    finally:
+        if consumer.alive():
+            consumer.terminate()
+        drop_slot(db.dsn, "agent_slot", force=True)
+
+
+def test_the_replication_session_keeps_the_dsns_options_and_reads_iso(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replication connection asks for the styles the decoder reads (ISO times, here
+    against a DSN that asks for German dates) without dropping what the DSN's own ``options``
+    (or PGOPTIONS, when the DSN has none) set for the walsender."""
+    for dsn, env in (
+        (f"{db.dsn} options='-c wal_sender_timeout=7s -c DateStyle=German'", None),
+        (db.dsn, "-c wal_sender_timeout=9s -c DateStyle=German"),
+    ):
+        if env is None:
+            monkeypatch.delenv("PGOPTIONS", raising=False)
+        else:
+            monkeypatch.setenv("PGOPTIONS", env)
+        stream = ReplicationStream(dsn, slot="unused", publication="agent_pub")
+        conn = stream._open()
+        try:
+            cur = conn.cursor()
+            shown = {}
+            for setting in ("wal_sender_timeout", "DateStyle"):
+                cur.execute(f"SHOW {setting}")
+                shown[setting] = cur.fetchone()[0]
+        finally:
+            conn.close()
+        assert shown["wal_sender_timeout"] == ("7s" if env is None else "9s")
+        assert shown["DateStyle"].startswith("ISO")
