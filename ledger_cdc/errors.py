@@ -419,6 +419,11 @@ def translate(e: BaseException, *, dsn: str | None = None, doing: str = "") -> L
         low = line.lower()
         hint = next((h for pat, h in _HINTS if pat in low), None)
         return ConfigError(f"{where}{line}" + (f" ({hint})" if hint else ""))
+    if state == "57014" and "statement timeout" in line.lower():
+        line += (
+            " (the statement_timeout the database or role sets; lift it for this connection "
+            "with options='-c statement_timeout=0' in the DSN)"
+        )
     return DatabaseUnavailable(f"{where}{line}")
 
 

@@ -83,6 +83,8 @@ class Periodic:
                             self.dsn, autocommit=True, **connect_timeout(self.dsn, 5)
                         )
                         session_setup(conn)
+                        # (VACUUM of a large table must not be cancelled every time)
+                        conn.execute("SELECT set_config('statement_timeout', '0', false)")
                     if self.step(conn) is False:
                         return
                 except self.errors as e:

@@ -399,9 +399,13 @@ class PgSink:
             # checkpoint row's lock and block the standby that took its slot: the server ends
             # such a session after this long idle inside a transaction (ours never idle: every
             # statement is a round trip of its own, and rows are staged before any lock).
+            # A statement_timeout the database or role sets for its applications would cancel a
+            # large batch's statements on every retry, and the stream would stop: a batch is
+            # bounded by --batch-size, never by a timeout.
             self._conn.execute(
                 "SELECT set_config('idle_in_transaction_session_timeout', %s, false), "
-                "set_config('synchronous_commit', %s, false)",
+                "set_config('synchronous_commit', %s, false), "
+                "set_config('statement_timeout', '0', false)",
                 (f"{int(self.idle_timeout * 1000)}ms", "on" if self.durable_commits else "off"),
             )
             self._staged = False

@@ -24,7 +24,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from ledger_cdc.admin.schema import drop_slot
+from ledger_cdc.admin.schema import create_slot, drop_slot
 from ledger_cdc.admin.verify import verify
 from ledger_cdc.client.recovery import memoised_model, memoised_tool, rebuild_context
 from ledger_cdc.client.writer import Ledger, OutboxItem
@@ -725,3 +725,44 @@ def test_the_replication_session_keeps_the_dsns_options_and_reads_iso(
             conn.close()
         assert shown["wal_sender_timeout"] == ("7s" if env is None else "9s")
         assert shown["DateStyle"].startswith("ISO")
+
+
+def test_a_statement_timeout_set_for_applications_stops_no_consumer(
+    db: Database, tmp_path: Path
+) -> None:
+    """A database (or role) may cancel every statement past a timeout meant for its
+    applications (here 1 ms). The consumer's batches, bootstrap and upkeep are bounded by
+    their size, not by a timeout, and its sessions lift it: the backlog is folded instead of
+    being cancelled on every retry. A command that reads the whole ledger (verify) is cancelled
+    as the database asks, in one line that says how to lift it."""
+    with db.connect() as conn:
+        create_slot(conn)
+    with Ledger(db.dsn) as ledger:
+        sids = [uuid.uuid4() for _ in range(60)]
+        for i in range(600):
+            ledger.append(sids[i % 60], "a", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
+    with db.connect() as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET statement_timeout = '1ms'").format(
+                sql.Identifier(db.name)
+            )
+        )
+    unbounded = f"{db.dsn} options='-c statement_timeout=0'"
+    log = tmp_path / "consume.log"
+    consumer = ConsumerProcess(db.dsn, log=log).start()
+    try:
+        wait_caught_up(unbounded)
+        assert consumer.alive(), log.read_text()[-3000:]
+        with psycopg.connect(unbounded, autocommit=True) as conn:
+            (dead,) = conn.execute("SELECT count(*) FROM ledger_dead_letters").fetchone()  # type: ignore[misc]
+            (folded,) = conn.execute("SELECT sum(event_count) FROM agent_sessions").fetchone()  # type: ignore[misc]
+        assert dead == 0 and folded == 600
+        assert "statement timeout" not in log.read_text()
+    finally:
+        if consumer.alive():
+            consumer.terminate()
+    r = run_cli("verify", "--all", "--dsn", db.dsn)
+    assert_clean_exit(r, 4)
+    assert "options='-c statement_timeout=0'" in r.output
+    assert_clean_exit(run_cli("verify", "--all", "--dsn", unbounded))
+    drop_slot(unbounded, "agent_slot", force=True)
