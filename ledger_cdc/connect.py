@@ -5,6 +5,7 @@ line and without the password."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import psycopg
@@ -17,8 +18,11 @@ __all__ = [
     "CONNECT_TIMEOUT",
     "connect",
     "connect_timeout",
+    "lift_timeouts",
+    "merged_options",
     "session_setup",
     "session_setup_async",
+    "unbounded_options",
 ]
 
 
@@ -84,22 +88,69 @@ async def session_setup_async(conn: psycopg.AsyncConnection[Any]) -> None:
         await conn.commit()
 
 
+# No statement_timeout, no idle_session_timeout (a server before 14 has none: then nothing)
+# (cheap: it runs under the timeout it lifts, which may be a millisecond)
+_LIFT_TIMEOUTS = (
+    "SELECT set_config('statement_timeout', '0', false), CASE WHEN "
+    "current_setting('idle_session_timeout', true) IS NOT NULL THEN "
+    "set_config('idle_session_timeout', '0', false) END"
+)
+
+
+def lift_timeouts(conn: psycopg.Connection[Any]) -> None:
+    """For the consumer's own sessions: no statement_timeout and no idle_session_timeout,
+    whatever the database or role sets for its applications. A batch, a bootstrap or a VACUUM
+    is bounded by its size, and a timeout would cancel the same work on every retry; the sink's
+    session waits idle between batches as long as the ledger is quiet, and a session ended
+    meanwhile fails the next batch and restarts the stream. Committed, so that a transaction
+    the caller begins next starts clean (SET TRANSACTION SNAPSHOT must come first in it)."""
+    conn.execute(_LIFT_TIMEOUTS)
+    if not conn.autocommit:
+        conn.commit()
+
+
 def _narrow(encoding: str, server: str | None) -> bool:
     return encoding != "utf-8" and server != "SQL_ASCII"
 
 
-def connect(dsn: str, *, doing: str = "cannot connect", **kwargs: Any) -> psycopg.Connection[Any]:
+def merged_options(dsn: str, ours: str) -> str:
+    """Session options for a connection that needs ``ours``: the DSN's own options (or
+    PGOPTIONS', when the DSN has none) first, kept, then ``ours``, which win where both set a
+    value (the later ``-c`` does). An ``options`` keyword would replace them instead."""
+    try:
+        given = conninfo_to_dict(dsn).get("options")
+    except psycopg.Error:
+        given = None  # a DSN that does not parse: the connect says why
+    if given is None:
+        given = os.environ.get("PGOPTIONS")
+    return f"{given} {ours}" if given and str(given).strip() else ours
+
+
+def unbounded_options(dsn: str) -> dict[str, Any]:
+    """``{"options": …}`` to pass to a connect of the consumer's own: no statement_timeout from
+    the start (a statement of the session's set-up then runs under none either)."""
+    return {"options": merged_options(dsn, "-c statement_timeout=0")}
+
+
+def connect(
+    dsn: str, *, doing: str = "cannot connect", lift: bool = False, **kwargs: Any
+) -> psycopg.Connection[Any]:
     """``psycopg.connect`` (``connect_timeout`` :data:`CONNECT_TIMEOUT` unless given, by the
-    caller or the DSN; :func:`session_setup`), its failure translated (``doing`` says what
-    for)."""
+    caller or the DSN; :func:`session_setup`; ``lift``: :func:`unbounded_options` and
+    :func:`lift_timeouts`, for the consumer's own sessions), its failure translated (``doing``
+    says what for)."""
     if "connect_timeout" not in kwargs:
         kwargs.update(connect_timeout(dsn))
+    if lift:
+        kwargs.update(unbounded_options(dsn))
     try:
         conn = psycopg.connect(dsn, **kwargs)
     except psycopg.Error as e:
         raise translate(e, dsn=dsn, doing=doing) from e
     try:
         session_setup(conn)
+        if lift:
+            lift_timeouts(conn)
     except psycopg.Error as e:
         conn.close()
         raise translate(e, dsn=dsn, doing=doing) from e

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import random
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -32,6 +34,7 @@ from ledger_cdc.errors import (
     ConfigError,
     IdempotencyConflictError,
     InvalidEventError,
+    LedgerError,
     translate,
 )
 from ledger_cdc.events import (
@@ -56,6 +59,15 @@ __all__ = [
 ]
 
 _MAX_AUTO_RETRIES = 100
+# A transaction of the writer's own that the server rolled back whole, for what another
+# transaction did at the same time: a serialization failure (the database's or role's
+# default_transaction_isolation may be serializable), a deadlock, a lock_timeout. Nothing of it
+# was written: it is run again, up to this many times, after a short random pause.
+_RERUN_STATES = frozenset({"40001", "40P01", "55P03"})
+_MAX_RERUNS = 20
+# the server ended the session while it sat idle in the pool (idle_session_timeout): nothing
+# was sent on it, so a fresh connection from the pool takes the call
+_IDLE_ENDED = "57P05"
 _POSITION_INDEX = "agent_events_session_position"
 _KEY_INDEX = "agent_events_session_idempotency"
 
@@ -266,24 +278,55 @@ def _standalone(
     )
 
 
+def _owned(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """Whether the append runs in a transaction of its own (the connection idle, not inside
+    the caller's): only then may it run again after the server rolled it back."""
+    return conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def _rerun(e: psycopg.Error, owned: bool, attempt: int) -> float | None:
+    """The pause before running the append again, or None when it may not be."""
+    if not owned or e.sqlstate not in _RERUN_STATES or attempt + 1 >= _MAX_RERUNS:
+        return None
+    return min(0.05, 0.001 * 2.0**attempt) * random.uniform(0.5, 1.5)
+
+
 def _drive(conn: psycopg.Connection[Any], req: _Request) -> AppendResult:
-    try:
-        if _standalone(conn, req):
-            return run(conn, _append_steps(req), savepoints=False)
-        with conn.transaction():
-            return run(conn, _append_steps(req), savepoints=True)
-    except psycopg.Error as e:  # the boundary: what leaves the writer is a LedgerError
-        raise translate(e, doing=f"append to session {req.session_id}") from e
+    owned = _owned(conn)
+    for attempt in range(_MAX_RERUNS):
+        try:
+            if _standalone(conn, req):
+                return run(conn, _append_steps(req), savepoints=False)
+            with conn.transaction():
+                return run(conn, _append_steps(req), savepoints=True)
+        except psycopg.Error as e:  # the boundary: what leaves the writer is a LedgerError
+            pause = _rerun(e, owned and _owned(conn), attempt)
+            if pause is None:
+                raise translate(e, doing=f"append to session {req.session_id}") from e
+            time.sleep(pause)
+    raise AssertionError("unreachable")  # (the last attempt raises)
 
 
 async def _drive_async(conn: psycopg.AsyncConnection[Any], req: _Request) -> AppendResult:
-    try:
-        if _standalone(conn, req):
-            return await run_async(conn, _append_steps(req), savepoints=False)
-        async with conn.transaction():
-            return await run_async(conn, _append_steps(req), savepoints=True)
-    except psycopg.Error as e:
-        raise translate(e, doing=f"append to session {req.session_id}") from e
+    owned = _owned(conn)
+    for attempt in range(_MAX_RERUNS):
+        try:
+            if _standalone(conn, req):
+                return await run_async(conn, _append_steps(req), savepoints=False)
+            async with conn.transaction():
+                return await run_async(conn, _append_steps(req), savepoints=True)
+        except psycopg.Error as e:
+            pause = _rerun(e, owned and _owned(conn), attempt)
+            if pause is None:
+                raise translate(e, doing=f"append to session {req.session_id}") from e
+            await asyncio.sleep(pause)
+    raise AssertionError("unreachable")
+
+
+def _idle_ended(e: BaseException) -> bool:
+    """The error says the server had ended the pooled session while it was idle."""
+    cause = e.__cause__ if isinstance(e, LedgerError) else e
+    return isinstance(cause, psycopg.Error) and cause.sqlstate == _IDLE_ENDED
 
 
 def append(
@@ -507,18 +550,27 @@ class Ledger:
         outbox: Sequence[OutboxItem] = (),
     ) -> AppendResult:
         """Append one event (see :func:`append`), committed by itself."""
-        with self.connection() as conn:
-            return append(
-                conn,
-                session_id,
-                agent_id,
-                event_type,
-                payload,
-                expected_position=expected_position,
-                idempotency_key=idempotency_key,
-                outbox=outbox,
-                limits=self.limits,
-            )
+        req = _prepare(
+            session_id,
+            agent_id,
+            event_type,
+            payload,
+            expected_position,
+            idempotency_key,
+            outbox,
+            self.limits,
+        )
+        # every connection the pool holds may have been ended: one more than it holds
+        tries = 1 if self._pool is None else self._pool.max_size + 1
+        for left in range(tries - 1, -1, -1):
+            with self.connection() as conn:
+                try:
+                    return _drive(conn, req)
+                except LedgerError as e:
+                    if not left or not _idle_ended(e):
+                        raise
+                    # (the pool drops the ended connection: the next one is another)
+        raise AssertionError("unreachable")  # (the last try raises)
 
     @contextmanager
     def transaction(self) -> Iterator[WriteTransaction]:
@@ -606,18 +658,25 @@ class AsyncLedger:
         outbox: Sequence[OutboxItem] = (),
     ) -> AppendResult:
         """Append one event (see :func:`append`), committed by itself."""
-        async with self.connection() as conn:
-            return await append_async(
-                conn,
-                session_id,
-                agent_id,
-                event_type,
-                payload,
-                expected_position=expected_position,
-                idempotency_key=idempotency_key,
-                outbox=outbox,
-                limits=self.limits,
-            )
+        req = _prepare(
+            session_id,
+            agent_id,
+            event_type,
+            payload,
+            expected_position,
+            idempotency_key,
+            outbox,
+            self.limits,
+        )
+        tries = 1 if self._pool is None else self._pool.max_size + 1
+        for left in range(tries - 1, -1, -1):
+            async with self.connection() as conn:
+                try:
+                    return await _drive_async(conn, req)
+                except LedgerError as e:
+                    if not left or not _idle_ended(e):
+                        raise
+        raise AssertionError("unreachable")
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncWriteTransaction]:

@@ -40,22 +40,13 @@ SELECT current_setting('wal_level'),
 @contextlib.contextmanager
 def connected(dsn: str, what: str, *, autocommit: bool = True) -> Iterator[psycopg.Connection[Any]]:
     """A short-lived connection whose failures leave translated (errors.translate), without
-    the statement_timeout a database or role may set for its applications: a bootstrap or a
-    resync reads the whole ledger, and a timeout would cancel it on every retry."""
+    the timeouts a database or role may set for its applications (:func:`lift_timeouts`: a
+    bootstrap or a resync reads the whole ledger)."""
     try:
-        with connect(dsn, doing=what, autocommit=autocommit) as conn:
-            unbounded(conn)
+        with connect(dsn, doing=what, autocommit=autocommit, lift=True) as conn:
             yield conn
     except psycopg.Error as e:
         raise translate(e, dsn=dsn, doing=what) from e
-
-
-def unbounded(conn: psycopg.Connection[Any]) -> None:
-    """No statement_timeout on this session (committed, so that a transaction the caller
-    begins next starts clean: SET TRANSACTION SNAPSHOT must come first in it)."""
-    conn.execute("SELECT set_config('statement_timeout', '0', false)")
-    if not conn.autocommit:
-        conn.commit()
 
 
 def check_schema(applied: list[int] | None, where: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 
 from ledger_cdc.admin.health import LOST, RateWatch, Thresholds, check_slots
-from ledger_cdc.connect import connect_timeout, session_setup
+from ledger_cdc.connect import connect_timeout, lift_timeouts, session_setup, unbounded_options
 from ledger_cdc.consumer.metrics import Metrics
 from ledger_cdc.names import HEARTBEAT_PREFIX
 
@@ -80,11 +80,13 @@ class Periodic:
                 try:
                     if conn is None or conn.closed:
                         conn = psycopg.connect(
-                            self.dsn, autocommit=True, **connect_timeout(self.dsn, 5)
+                            self.dsn,
+                            autocommit=True,
+                            **connect_timeout(self.dsn, 5),
+                            **unbounded_options(self.dsn),
                         )
                         session_setup(conn)
-                        # (VACUUM of a large table must not be cancelled every time)
-                        conn.execute("SELECT set_config('statement_timeout', '0', false)")
+                        lift_timeouts(conn)  # (a VACUUM of a large table, a long interval)
                     if self.step(conn) is False:
                         return
                 except self.errors as e:

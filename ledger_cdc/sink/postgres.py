@@ -391,7 +391,8 @@ class PgSink:
         if self._conn is None or self._conn.closed:
             # UTF-8 whatever the database's or role's client_encoding: the hot path's statements
             # send the batch's JSON as the UTF-8 bytes msgspec made (and any text fits)
-            self._conn = connect(self.dsn, doing="projection database", autocommit=True)
+            # (lift: no statement_timeout or idle_session_timeout of the database's or role's)
+            self._conn = connect(self.dsn, doing="projection database", autocommit=True, lift=True)
             # psycopg prepares nothing here on its own: it would DEALLOCATE ALL after a
             # ROLLBACK or a DROP/ALTER, and with it the statements _prepared made
             self._conn.prepare_threshold = None
@@ -399,13 +400,9 @@ class PgSink:
             # checkpoint row's lock and block the standby that took its slot: the server ends
             # such a session after this long idle inside a transaction (ours never idle: every
             # statement is a round trip of its own, and rows are staged before any lock).
-            # A statement_timeout the database or role sets for its applications would cancel a
-            # large batch's statements on every retry, and the stream would stop: a batch is
-            # bounded by --batch-size, never by a timeout.
             self._conn.execute(
                 "SELECT set_config('idle_in_transaction_session_timeout', %s, false), "
-                "set_config('synchronous_commit', %s, false), "
-                "set_config('statement_timeout', '0', false)",
+                "set_config('synchronous_commit', %s, false)",
                 (f"{int(self.idle_timeout * 1000)}ms", "on" if self.durable_commits else "off"),
             )
             self._staged = False

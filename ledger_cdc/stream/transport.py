@@ -31,6 +31,7 @@ import psycopg2.errors
 import psycopg2.extensions
 import psycopg2.extras
 
+from ledger_cdc.connect import merged_options
 from ledger_cdc.errors import (
     ConfigError,
     SlotBusyError,
@@ -87,18 +88,6 @@ def _timeout(dsn: str) -> dict[str, Any]:
     except psycopg2.Error:
         given = False  # a DSN that does not parse: the connect says why
     return {} if given else {"connect_timeout": CONNECT_TIMEOUT}
-
-
-def _options(dsn: str) -> str:
-    """The session options of the replication connection: the DSN's own (or PGOPTIONS'),
-    then this package's, which win where both set a value (the later ``-c`` does)."""
-    try:
-        given = psycopg2.extensions.parse_dsn(dsn).get("options")
-    except psycopg2.Error:
-        given = None  # a DSN that does not parse: the connect says why
-    if given is None:
-        given = os.environ.get("PGOPTIONS")
-    return f"{given} {_SESSION_OPTIONS}" if given and given.strip() else _SESSION_OPTIONS
 
 
 def _held(msg: XLogData) -> int:
@@ -214,7 +203,7 @@ class ReplicationStream:
             return psycopg2.connect(
                 self.dsn,
                 connection_factory=psycopg2.extras.LogicalReplicationConnection,
-                options=_options(self.dsn),
+                options=merged_options(self.dsn, _SESSION_OPTIONS),
                 # names this process in pg_stat_replication (which consumer holds the slot)
                 application_name=f"ledger-cdc:{self.slot}:{os.getpid()}"[:63],
                 **_timeout(self.dsn),

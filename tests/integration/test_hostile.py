@@ -12,8 +12,10 @@ diff — works on those sessions and agrees with the consumer.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from psycopg import sql
 from ledger_cdc.admin.schema import create_slot, drop_slot
 from ledger_cdc.admin.verify import verify
 from ledger_cdc.client.recovery import memoised_model, memoised_tool, rebuild_context
-from ledger_cdc.client.writer import Ledger, OutboxItem
+from ledger_cdc.client.writer import AsyncLedger, Ledger, OutboxItem
 from ledger_cdc.connect import connect
 from ledger_cdc.errors import InvalidEventError
 from ledger_cdc.events import MAX_TIME, MIN_TIME, READ_MAX_DEPTH, Limits
@@ -766,3 +768,112 @@ def test_a_statement_timeout_set_for_applications_stops_no_consumer(
     assert "options='-c statement_timeout=0'" in r.output
     assert_clean_exit(run_cli("verify", "--all", "--dsn", unbounded))
     drop_slot(unbounded, "agent_slot", force=True)
+
+
+def _alter(db: Database, setting: str, value: str) -> None:
+    with db.connect() as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} SET {} = {}").format(
+                sql.Identifier(db.name), sql.Identifier(setting), sql.Literal(value)
+            )
+        )
+
+
+def _ended(db: Database, pid: int) -> Callable[[], bool]:
+    def gone() -> bool:
+        with psycopg.connect(db.dsn, autocommit=True, options="-c idle_session_timeout=0") as c:
+            return c.execute(
+                "SELECT NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = %s)", (pid,)
+            ).fetchone()[0]  # type: ignore[index, no-any-return]
+
+    return gone
+
+
+def test_the_writer_runs_again_what_the_server_rolled_back_or_ended(db: Database) -> None:
+    """Under a database whose transactions are serializable by default, concurrent appends to
+    one session fail with serialization failures the server rolled back whole: the writer runs
+    them again (all 180 land, positions 1…180). A pooled session the server ended while it sat
+    idle (idle_session_timeout) is replaced by a fresh one, sync and async: nothing was sent
+    on it."""
+    _alter(db, "default_transaction_isolation", "serializable")
+    _alter(db, "idle_session_timeout", "1s")
+    sid = uuid.uuid4()
+    errors: list[BaseException] = []
+    with Ledger(db.dsn, pool_size=6) as ledger:
+
+        def write(k: int) -> None:
+            for i in range(30):
+                try:
+                    ledger.append(sid, "a", "tool.invoked", {"call_id": f"{k}-{i}", "tool": "t"})
+                except BaseException as e:
+                    errors.append(e)
+
+        threads = [threading.Thread(target=write, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert errors == []
+        with ledger.connection() as conn:
+            pid = conn.info.backend_pid
+        until(_ended(db, pid), timeout=30)  # the server ended the idle pooled session
+        assert (
+            ledger.append(sid, "a", "tool.observed", {"call_id": "0-0", "result": 1}).position
+            == 181
+        )
+
+    async def async_side() -> int:
+        led = await AsyncLedger.connect(db.dsn, pool_size=1)
+        try:
+            async with led.connection() as conn:
+                pid = conn.info.backend_pid
+            await asyncio.to_thread(until, _ended(db, pid), 30)
+            return (
+                await led.append(sid, "a", "tool.observed", {"call_id": "0-1", "result": 2})
+            ).position
+        finally:
+            await led.close()
+
+    assert asyncio.run(async_side()) == 182
+    with db.connect() as conn:
+        positions = [
+            p
+            for (p,) in conn.execute(
+                "SELECT position FROM agent_events WHERE session_id = %s ORDER BY seq", (sid,)
+            )
+        ]
+    assert sorted(positions) == list(range(1, 183))
+
+
+def test_an_idle_session_timeout_ends_no_session_of_the_consumers(
+    db: Database, tmp_path: Path
+) -> None:
+    """A database that ends sessions idle past a timeout (idle_session_timeout) does not end
+    the consumer's: the sink waits idle between batches as long as the ledger is quiet, and a
+    session ended meanwhile would fail the next batch and restart the stream."""
+    _alter(db, "idle_session_timeout", "1s")
+    sid = uuid.uuid4()
+    log = tmp_path / "consume.log"
+    # (nothing of the consumer's own writes WAL meanwhile: the sink then has nothing to do
+    # until the next event, however long that takes)
+    quiet = ("--vacuum-interval", "0", "--health-interval", "0")
+    consumer = ConsumerProcess(db.dsn, "--create-slot", *quiet, log=log).start()
+    try:
+        wait_streaming(db.dsn)
+        with Ledger(db.dsn) as ledger:
+            ledger.append(sid, "a", "tool.invoked", {"call_id": "c1", "tool": "t"})
+            wait_caught_up(f"{db.dsn} options='-c idle_session_timeout=0'")
+            # two idle sessions of the database's own settings, one after the other, ended:
+            # the timeout has passed twice for every session idle since the first batch
+            for _ in range(2):
+                probe = psycopg.connect(db.dsn, autocommit=True)
+                until(_ended(db, probe.info.backend_pid), timeout=30)
+                probe.close()
+            ledger.append(sid, "a", "tool.observed", {"call_id": "c1", "result": "r"})
+            wait_caught_up(f"{db.dsn} options='-c idle_session_timeout=0'")
+        assert consumer.alive(), log.read_text()[-3000:]
+    finally:
+        if consumer.alive():
+            consumer.terminate()
+        drop_slot(f"{db.dsn} options='-c idle_session_timeout=0'", "agent_slot", force=True)
+    assert "idle-session timeout" not in log.read_text()

@@ -362,7 +362,9 @@ def test_rate_watch_reports_rates_and_flags_a_retry_storm(db: Database) -> None:
             r = watch.sample(conn)
             assert r is not None and r.inserts_per_s > 0 and r.wal_bytes_per_s > 0
             calm.append(r.spike)
-        assert calm == [None] * 4
+        # no storm of inserts; the WAL is the cluster's, and what other databases of it write
+        # meanwhile (tests running beside this one) may be a spike of WAL, never of inserts
+        assert [s for s in calm if s is not None and "inserts" in s] == []
         conn.execute(
             "INSERT INTO agent_events (session_id, agent_id, event_type, payload) "
             "SELECT gen_random_uuid(), 'a', 'x.y', '{}' FROM generate_series(1, 2000)"
