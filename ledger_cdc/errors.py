@@ -424,6 +424,11 @@ def translate(e: BaseException, *, dsn: str | None = None, doing: str = "") -> L
             " (the statement_timeout the database or role sets; lift it for this connection "
             "with options='-c statement_timeout=0' in the DSN)"
         )
+    elif state == "25006":  # read_only_sql_transaction: retried, it may pass (a failover)
+        line += (
+            " (the database takes no writes: a hot standby, or default_transaction_read_only "
+            "is on; give the primary's DSN)"
+        )
     return DatabaseUnavailable(f"{where}{line}")
 
 

@@ -327,9 +327,18 @@ class RateWatch:
     """Rates from successive samples, with a slow moving average to tell a spike (an agent
     retry storm writing the ledger many times faster than usual) from the usual load."""
 
-    def __init__(self, factor: float = 5.0, min_inserts: float = 50.0, alpha: float = 0.1) -> None:
+    def __init__(
+        self,
+        factor: float = 5.0,
+        min_inserts: float = 50.0,
+        alpha: float = 0.1,
+        min_wal_bytes: float = 1e6,
+    ) -> None:
         self.factor = factor
         self.min_inserts = min_inserts
+        # a quiet server's WAL is a few kB/s: five times that (a VACUUM, a checkpoint) is no
+        # storm, and warning of it would teach to ignore the warning
+        self.min_wal_bytes = min_wal_bytes
         self.alpha = alpha
         self._prev: tuple[float, int, int] | None = None
         self._avg: tuple[float, float] | None = None
@@ -354,7 +363,11 @@ class RateWatch:
                     f"{rates.inserts_per_s / max(ins_avg, 1.0):.0f}× their recent average "
                     f"({ins_avg:,.0f}/s): an agent retry storm?"
                 )
-            elif rates.wal_bytes_per_s > self.factor * max(wal_avg, 1.0) and wal_avg > 0:
+            elif (
+                rates.wal_bytes_per_s >= self.min_wal_bytes
+                and rates.wal_bytes_per_s > self.factor * max(wal_avg, 1.0)
+                and wal_avg > 0
+            ):
                 rates.spike = (
                     f"WAL generated at {rates.wal_bytes_per_s / 1e6:,.1f} MB/s, "
                     f"{rates.wal_bytes_per_s / wal_avg:.0f}× its recent average"

@@ -31,7 +31,7 @@ from ledger_cdc.admin.verify import verify
 from ledger_cdc.client.recovery import memoised_model, memoised_tool, rebuild_context
 from ledger_cdc.client.writer import AsyncLedger, Ledger, OutboxItem
 from ledger_cdc.connect import connect
-from ledger_cdc.errors import InvalidEventError
+from ledger_cdc.errors import DatabaseUnavailable, InvalidEventError
 from ledger_cdc.events import MAX_TIME, MIN_TIME, READ_MAX_DEPTH, Limits
 from ledger_cdc.fold import SessionContext, memo_key
 from ledger_cdc.stream.transport import ReplicationStream
@@ -771,7 +771,7 @@ def test_a_statement_timeout_set_for_applications_stops_no_consumer(
 
 
 def _alter(db: Database, setting: str, value: str) -> None:
-    with db.connect() as conn:
+    with db.connect(options="-c default_transaction_read_only=off") as conn:
         conn.execute(
             sql.SQL("ALTER DATABASE {} SET {} = {}").format(
                 sql.Identifier(db.name), sql.Identifier(setting), sql.Literal(value)
@@ -877,3 +877,29 @@ def test_an_idle_session_timeout_ends_no_session_of_the_consumers(
             consumer.terminate()
         drop_slot(f"{db.dsn} options='-c idle_session_timeout=0'", "agent_slot", force=True)
     assert "idle-session timeout" not in log.read_text()
+
+
+def test_a_database_that_takes_no_writes_is_said_so(db: Database, tmp_path: Path) -> None:
+    """A database whose transactions are read-only by default (or a hot standby) refuses the
+    writer's append and the consumer's batches: both say why in one line, and the consumer
+    waits for it to take writes (a failover may make it the primary) and then folds."""
+    sid = uuid.uuid4()
+    with db.connect() as conn:
+        create_slot(conn)
+    _alter(db, "default_transaction_read_only", "on")
+    with Ledger(db.dsn) as ledger, pytest.raises(DatabaseUnavailable, match="takes no writes"):
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "c1", "tool": "t"})
+    writable = f"{db.dsn} options='-c default_transaction_read_only=off'"
+    with Ledger(writable) as ledger:
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "c1", "tool": "t"})
+    log = tmp_path / "consume.log"
+    consumer = ConsumerProcess(db.dsn, log=log).start()
+    try:
+        until(lambda: "takes no writes" in log.read_text(), timeout=60)
+        _alter(db, "default_transaction_read_only", "off")
+        wait_caught_up(writable, timeout=90)
+        assert consumer.alive(), log.read_text()[-3000:]
+    finally:
+        if consumer.alive():
+            consumer.terminate()
+        drop_slot(writable, "agent_slot", force=True)
