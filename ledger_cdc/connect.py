@@ -19,6 +19,7 @@ __all__ = [
     "connect",
     "connect_timeout",
     "lift_timeouts",
+    "lift_timeouts_async",
     "merged_options",
     "session_setup",
     "session_setup_async",
@@ -107,6 +108,14 @@ def lift_timeouts(conn: psycopg.Connection[Any]) -> None:
     conn.execute(_LIFT_TIMEOUTS)
     if not conn.autocommit:
         conn.commit()
+
+
+async def lift_timeouts_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    """:func:`lift_timeouts` for an async connection: a LISTEN session (``tail``,
+    ``pending_runs``) sits idle between notifications by design."""
+    await conn.execute(_LIFT_TIMEOUTS)
+    if not conn.autocommit:
+        await conn.commit()
 
 
 def _narrow(encoding: str, server: str | None) -> bool:

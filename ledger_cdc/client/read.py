@@ -19,7 +19,12 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ledger_cdc.connect import connect_timeout, session_setup_async
+from ledger_cdc.connect import (
+    connect_timeout,
+    lift_timeouts_async,
+    session_setup_async,
+    unbounded_options,
+)
 from ledger_cdc.errors import ConfigError, InvalidEventError
 from ledger_cdc.events import (
     LedgerEvent,
@@ -202,9 +207,10 @@ async def pending_runs(
     projection moved on, or after ``recheck`` seconds if it is still ready (nobody took it)."""
     listen = sql.SQL("LISTEN {}").format(sql.Identifier(check_channel(channel)))
     async with await psycopg.AsyncConnection.connect(
-        dsn, autocommit=True, **connect_timeout(dsn)
+        dsn, autocommit=True, **connect_timeout(dsn), **unbounded_options(dsn)
     ) as conn:
         await session_setup_async(conn)
+        await lift_timeouts_async(conn)  # (it waits idle for notifications)
         await conn.execute(listen)
         seen: dict[uuid.UUID, tuple[int, float]] = {}
         while True:

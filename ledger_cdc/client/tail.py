@@ -18,7 +18,12 @@ import msgspec
 import psycopg
 
 from ledger_cdc.client.read import COLUMNS, row_event
-from ledger_cdc.connect import connect_timeout, session_setup_async
+from ledger_cdc.connect import (
+    connect_timeout,
+    lift_timeouts_async,
+    session_setup_async,
+    unbounded_options,
+)
 from ledger_cdc.errors import ConfigError, DatabaseUnavailable
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.names import SESSIONS_CHANNEL
@@ -42,9 +47,10 @@ async def follow_postgres(
     """Events of the session after position ``after``, as the consumer folds them (a row the
     consumer quarantined comes as :class:`~ledger_cdc.events.Rejected`)."""
     async with await psycopg.AsyncConnection.connect(
-        dsn, autocommit=True, **connect_timeout(dsn)
+        dsn, autocommit=True, **connect_timeout(dsn), **unbounded_options(dsn)
     ) as conn:
         await session_setup_async(conn)
+        await lift_timeouts_async(conn)  # (it waits idle for notifications)
         await conn.execute(f"LISTEN {SESSIONS_CHANNEL}")
         last = after
         prefix = f"{session_id}:"

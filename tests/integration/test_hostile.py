@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -36,6 +39,7 @@ from ledger_cdc.events import MAX_TIME, MIN_TIME, READ_MAX_DEPTH, Limits
 from ledger_cdc.fold import SessionContext, memo_key
 from ledger_cdc.stream.transport import ReplicationStream
 from tests.support.cdc import (
+    ROOT,
     ConsumerProcess,
     InThread,
     assert_clean_exit,
@@ -849,8 +853,9 @@ def test_an_idle_session_timeout_ends_no_session_of_the_consumers(
     db: Database, tmp_path: Path
 ) -> None:
     """A database that ends sessions idle past a timeout (idle_session_timeout) does not end
-    the consumer's: the sink waits idle between batches as long as the ledger is quiet, and a
-    session ended meanwhile would fail the next batch and restart the stream."""
+    the consumer's, nor a follower's: the sink waits idle between batches as long as the
+    ledger is quiet (a session ended meanwhile would fail the next batch and restart the
+    stream), and ``tail`` waits idle for the consumer's notifications."""
     _alter(db, "idle_session_timeout", "1s")
     sid = uuid.uuid4()
     log = tmp_path / "consume.log"
@@ -858,6 +863,14 @@ def test_an_idle_session_timeout_ends_no_session_of_the_consumers(
     # until the next event, however long that takes)
     quiet = ("--vacuum-interval", "0", "--health-interval", "0")
     consumer = ConsumerProcess(db.dsn, "--create-slot", *quiet, log=log).start()
+    tail = subprocess.Popen(
+        [sys.executable, "-m", "ledger_cdc.cli", "tail", str(sid), "--count", "2", "--json"],
+        env={**os.environ, "LEDGER_CDC_DSN": db.dsn},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         wait_streaming(db.dsn)
         with Ledger(db.dsn) as ledger:
@@ -872,7 +885,12 @@ def test_an_idle_session_timeout_ends_no_session_of_the_consumers(
             ledger.append(sid, "a", "tool.observed", {"call_id": "c1", "result": "r"})
             wait_caught_up(f"{db.dsn} options='-c idle_session_timeout=0'")
         assert consumer.alive(), log.read_text()[-3000:]
+        out, err = tail.communicate(timeout=60)
+        assert tail.returncode == 0, err
+        assert [json.loads(line)["position"] for line in out.splitlines()] == [1, 2]
     finally:
+        if tail.poll() is None:
+            tail.kill()
         if consumer.alive():
             consumer.terminate()
         drop_slot(f"{db.dsn} options='-c idle_session_timeout=0'", "agent_slot", force=True)
