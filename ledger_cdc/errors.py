@@ -379,13 +379,18 @@ _NO_REPLICATION = (
 _HINTS = (
     ("password authentication failed", "check the user and password in the DSN"),
     ("no pg_hba.conf entry", "allow this host/user in the server's pg_hba.conf"),
+    (
+        "permission denied to create temporary tables",
+        "GRANT TEMPORARY ON DATABASE … TO the role (`ledger-cdc init` grants it to "
+        "ledger_consumer)",
+    ),
+    ("permission denied", "log in as a role with the privileges (see the README's roles)"),
     ('database "', "create the database, or fix its name in the DSN"),
     ('role "', "create the role, or fix the user name in the DSN"),
     ("wal_level", "set wal_level = logical (ALTER SYSTEM SET wal_level = logical) and restart"),
     ("logical decoding requires", "set wal_level = logical and restart the server"),
     ("replication role", "give the role REPLICATION (ALTER ROLE … REPLICATION)"),
     ("must be superuser or have replication", "give the role REPLICATION"),
-    ("permission denied", "log in as a role with the privileges (see the README's roles)"),
     ("invalid integer value", "fix the port in the DSN"),
     ("invalid port", "fix the port in the DSN"),
     ("invalid connection option", "fix the DSN: see libpq's connection parameters"),

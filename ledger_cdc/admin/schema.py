@@ -346,6 +346,7 @@ def init(
             preflight(conn, slot=slot is not None or bool(shards))
             fresh = partitions.setup(conn, partition_by) if partition_by else False
             applied = migrate(conn)
+            conn.execute(_GRANT_TEMPORARY)
             if fresh:
                 created = partitions.finish(conn, partitions_ahead)
             elif partitions.is_partitioned(conn):
@@ -361,6 +362,16 @@ def init(
         raise translate(e, dsn=dsn, doing="init") from e
     return InitResult(applied, pub, made, created, sharded)
 
+
+# The consumer stages a large batch in temporary tables: its group role may create them even
+# where PUBLIC may not (a hardened database: REVOKE TEMPORARY ON DATABASE … FROM PUBLIC).
+# Every init grants it: a database's grants are not copied with it as a template, and a role
+# that may not grant it gets a warning, not an error (the consumer's start then says so).
+_GRANT_TEMPORARY = """
+DO $$ BEGIN
+    EXECUTE format('GRANT TEMPORARY ON DATABASE %I TO ledger_consumer', current_database());
+END $$
+"""
 
 _PREFLIGHT = """
 SELECT current_setting('wal_level'),

@@ -33,7 +33,8 @@ SELECT current_setting('wal_level'),
        CASE WHEN to_regclass('ledger_migrations') IS NULL THEN NULL
             ELSE (SELECT array_agg(version) FROM ledger_migrations) END,
        EXISTS (SELECT FROM pg_publication WHERE pubname = %s),
-       {schema}
+       {schema},
+       has_database_privilege(current_database(), 'TEMPORARY'), current_database()
 """).format(schema=sql.SQL(LEDGER_SCHEMA_SQL))
 
 
@@ -71,7 +72,7 @@ def preflight(
     with connected(dsn, "ledger database") as conn:
         row = conn.execute(_PREFLIGHT, (publication, table)).fetchone()
         assert row is not None
-        wal_level, replication, applied, has_pub, schema = row
+        wal_level, replication, applied, has_pub, schema, temp, name = row
         if wal_level != "logical":
             raise ConfigError(
                 f"the server's wal_level is {wal_level!r}, not 'logical': logical decoding "
@@ -89,11 +90,19 @@ def preflight(
                 f"publication {publication!r} does not exist in the ledger database: "
                 "run `ledger-cdc init` (with --shards N for shard publications)"
             )
+    where = "the role in --dsn"
     if target_dsn:
         with connected(target_dsn, "projection database") as conn:
             row = conn.execute(_PREFLIGHT, (publication, table)).fetchone()
             assert row is not None
             check_schema(row[2], "the projection database (--target-dsn)")
+            temp, name, where = row[5], row[6], "the role in --target-dsn"
+    if not temp:
+        raise ConfigError(
+            f"{where} may not create temporary tables in database {name!r}, where the "
+            "consumer stages a large batch (GRANT TEMPORARY ON DATABASE … TO the role; "
+            "`ledger-cdc init` grants it to ledger_consumer)"
+        )
     return str(schema) if schema is not None else None
 
 

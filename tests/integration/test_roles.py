@@ -245,3 +245,39 @@ def test_the_consumer_role_keeps_partitions_ahead(empty_db: Database) -> None:
         ):
             conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
             admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+
+
+def test_the_consumer_role_stages_a_burst_on_a_hardened_database(roles: Roles) -> None:
+    """A hardened database revokes TEMPORARY from PUBLIC. The consumer stages a large batch in
+    temporary tables: init grants TEMPORARY to ledger_consumer, so a backlog over 300 sessions
+    (past what one statement carries) folds. A role without it (revoked, or an install older
+    than that grant) is refused at start, in one line that says what to grant, instead of at
+    the first burst."""
+    db = roles.db
+    dsn = roles.dsn(roles.consumer)
+    with db.connect() as conn:
+        conn.execute(
+            sql.SQL("REVOKE TEMPORARY ON DATABASE {} FROM PUBLIC").format(sql.Identifier(db.name))
+        )
+    init(db.dsn, slot="agent_slot")  # (on a hardened database, or run again)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        assert conn.execute(
+            "SELECT has_database_privilege(current_database(), 'TEMP')"
+        ).fetchone() == (True,)
+    with Ledger(db.dsn) as ledger:
+        sids = [uuid.uuid4() for _ in range(300)]
+        for i in range(600):
+            ledger.append(sids[i % 300], "a", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
+    with InThread(dsn):
+        wait_caught_up(db.dsn)
+    with db.connect() as conn:
+        (folded,) = conn.execute("SELECT sum(event_count) FROM agent_sessions").fetchone()  # type: ignore[misc]
+        conn.execute(
+            sql.SQL("REVOKE TEMPORARY ON DATABASE {} FROM ledger_consumer").format(
+                sql.Identifier(db.name)
+            )
+        )
+    assert folded == 600
+    r = run_cli("consume", "--dsn", dsn)
+    assert_clean_exit(r, 4)
+    assert "may not create temporary tables" in r.output and "GRANT TEMPORARY" in r.output
