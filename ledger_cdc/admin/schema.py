@@ -346,7 +346,7 @@ def init(
             preflight(conn, slot=slot is not None or bool(shards))
             fresh = partitions.setup(conn, partition_by) if partition_by else False
             applied = migrate(conn)
-            conn.execute(_GRANT_TEMPORARY)
+            conn.execute(_GRANTS)
             if fresh:
                 created = partitions.finish(conn, partitions_ahead)
             elif partitions.is_partitioned(conn):
@@ -363,12 +363,17 @@ def init(
     return InitResult(applied, pub, made, created, sharded)
 
 
-# The consumer stages a large batch in temporary tables: its group role may create them even
-# where PUBLIC may not (a hardened database: REVOKE TEMPORARY ON DATABASE … FROM PUBLIC).
-# Every init grants it: a database's grants are not copied with it as a template, and a role
-# that may not grant it gets a warning, not an error (the consumer's start then says so).
-_GRANT_TEMPORARY = """
+# What a hardened database takes from PUBLIC, given back to the group roles by every init (a
+# database's grants are not copied with it as a template; a role that may not grant them gets
+# a warning, not an error): USAGE on the ledger's schema (REVOKE ALL ON SCHEMA public FROM
+# PUBLIC, and no role sees a table of it), and TEMPORARY on the database to the consumer,
+# which stages a large batch in temporary tables (its start says so if it lacks it).
+_GRANTS = """
 DO $$ BEGIN
+    EXECUTE format('GRANT USAGE ON SCHEMA %I TO ledger_writer, ledger_reader, ledger_consumer, '
+                   'ledger_dispatcher',
+                   (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                    WHERE c.oid = 'agent_events'::regclass));
     EXECUTE format('GRANT TEMPORARY ON DATABASE %I TO ledger_consumer', current_database());
 END $$
 """

@@ -247,29 +247,33 @@ def test_the_consumer_role_keeps_partitions_ahead(empty_db: Database) -> None:
             admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
 
 
-def test_the_consumer_role_stages_a_burst_on_a_hardened_database(roles: Roles) -> None:
-    """A hardened database revokes TEMPORARY from PUBLIC. The consumer stages a large batch in
-    temporary tables: init grants TEMPORARY to ledger_consumer, so a backlog over 300 sessions
-    (past what one statement carries) folds. A role without it (revoked, or an install older
-    than that grant) is refused at start, in one line that says what to grant, instead of at
-    the first burst."""
+def test_the_roles_work_on_a_hardened_database(roles: Roles) -> None:
+    """A hardened database revokes from PUBLIC the use of its schema and TEMPORARY. Every init
+    gives them back to the group roles: the writer appends, the reader rebuilds, and the
+    consumer, which stages a large batch in temporary tables, folds a backlog over 300
+    sessions (past what one statement carries). A consumer role without TEMPORARY (revoked,
+    or an install older than that grant) is refused at start, in one line that says what to
+    grant, instead of at the first burst."""
     db = roles.db
     dsn = roles.dsn(roles.consumer)
     with db.connect() as conn:
         conn.execute(
             sql.SQL("REVOKE TEMPORARY ON DATABASE {} FROM PUBLIC").format(sql.Identifier(db.name))
         )
+        conn.execute("REVOKE ALL ON SCHEMA public FROM PUBLIC")
     init(db.dsn, slot="agent_slot")  # (on a hardened database, or run again)
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert conn.execute(
             "SELECT has_database_privilege(current_database(), 'TEMP')"
         ).fetchone() == (True,)
-    with Ledger(db.dsn) as ledger:
-        sids = [uuid.uuid4() for _ in range(300)]
+    sids = [uuid.uuid4() for _ in range(300)]
+    with Ledger(roles.dsn(roles.writer)) as ledger:
         for i in range(600):
             ledger.append(sids[i % 300], "a", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
     with InThread(dsn):
         wait_caught_up(db.dsn)
+    with psycopg.connect(roles.dsn(roles.reader), autocommit=True) as conn:
+        assert rebuild_context(conn, sids[0]).event_count == 2
     with db.connect() as conn:
         (folded,) = conn.execute("SELECT sum(event_count) FROM agent_sessions").fetchone()  # type: ignore[misc]
         conn.execute(
