@@ -375,6 +375,20 @@ DO $$ BEGIN
                    (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                     WHERE c.oid = 'agent_events'::regclass));
     EXECUTE format('GRANT TEMPORARY ON DATABASE %I TO ledger_consumer', current_database());
+    -- and EXECUTE on the functions PUBLIC may run by default, to the four roles, for a
+    -- database whose default privileges take it from PUBLIC (ALTER DEFAULT PRIVILEGES REVOKE
+    -- EXECUTE ON FUNCTIONS FROM PUBLIC): not the ones the migrations keep from PUBLIC
+    EXECUTE (
+        SELECT 'GRANT EXECUTE ON FUNCTION ' || string_agg(p.oid::regprocedure::text, ', ')
+               || ' TO ledger_writer, ledger_reader, ledger_consumer, ledger_dispatcher'
+        FROM pg_proc p
+        WHERE p.pronamespace = (SELECT relnamespace FROM pg_class
+                                WHERE oid = 'agent_events'::regclass)
+          AND left(p.proname, 7) = 'ledger_'
+          AND p.proname NOT IN ('ledger_make_partitions', 'ledger_ensure_partitions',
+                                'ledger_session_head', 'ledger_event_by_key',
+                                'ledger_apply_grants')
+    );
 END $$
 """
 

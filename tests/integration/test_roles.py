@@ -261,6 +261,7 @@ def test_the_roles_work_on_a_hardened_database(roles: Roles) -> None:
             sql.SQL("REVOKE TEMPORARY ON DATABASE {} FROM PUBLIC").format(sql.Identifier(db.name))
         )
         conn.execute("REVOKE ALL ON SCHEMA public FROM PUBLIC")
+        conn.execute("REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA public FROM PUBLIC")
     init(db.dsn, slot="agent_slot")  # (on a hardened database, or run again)
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert conn.execute(
@@ -270,10 +271,13 @@ def test_the_roles_work_on_a_hardened_database(roles: Roles) -> None:
     with Ledger(roles.dsn(roles.writer)) as ledger:
         for i in range(600):
             ledger.append(sids[i % 300], "a", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
-    with InThread(dsn):
-        wait_caught_up(db.dsn)
+    with InThread(dsn), Ledger(roles.dsn(roles.writer)) as ledger:
+        wait_caught_up(db.dsn)  # (one staged batch)
+        ledger.append(sids[0], "a", "tool.observed", {"call_id": "c0", "result": 1})
+        wait_caught_up(db.dsn)  # (one statement: ledger_apply_batch)
     with psycopg.connect(roles.dsn(roles.reader), autocommit=True) as conn:
-        assert rebuild_context(conn, sids[0]).event_count == 2
+        assert rebuild_context(conn, sids[0]).event_count == 3
+        assert projected_contexts(conn, [sids[0]])[sids[0]].event_count == 3
     with db.connect() as conn:
         (folded,) = conn.execute("SELECT sum(event_count) FROM agent_sessions").fetchone()  # type: ignore[misc]
         conn.execute(
@@ -281,7 +285,7 @@ def test_the_roles_work_on_a_hardened_database(roles: Roles) -> None:
                 sql.Identifier(db.name)
             )
         )
-    assert folded == 600
+    assert folded == 601
     r = run_cli("consume", "--dsn", dsn)
     assert_clean_exit(r, 4)
     assert "may not create temporary tables" in r.output and "GRANT TEMPORARY" in r.output
