@@ -426,8 +426,8 @@ def translate(e: BaseException, *, dsn: str | None = None, doing: str = "") -> L
         return ConfigError(f"{where}{line}" + (f" ({hint})" if hint else ""))
     if state == "57014" and "statement timeout" in line.lower():
         line += (
-            " (the statement_timeout the database or role sets; lift it for this connection "
-            "with options='-c statement_timeout=0' in the DSN)"
+            " (a statement_timeout of the database, the role or the DSN's options; lift it "
+            "for this connection with options='-c statement_timeout=0' in the DSN)"
         )
     elif state == "25006":  # read_only_sql_transaction: retried, it may pass (a failover)
         line += (
