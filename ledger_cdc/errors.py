@@ -419,6 +419,12 @@ def translate(e: BaseException, *, dsn: str | None = None, doing: str = "") -> L
         return SchemaError(
             f"{where}{line} — the ledger schema is missing or older than this version: "
             "run `ledger-cdc init --dsn …` against this database"
+            + (
+                ", or, if it ran, put the ledger's schema on this role's search_path (SHOW "
+                "search_path; ALTER ROLE … SET search_path)"
+                if state == "42P01"
+                else ""
+            )
         )
     if is_permanent(e):
         low = line.lower()
