@@ -737,9 +737,12 @@ def lag(
     """
     import json as jsonlib
 
+    import psycopg
+
     from ledger_cdc.admin.health import Thresholds, check_slots
     from ledger_cdc.admin.schema import validate_slot_name
     from ledger_cdc.connect import connect
+    from ledger_cdc.errors import DatabaseUnavailable, describe
 
     if slot is not None:
         validate_slot_name(slot)
@@ -754,9 +757,23 @@ def lag(
                 param_hint=f"--warn-{name}",
             )
     th = Thresholds(warn_share, crit_share, warn_bytes, crit_bytes, warn_seconds, crit_seconds)
-    with connect(dsn, autocommit=True) as conn:
+    # (lift: its session sits idle while it samples and between refreshes; a database's
+    # idle_session_timeout would end it there)
+    conn = connect(dsn, autocommit=True, lift=True)
+    try:
         while True:
-            slots = check_slots(conn, slot, thresholds=th, sample_seconds=sample_seconds)
+            try:
+                if conn.closed:
+                    conn = connect(dsn, autocommit=True, lift=True)
+                slots = check_slots(conn, slot, thresholds=th, sample_seconds=sample_seconds)
+            except (psycopg.OperationalError, DatabaseUnavailable) as e:
+                if not watch:
+                    raise
+                # a server restarting, a connection dropped: said, and looked at again
+                conn.close()
+                state.console.print(f"[yellow]{safe(describe(e, dsn))}[/]: trying again")
+                time.sleep(interval)
+                continue
             if as_json:
                 click.echo(jsonlib.dumps([h.as_json() for h in slots], indent=2))
             else:
@@ -767,6 +784,8 @@ def lag(
             if not watch:
                 sys.exit(code)
             time.sleep(interval)
+    finally:
+        conn.close()
 
 
 def _print_lag(console: Console, slots: list[Any]) -> None:

@@ -855,7 +855,8 @@ def test_an_idle_session_timeout_ends_no_session_of_the_consumers(
     """A database that ends sessions idle past a timeout (idle_session_timeout) does not end
     the consumer's, nor a follower's: the sink waits idle between batches as long as the
     ledger is quiet (a session ended meanwhile would fail the next batch and restart the
-    stream), and ``tail`` waits idle for the consumer's notifications."""
+    stream), ``tail`` waits idle for the consumer's notifications, and ``lag`` while it
+    samples the WAL rate (and between refreshes with --watch)."""
     _alter(db, "idle_session_timeout", "1s")
     sid = uuid.uuid4()
     log = tmp_path / "consume.log"
@@ -888,6 +889,9 @@ def test_an_idle_session_timeout_ends_no_session_of_the_consumers(
         out, err = tail.communicate(timeout=60)
         assert tail.returncode == 0, err
         assert [json.loads(line)["position"] for line in out.splitlines()] == [1, 2]
+        # lag samples the WAL rate over two seconds, its session idle meanwhile
+        r = run_cli("lag", "--dsn", db.dsn, "--sample-seconds", "2", "--json")
+        assert_clean_exit(r, 0, 1)
     finally:
         if tail.poll() is None:
             tail.kill()
