@@ -428,7 +428,7 @@ class FoldWorker:
             self._worker.wait()  # the sink's connection, not in use by its thread
             return self.sink.conn
         if self._ledger is None or self._ledger.closed:
-            self._ledger = connect(self.config.dsn, autocommit=True)
+            self._ledger = connect(self.config.dsn, autocommit=True, lift=True)  # (idle long)
         return self._ledger
 
 
