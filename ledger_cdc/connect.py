@@ -89,22 +89,25 @@ async def session_setup_async(conn: psycopg.AsyncConnection[Any]) -> None:
         await conn.commit()
 
 
-# No statement_timeout, no idle_session_timeout (a server before 14 has none: then nothing)
-# (cheap: it runs under the timeout it lifts, which may be a millisecond)
+# No statement_timeout, no idle_session_timeout, no transaction_timeout (a server before 14,
+# or 17, has none of the last two: then nothing). Cheap: it may run under a timeout it lifts.
 _LIFT_TIMEOUTS = (
     "SELECT set_config('statement_timeout', '0', false), CASE WHEN "
     "current_setting('idle_session_timeout', true) IS NOT NULL THEN "
-    "set_config('idle_session_timeout', '0', false) END"
+    "set_config('idle_session_timeout', '0', false) END, CASE WHEN "
+    "current_setting('transaction_timeout', true) IS NOT NULL THEN "
+    "set_config('transaction_timeout', '0', false) END"
 )
 
 
 def lift_timeouts(conn: psycopg.Connection[Any]) -> None:
-    """For the consumer's own sessions: no statement_timeout and no idle_session_timeout,
-    whatever the database or role sets for its applications. A batch, a bootstrap or a VACUUM
-    is bounded by its size, and a timeout would cancel the same work on every retry; the sink's
-    session waits idle between batches as long as the ledger is quiet, and a session ended
-    meanwhile fails the next batch and restarts the stream. Committed, so that a transaction
-    the caller begins next starts clean (SET TRANSACTION SNAPSHOT must come first in it)."""
+    """For the consumer's own sessions: no statement_timeout, idle_session_timeout or
+    transaction_timeout, whatever the database or role sets for its applications. A batch, a
+    bootstrap or a VACUUM is bounded by its size, and a timeout would cancel the same work on
+    every retry; the sink's session waits idle between batches as long as the ledger is
+    quiet, and a session ended meanwhile fails the next batch and restarts the stream.
+    Committed, so that a transaction the caller begins next starts clean (SET TRANSACTION
+    SNAPSHOT must come first in it)."""
     conn.execute(_LIFT_TIMEOUTS)
     if not conn.autocommit:
         conn.commit()

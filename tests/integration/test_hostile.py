@@ -925,3 +925,24 @@ def test_a_database_that_takes_no_writes_is_said_so(db: Database, tmp_path: Path
         if consumer.alive():
             consumer.terminate()
         drop_slot(writable, "agent_slot", force=True)
+
+
+def test_the_consumers_sessions_lift_every_timeout_the_database_sets(db: Database) -> None:
+    """What the consumer's own sessions (sink, bootstrap, resync, upkeep: ``connect(lift=
+    True)``) run under, whatever the database sets for its applications: no statement,
+    idle-session or (PostgreSQL 17+) transaction timeout — a bootstrap of a large ledger is
+    one long transaction, and a timeout would end it on every retry. A session of the
+    database's own settings keeps them."""
+    settings = {"statement_timeout": "1min", "idle_session_timeout": "1min"}
+    if db.server.major >= 17:
+        settings["transaction_timeout"] = "1min"
+    for setting, value in settings.items():
+        _alter(db, setting, value)
+    with connect(db.dsn, autocommit=True, lift=True) as ours, db.connect() as theirs:
+        for setting, value in settings.items():
+            assert ours.execute(sql.SQL("SHOW {}").format(sql.Identifier(setting))).fetchone() == (
+                "0",
+            )
+            assert theirs.execute(
+                sql.SQL("SHOW {}").format(sql.Identifier(setting))
+            ).fetchone() == (value,)
