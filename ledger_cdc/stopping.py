@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM turned into a call on a thread of their own.
+"""SIGINT, SIGTERM and SIGHUP (the terminal closed) turned into a call on a thread of their own.
 
 Python runs a signal handler in the main thread between two bytecodes, possibly while that
 thread holds a lock: inside ``threading.Event.set`` called by the previous signal's handler, for
@@ -17,13 +17,15 @@ import signal
 import threading
 from collections.abc import Callable
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP too: a consumer started from a terminal that closes drains like one asked to stop,
+# instead of ending at once (no reload is there to be asked for)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 log = logging.getLogger(__name__)
 
 
 def on_stop_signals(stop: Callable[[], None]) -> None:
-    """From now on, SIGINT and SIGTERM log "signal N: finishing the current batch" and call
+    """From now on, SIGINT, SIGTERM and SIGHUP log "signal N: finishing the current batch" and call
     ``stop()`` on the ``ledger-cdc-signals`` thread, once per signal received (signals that
     arrive together may be counted once). Main thread only, as :func:`signal.signal` is."""
     r, w = os.pipe()
@@ -48,7 +50,7 @@ def on_stop_signals(stop: Callable[[], None]) -> None:
 
 
 def ignore_stop_signals() -> None:
-    """SIGINT and SIGTERM ignored from now on: for a process whose work is done and that is
+    """The stop signals ignored from now on: for a process whose work is done and that is
     exiting (the interpreter puts the default handlers back as it finalizes, and a late signal
     would then end it by that signal instead of its own exit status)."""
     for s in STOP_SIGNALS:

@@ -461,7 +461,8 @@ def consume(
     bar), so nothing written before, during or after it is lost or applied twice. The same
     handoff rebuilds a slot the server invalidated (--on-slot-lost resync).
 
-    Runs until SIGINT or SIGTERM, then finishes the current batch, commits, confirms and exits 0.
+    Runs until SIGINT, SIGTERM or SIGHUP, then finishes the current batch, commits, confirms and
+    exits 0.
     Reconnects by itself when the connection drops or the server restarts.
 
     Run a second `consume` for the same slot as a hot standby: it waits while the slot is in
@@ -590,7 +591,7 @@ def fold(
     and memo rows a consumer builds, each for its share of the sessions. Each worker's
     checkpoint (the stream sequence it folded up to, `nats:<stream>:K/N` in
     ledger_checkpoints) commits with what it covers, so a worker killed at any point restarts
-    where it was. Runs until SIGINT or SIGTERM.
+    where it was. Runs until SIGINT, SIGTERM or SIGHUP.
     """
     from ledger_cdc.cli.runner import setup_logging
     from ledger_cdc.consumer.fold_nats import FoldConfig, FoldWorker, parse_partition

@@ -621,7 +621,7 @@ def dispatch(
     `ledger-cdc outbox --parked`). A dispatcher killed mid-call leaves a claim that expires
     after --claim-seconds; the row is then retried with the same key.
 
-    Exit 0 when stopped (SIGINT/SIGTERM finish the batch), 1 if rows were parked.
+    Exit 0 when stopped (SIGINT/SIGTERM/SIGHUP finish the batch), 1 if rows were parked.
     """
     from ledger_cdc.cli.runner import setup_logging
     from ledger_cdc.client.dispatch import (

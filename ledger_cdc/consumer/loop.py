@@ -107,7 +107,7 @@ def _memo_rows(conn: Any, ctx: SessionContext) -> list[tuple[uuid.UUID, int, Any
 
 
 class Consumer:
-    """Runs until :meth:`stop` (or SIGINT/SIGTERM, after :meth:`install_signal_handlers`).
+    """Runs until :meth:`stop` (or SIGINT, SIGTERM, SIGHUP: :meth:`install_signal_handlers`).
 
     ``sink`` and ``transport`` default to the PostgreSQL projections of ``config.target_dsn``
     (or ``config.dsn``) and the slot's replication stream; given (an in-memory sink, a stream
@@ -211,8 +211,8 @@ class Consumer:
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
-        """SIGINT and SIGTERM stop the consumer after its current batch (the handler takes no
-        lock: see :mod:`ledger_cdc.stopping`)."""
+        """SIGINT, SIGTERM and SIGHUP stop the consumer after its current batch (the handler
+        takes no lock: see :mod:`ledger_cdc.stopping`)."""
         on_stop_signals(self.stop)
 
     def _reset_stream_state(self, checkpoint: int) -> None:

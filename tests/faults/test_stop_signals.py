@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ledger_cdc.admin.schema import create_slot
@@ -57,22 +58,34 @@ def test_a_stop_signal_while_the_main_thread_holds_the_stop_lock_does_not_hang(
     assert p.stdout.split() == ["handled", "stopped"]
 
 
-def test_a_burst_of_stop_signals_ends_consume_with_status_0(db: Database, tmp_path: Path) -> None:
+def _stopped_consume(db: Database, log: Path, send: Callable[[int], None]) -> str:
+    """A consumer streaming, then ``send(pid)``: it exits 0; its log."""
     with db.connect() as conn:
         create_slot(conn, "agent_slot")
-    log = tmp_path / "c.log"
     proc = ConsumerProcess(db.dsn, log=log).start()
     try:
         # (the slot is active as soon as the early stream starts, before the handlers are in)
         wait_streaming(db.dsn)
         until(lambda: "streaming slot" in log.read_text(), timeout=60)
         assert proc.proc is not None
-        _burst(proc.proc.pid)
+        send(proc.proc.pid)
         assert proc.proc.wait(60) == 0, log.read_text()[-3000:]
     finally:
         if proc.alive():
             proc.kill()
-    assert "stopped at" in log.read_text()
+    return log.read_text()
+
+
+def test_a_burst_of_stop_signals_ends_consume_with_status_0(db: Database, tmp_path: Path) -> None:
+    assert "stopped at" in _stopped_consume(db, tmp_path / "c.log", _burst)
+
+
+def test_a_closed_terminal_drains_consume_like_a_stop(db: Database, tmp_path: Path) -> None:
+    """SIGHUP (the terminal it was started from closed) finishes the batch in hand, confirms
+    and exits 0, as SIGTERM does, instead of ending the process at once by the signal."""
+    text = _stopped_consume(db, tmp_path / "c.log", lambda pid: os.kill(pid, signal.SIGHUP))
+    assert f"signal {int(signal.SIGHUP)}: finishing the current batch" in text
+    assert "stopped at" in text
 
 
 def test_a_burst_of_stop_signals_ends_dispatch_with_status_0(db: Database, tmp_path: Path) -> None:
