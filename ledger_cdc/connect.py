@@ -21,6 +21,8 @@ __all__ = [
     "lift_timeouts",
     "lift_timeouts_async",
     "merged_options",
+    "open_session",
+    "open_session_async",
     "session_setup",
     "session_setup_async",
     "unbounded_options",
@@ -144,26 +146,51 @@ def unbounded_options(dsn: str) -> dict[str, Any]:
     return {"options": merged_options(dsn, "-c statement_timeout=0")}
 
 
-def connect(
-    dsn: str, *, doing: str = "cannot connect", lift: bool = False, **kwargs: Any
-) -> psycopg.Connection[Any]:
+def open_session(dsn: str, *, lift: bool = False, **kwargs: Any) -> psycopg.Connection[Any]:
     """``psycopg.connect`` (``connect_timeout`` :data:`CONNECT_TIMEOUT` unless given, by the
-    caller or the DSN; :func:`session_setup`; ``lift``: :func:`unbounded_options` and
-    :func:`lift_timeouts`, for the consumer's own sessions), its failure translated (``doing``
-    says what for)."""
+    caller or the DSN), then :func:`session_setup`; ``lift``: :func:`unbounded_options` and
+    :func:`lift_timeouts`, for the sessions of the consumer and of the followers that wait
+    idle. Raises psycopg's errors (closed again if its set-up fails); :func:`connect`
+    translates them."""
     if "connect_timeout" not in kwargs:
         kwargs.update(connect_timeout(dsn))
     if lift:
         kwargs.update(unbounded_options(dsn))
-    try:
-        conn = psycopg.connect(dsn, **kwargs)
-    except psycopg.Error as e:
-        raise translate(e, dsn=dsn, doing=doing) from e
+    conn = psycopg.connect(dsn, **kwargs)
     try:
         session_setup(conn)
         if lift:
             lift_timeouts(conn)
-    except psycopg.Error as e:
+    except BaseException:
         conn.close()
-        raise translate(e, dsn=dsn, doing=doing) from e
+        raise
     return conn
+
+
+async def open_session_async(
+    dsn: str, *, lift: bool = False, **kwargs: Any
+) -> psycopg.AsyncConnection[Any]:
+    """:func:`open_session` for an async connection."""
+    if "connect_timeout" not in kwargs:
+        kwargs.update(connect_timeout(dsn))
+    if lift:
+        kwargs.update(unbounded_options(dsn))
+    conn = await psycopg.AsyncConnection.connect(dsn, **kwargs)
+    try:
+        await session_setup_async(conn)
+        if lift:
+            await lift_timeouts_async(conn)
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
+def connect(
+    dsn: str, *, doing: str = "cannot connect", lift: bool = False, **kwargs: Any
+) -> psycopg.Connection[Any]:
+    """:func:`open_session`, its failure translated (``doing`` says what for)."""
+    try:
+        return open_session(dsn, lift=lift, **kwargs)
+    except psycopg.Error as e:
+        raise translate(e, dsn=dsn, doing=doing) from e

@@ -46,7 +46,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ledger_cdc.connect import connect_timeout, session_setup
+from ledger_cdc.connect import open_session
 from ledger_cdc.errors import ArchiveRefusedError, ConfigError, InvalidEventError
 from ledger_cdc.fold import (
     FORMAT_VERSION,
@@ -656,17 +656,11 @@ def _undo(conn: psycopg.Connection[Any], p: Partition, files: Iterable[Path]) ->
             _attach(conn, p)
         return
     try:
-        other = psycopg.connect(
-            conn.info.dsn,
-            password=conn.info.password,
-            autocommit=True,
-            **connect_timeout(conn.info.dsn),
-        )
+        other = open_session(conn.info.dsn, password=conn.info.password, autocommit=True)
     except psycopg.Error:
         return
     with other:
         try:
-            session_setup(other)
             if not _lock(other):
                 return
             if _recorded(other, p.name) is False:

@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ledger_cdc.connect import connect, connect_timeout, session_setup
+from ledger_cdc.connect import connect, open_session
 from ledger_cdc.errors import ConfigError, MigrationError, translate
 from ledger_cdc.names import (
     DEFAULT_PUBLICATION,
@@ -341,8 +341,7 @@ def init(
         validate_slot_name(slot)
     created: list[str] = []
     try:
-        with psycopg.connect(dsn, autocommit=True, **connect_timeout(dsn)) as conn:
-            session_setup(conn)
+        with open_session(dsn, autocommit=True) as conn:
             preflight(conn, slot=slot is not None or bool(shards))
             fresh = partitions.setup(conn, partition_by) if partition_by else False
             applied = migrate(conn)
@@ -447,8 +446,7 @@ def drop_slot(dsn: str, name: str, *, force: bool = False) -> bool:
 
 
 def _drop_slot(dsn: str, name: str, force: bool) -> bool:
-    with psycopg.connect(dsn, autocommit=True, **connect_timeout(dsn)) as conn:
-        session_setup(conn)
+    with open_session(dsn, autocommit=True) as conn:
         for _ in range(50):
             row = conn.execute(
                 "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (name,)

@@ -19,12 +19,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ledger_cdc.connect import (
-    connect_timeout,
-    lift_timeouts_async,
-    session_setup_async,
-    unbounded_options,
-)
+from ledger_cdc.connect import open_session_async
 from ledger_cdc.errors import ConfigError, InvalidEventError
 from ledger_cdc.events import (
     LedgerEvent,
@@ -206,11 +201,8 @@ async def pending_runs(
     re-check of the projections every ``recheck`` seconds. A run is yielded again only when its
     projection moved on, or after ``recheck`` seconds if it is still ready (nobody took it)."""
     listen = sql.SQL("LISTEN {}").format(sql.Identifier(check_channel(channel)))
-    async with await psycopg.AsyncConnection.connect(
-        dsn, autocommit=True, **connect_timeout(dsn), **unbounded_options(dsn)
-    ) as conn:
-        await session_setup_async(conn)
-        await lift_timeouts_async(conn)  # (it waits idle for notifications)
+    # (lift: it waits idle for notifications)
+    async with await open_session_async(dsn, lift=True, autocommit=True) as conn:
         await conn.execute(listen)
         seen: dict[uuid.UUID, tuple[int, float]] = {}
         while True:

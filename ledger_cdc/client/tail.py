@@ -18,12 +18,7 @@ import msgspec
 import psycopg
 
 from ledger_cdc.client.read import COLUMNS, row_event
-from ledger_cdc.connect import (
-    connect_timeout,
-    lift_timeouts_async,
-    session_setup_async,
-    unbounded_options,
-)
+from ledger_cdc.connect import open_session_async
 from ledger_cdc.errors import ConfigError, DatabaseUnavailable
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.names import SESSIONS_CHANNEL
@@ -46,11 +41,8 @@ async def follow_postgres(
 ) -> AsyncIterator[LedgerEvent | Rejected]:
     """Events of the session after position ``after``, as the consumer folds them (a row the
     consumer quarantined comes as :class:`~ledger_cdc.events.Rejected`)."""
-    async with await psycopg.AsyncConnection.connect(
-        dsn, autocommit=True, **connect_timeout(dsn), **unbounded_options(dsn)
-    ) as conn:
-        await session_setup_async(conn)
-        await lift_timeouts_async(conn)  # (it waits idle for notifications)
+    # (lift: it waits idle for notifications)
+    async with await open_session_async(dsn, lift=True, autocommit=True) as conn:
         await conn.execute(f"LISTEN {SESSIONS_CHANNEL}")
         last = after
         prefix = f"{session_id}:"
@@ -149,10 +141,7 @@ async def _omitted_event(dsn: str | None, w: WireEvent) -> LedgerEvent | Rejecte
     why = f"published without its payload ({w.omitted:,} bytes, over the NATS server's max_payload)"
     if dsn is not None:
         try:
-            async with await psycopg.AsyncConnection.connect(
-                dsn, autocommit=True, **connect_timeout(dsn)
-            ) as conn:
-                await session_setup_async(conn)
+            async with await open_session_async(dsn, autocommit=True) as conn:
                 cur = await conn.execute(_ONE.encode(), (w.session_id, w.position))
                 row = await cur.fetchone()
         except psycopg.Error as e:

@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 
 from ledger_cdc.admin.health import LOST, RateWatch, Thresholds, check_slots
-from ledger_cdc.connect import connect_timeout, lift_timeouts, session_setup, unbounded_options
+from ledger_cdc.connect import connect_timeout, open_session
 from ledger_cdc.consumer.metrics import Metrics
 from ledger_cdc.names import HEARTBEAT_PREFIX
 
@@ -79,14 +79,10 @@ class Periodic:
                 wait = self.interval
                 try:
                     if conn is None or conn.closed:
-                        conn = psycopg.connect(
-                            self.dsn,
-                            autocommit=True,
-                            **connect_timeout(self.dsn, 5),
-                            **unbounded_options(self.dsn),
+                        # (lift: a VACUUM of a large table, a long interval)
+                        conn = open_session(
+                            self.dsn, lift=True, autocommit=True, **connect_timeout(self.dsn, 5)
                         )
-                        session_setup(conn)
-                        lift_timeouts(conn)  # (a VACUUM of a large table, a long interval)
                     if self.step(conn) is False:
                         return
                 except self.errors as e:

@@ -899,13 +899,11 @@ class AsyncLedgerSaver(LedgerSaver):
 
 
 def _migrate(dsn: str) -> None:
-    import psycopg
 
     from ledger_cdc.admin.schema import migrate
-    from ledger_cdc.connect import connect_timeout, session_setup
+    from ledger_cdc.connect import open_session
 
-    with psycopg.connect(dsn, autocommit=True, **connect_timeout(dsn)) as conn:
-        session_setup(conn)
+    with open_session(dsn, autocommit=True) as conn:
         migrate(conn)
 
 
