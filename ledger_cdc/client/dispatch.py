@@ -60,6 +60,7 @@ from ledger_cdc.errors import (
     check_ranges,
     translate,
 )
+from ledger_cdc.events import READ_MAX_DEPTH, decode_bounded
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -450,8 +451,9 @@ class Dispatcher:
         unreadable: dict[int, str] = {}  # row → why its payload cannot be read: parked uncalled
         for r in sorted(rows):
             try:
-                payload = msgspec.json.decode(r[4])
-            except (msgspec.DecodeError, RecursionError) as e:  # nested past the decoder
+                # as deep as the writer lets a payload be, and no deeper, on every Python
+                payload = decode_bounded(msgspec.json.decode, r[4], READ_MAX_DEPTH)
+            except msgspec.DecodeError as e:
                 payload, unreadable[int(r[0])] = None, f"payload cannot be read: {e}"
             msgs.append(OutboxMessage(int(r[0]), r[1], int(r[2]), r[3], payload, r[5], int(r[6])))
         called = iter(self._call_all([m for m in msgs if m.id not in unreadable]))

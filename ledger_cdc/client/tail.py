@@ -20,7 +20,7 @@ import psycopg
 from ledger_cdc.client.read import COLUMNS, row_event
 from ledger_cdc.connect import open_session_async
 from ledger_cdc.errors import ConfigError, DatabaseUnavailable
-from ledger_cdc.events import LedgerEvent, Rejected
+from ledger_cdc.events import DOC_MAX_DEPTH, LedgerEvent, Rejected, decode_bounded
 from ledger_cdc.names import SESSIONS_CHANNEL
 from ledger_cdc.sink.jetstream import JetStreamSettings, WireEvent, wire_event
 
@@ -118,9 +118,9 @@ async def follow_jetstream(
             except asyncio.TimeoutError:
                 continue
             try:
-                w = dec.decode(msg.data)
-            # not what a consumer publishes (or nested past what the decoder takes): no event
-            except (msgspec.DecodeError, RecursionError) as e:
+                w = decode_bounded(dec.decode, msg.data, DOC_MAX_DEPTH)
+            # not what a consumer publishes (or nested deeper than one could be): no event
+            except msgspec.DecodeError as e:
                 log.warning("skipped a message on %s that is not an event: %s", subject, e)
                 continue
             if w.session_id != session_id or w.position <= after:

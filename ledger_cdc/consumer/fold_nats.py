@@ -36,7 +36,7 @@ from ledger_cdc.client.read import COLUMNS, row_event
 from ledger_cdc.connect import connect
 from ledger_cdc.consumer.config import RANGES
 from ledger_cdc.errors import ConfigError, FencedError, LedgerError, check_ranges
-from ledger_cdc.events import LedgerEvent, Rejected
+from ledger_cdc.events import DOC_MAX_DEPTH, LedgerEvent, Rejected, decode_bounded
 from ledger_cdc.fold import default_reducers
 from ledger_cdc.lsn import parse_lsn
 from ledger_cdc.pgoutput.messages import pg_micros
@@ -397,8 +397,8 @@ class FoldWorker:
         publish on the subjects can put one there: logged and skipped, never folded)."""
         try:
             ev, lsn = self._event(data)
-        # ValueError: its commit_lsn; RecursionError: nested past what the decoder takes
-        except (msgspec.DecodeError, ValueError, RecursionError) as e:
+        # ValueError: its commit_lsn (DecodeError too for one nested deeper than an event's)
+        except (msgspec.DecodeError, ValueError) as e:
             log.warning(
                 "fold %s: stream message %d is not an event, skipped: %s", self.name, seq, e
             )
@@ -411,7 +411,7 @@ class FoldWorker:
         """A message's event and its commit LSN. What cannot be read is Rejected (the fold
         quarantines it, as the consumer quarantines a row); a payload left out of the stream
         is read from agent_events."""
-        w = self._dec.decode(data)
+        w = decode_bounded(self._dec.decode, data, DOC_MAX_DEPTH)
         lsn = parse_lsn(w.commit_lsn) if w.commit_lsn else 0
         payload = bytes(w.payload)
         _storable(w, payload)

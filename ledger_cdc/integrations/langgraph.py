@@ -58,6 +58,7 @@ from ledger_cdc.client.steps import Step, Steps, run, run_async
 from ledger_cdc.client.writer import AsyncLedger, Ledger
 from ledger_cdc.errors import ConfigError, InvalidEventError
 from ledger_cdc.events import (
+    READ_MAX_DEPTH,
     Blob,
     CheckpointSaved,
     CheckpointsHidden,
@@ -67,6 +68,7 @@ from ledger_cdc.events import (
     Typed,
     Write,
     WritesPut,
+    decode_bounded,
 )
 
 __all__ = ["LANGGRAPH_NAMESPACE", "AsyncLedgerSaver", "LedgerSaver", "thread_session"]
@@ -131,9 +133,10 @@ class _Thread:
         if dec is None:  # a type of a newer version: not this saver's to read
             return
         try:
-            ev = dec.decode(text)
-        # as every reader does: one bad row (or one nested past the decoder) is skipped
-        except (msgspec.DecodeError, RecursionError) as e:
+            ev = decode_bounded(dec.decode, text, READ_MAX_DEPTH)
+        # as every reader does: one bad row (one nested deeper than the consumer reads too)
+        # is skipped
+        except msgspec.DecodeError as e:
             log.warning(
                 "thread %r: a %s event that does not fit, skipped: %s",
                 self.thread_id,

@@ -33,7 +33,13 @@ import msgspec
 
 from ledger_cdc.client.writer import AsyncLedger
 from ledger_cdc.errors import ConcurrentAppendError
-from ledger_cdc.events import ItemPopped, ItemsAdded, ItemsCleared
+from ledger_cdc.events import (
+    READ_MAX_DEPTH,
+    ItemPopped,
+    ItemsAdded,
+    ItemsCleared,
+    decode_bounded,
+)
 
 try:  # the SDK's base class when it is installed (a Session is a protocol: any class will do)
     from agents.memory.session import SessionABC as _Base
@@ -134,17 +140,17 @@ class _History:
             self.head = position
             try:
                 if event_type == "openai.items.added":
-                    added = _added.decode(text).items
+                    added = decode_bounded(_added.decode, text, READ_MAX_DEPTH).items
                     if _WRAPPED in text:  # rare: only then is each item looked at
                         added = [_loaded(it) for it in added]
                     self.items.update(((position, i), it) for i, it in enumerate(added))
                 elif event_type == "openai.item.popped":
-                    p = _popped.decode(text)
+                    p = decode_bounded(_popped.decode, text, READ_MAX_DEPTH)
                     self.items.pop((p.added_at, p.index), None)
                 elif event_type == "openai.items.cleared":
                     self.items.clear()
-            # as every reader: a bad row (or one nested past the decoder) is skipped
-            except (msgspec.DecodeError, ValueError, RecursionError) as e:
+            # as every reader: a bad row (one nested deeper than the consumer reads too) is skipped
+            except (msgspec.DecodeError, ValueError) as e:
                 log.warning(
                     "session %s: a %s event that does not fit, skipped: %s", self.sid, event_type, e
                 )

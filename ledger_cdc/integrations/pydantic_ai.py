@@ -40,7 +40,13 @@ from ledger_cdc.client.recovery import rebuild_context_async
 from ledger_cdc.client.steps import Step, Steps, run_async
 from ledger_cdc.client.writer import AsyncLedger
 from ledger_cdc.errors import IdempotencyConflictError, InvalidEventError, NoSuchSessionError
-from ledger_cdc.events import HarnessRecord, ToolInvoked, ToolObserved
+from ledger_cdc.events import (
+    READ_MAX_DEPTH,
+    HarnessRecord,
+    ToolInvoked,
+    ToolObserved,
+    decode_bounded,
+)
 
 __all__ = ["PYDANTIC_NAMESPACE", "LedgerStepStore", "run_session"]
 
@@ -98,8 +104,8 @@ def _readable(cls: Any, texts: Iterable[str]) -> list[Any]:
     out = []
     for text in texts:
         try:
-            out.append(_from_json(cls, _record.decode(text).record))
-        except (InvalidEventError, msgspec.DecodeError, RecursionError) as e:
+            out.append(_from_json(cls, decode_bounded(_record.decode, text, READ_MAX_DEPTH).record))
+        except (InvalidEventError, msgspec.DecodeError) as e:
             log.warning("%s; skipped", str(e)[:500])
     return out
 

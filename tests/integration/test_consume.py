@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import psycopg
 import pytest
 
@@ -319,6 +320,10 @@ def test_a_projection_edited_out_of_shape_is_rebuilt_from_the_ledger(
     """A projection no reader can use (edited by hand, or written by another version) is
     rebuilt from the ledger when its session next has an event: the consumer neither stops,
     nor folds on from nothing, nor retries a write that cannot succeed."""
+    if "repeat(" in edit and _decodes(b"[" * 3000 + b"]" * 3000):
+        # 3.13's decoder goes to 10,000 levels, past what a jsonb of PostgreSQL 17+ may hold:
+        # the edit is a projection of the right shape there, as a shallow edit of extra is
+        pytest.skip("this Python's JSON decoder reads 3,000 levels")
     sid = uuid.uuid4()
     log = tmp_path / "c.log"
     with db.connect() as conn:
@@ -337,6 +342,15 @@ def test_a_projection_edited_out_of_shape_is_rebuilt_from_the_ledger(
     assert "rebuilt from the ledger" in log.read_text()
     assert_projections_equal_refold(db.dsn)
     assert_verify_exact(db.dsn)
+
+
+def _decodes(data: bytes) -> bool:
+    """Whether this Python's JSON decoder reads ``data`` (its depth limit is the Python's)."""
+    try:
+        msgspec.json.decode(data)
+    except RecursionError:
+        return False
+    return True
 
 
 def test_positions_the_stream_never_sent_are_recorded_and_the_fold_goes_on(

@@ -138,6 +138,10 @@ def test_json_depth_of_shapes_that_take_either_path() -> None:
     assert json_depth(comb) == 101  # 50 × ({ and [), and the empty arrays in the last
     assert json_depth(b'{"a": "[[[[\\"{{{", "b": [{"c": "]]]"}]}') == 3
     assert json_depth(chain(10), 5) == 6
+    # strings side by side, empty or holding brackets, escaped quotes and backslashes
+    assert json_depth(b'["", "[", "", "]]", "", {"": ""}]') == 2
+    assert json_depth(b'[["a", "[[", ""], [""], "\\", "\\"[", "x\\"]') == 2
+    assert json_depth(b'{"k": "\\"}') == 1 and json_depth(b'["]\\", ["["]]') == 2
 
 
 def test_a_struct_built_with_the_wrong_types_is_refused_by_the_writer() -> None:
@@ -153,3 +157,30 @@ def test_a_struct_built_with_the_wrong_types_is_refused_by_the_writer() -> None:
         with pytest.raises(InvalidEventError, match="as built by"):
             encode_payload(etype, payload)
     assert encode_payload("run.leased", RunLeased("w", 30)) == b'{"worker":"w","ttl":30}'
+
+
+@pytest.mark.parametrize("text", [False, True])
+def test_what_is_read_does_not_depend_on_the_pythons_decoder(text: bool) -> None:
+    """decode_bounded reads JSON up to its limit and refuses deeper JSON with a DecodeError,
+    whether the decoder would have gone on (3.11's stops near 1,000 levels, 3.13's near
+    10,000: 600 levels decode on both) or not (a RecursionError, which no reader expected
+    beside a DecodeError); bytes and str alike, strings holding brackets not counted."""
+    from ledger_cdc.events import DOC_MAX_DEPTH, READ_MAX_DEPTH, decode_bounded
+
+    def doc(depth: int) -> bytes | str:
+        body = '{"s": "[[[{{{", "k": ' * depth + "1" + "}" * depth
+        return body if text else body.encode()
+
+    dec = msgspec.json.decode
+    assert msgspec.json.decode(doc(600)) is not None  # the decoder alone takes it
+    for limit in (READ_MAX_DEPTH, DOC_MAX_DEPTH):
+        value = decode_bounded(dec, doc(limit), limit)
+        for _ in range(limit - 1):
+            value = value["k"]
+        assert value == {"s": "[[[{{{", "k": 1}
+        for depth in (limit + 1, 600, 3000, 20_000):
+            with pytest.raises(msgspec.DecodeError, match=f"deeper than {limit} levels"):
+                decode_bounded(dec, doc(depth), limit)
+    assert decode_bounded(dec, "[" * 9 + "]" * 9, 9) == [[[[[[[[[]]]]]]]]]
+    with pytest.raises(msgspec.DecodeError, match="deeper than 8"):
+        decode_bounded(dec, "[" * 9 + "]" * 9, 8)
