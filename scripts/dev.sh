@@ -5,10 +5,12 @@
 #   sh scripts/dev.sh test [PYTEST…]   the whole test suite (PostgreSQL 15 and 18 where present)
 #   sh scripts/dev.sh lint             ruff check, ruff format --check, the layer contract, mypy
 #   sh scripts/dev.sh bench NAME       a benchmark under bench/
+# PYTHON picks the interpreter a new venv is made with, VENV where it lives (.venv): e.g.
+#   PYTHON=python3.13 VENV=.venv-3.13 sh scripts/dev.sh test
 set -eu
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VENV=.venv
+VENV=${VENV:-.venv}
 STAMP=$VENV/.installed
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
