@@ -31,7 +31,7 @@ import psycopg2.errors
 import psycopg2.extensions
 import psycopg2.extras
 
-from ledger_cdc.connect import merged_options
+from ledger_cdc.connect import connect_timeout, merged_options
 from ledger_cdc.errors import (
     ConfigError,
     SlotBusyError,
@@ -42,7 +42,6 @@ from ledger_cdc.errors import (
     format_lsn,
     translate,
 )
-from ledger_cdc.names import CONNECT_TIMEOUT
 
 __all__ = [
     "FEEDBACK_EVERY",
@@ -79,15 +78,6 @@ bytes object, the buffer's slot): the read-ahead bound counts them."""
 
 
 _PAYLOAD = operator.attrgetter("payload")
-
-
-def _timeout(dsn: str) -> dict[str, Any]:
-    """A connect timeout unless the DSN gives its own (see ``connect.connect_timeout``)."""
-    try:
-        given = "connect_timeout" in psycopg2.extensions.parse_dsn(dsn)
-    except psycopg2.Error:
-        given = False  # a DSN that does not parse: the connect says why
-    return {} if given else {"connect_timeout": CONNECT_TIMEOUT}
 
 
 def _held(msg: XLogData) -> int:
@@ -206,7 +196,7 @@ class ReplicationStream:
                 options=merged_options(self.dsn, _SESSION_OPTIONS),
                 # names this process in pg_stat_replication (which consumer holds the slot)
                 application_name=f"ledger-cdc:{self.slot}:{os.getpid()}"[:63],
-                **_timeout(self.dsn),
+                **connect_timeout(self.dsn),
                 keepalives=1,
                 keepalives_idle=10,
                 keepalives_interval=5,
