@@ -14,7 +14,11 @@ nats-server's CPU meanwhile (it shares the machine's cores with the consumer and
 A third drain each time, ``--sink postgres`` alone again, runs beside another process
 (``js_traffic.py``) publishing the same messages through the same publisher to a fresh
 nats-server from when the drain streams: what the traffic itself costs on these cores, with
-none of it in the consumer's process (the bound any split of the consumer would meet).
+none of it in the consumer's process (the bound any split of the consumer would meet). The CPU
+the whole machine used during each drain (every process: the consumer, the walsender, the
+sink's backend, nats-server) from when the consumer streams is printed too, and from it the
+least time the fan-out's drain can take on these cores: its start-up, then its machine CPU
+divided by the number of cores.
 
     sh scripts/dev.sh bench drain [--events 100000] [--sessions 1000] [--pg-major 15]
                                   [--fan-out [--runs 3]]
@@ -35,7 +39,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
-from common import consume_until, proc_cpu_seconds, recvlogical, timed_backlog, wait_until
+from common import (
+    consume_until,
+    machine_cpu_seconds,
+    proc_cpu_seconds,
+    recvlogical,
+    timed_backlog,
+    wait_until,
+)
 
 from ledger_cdc.admin.schema import create_slot, init
 from ledger_cdc.demo.embedded import EmbeddedPostgres
@@ -99,16 +110,25 @@ def fan_out(args: argparse.Namespace, pg: EmbeddedPostgres, dsn: str) -> None:
     fan: list[tuple[float, float, float]] = []
     server_cpu: list[float] = []  # nats-server's, during each fan-out drain
     beside: list[float] = []  # PostgreSQL alone, another process publishing the same traffic
+    # every process's CPU while the consumer streamed: alone, fan-out
+    machine: tuple[list[float], list[float]] = ([], [])
+    streaming: list[float] = []
+
+    def streams() -> None:
+        streaming.append(machine_cpu_seconds())
+
     for i in range(args.runs):
         opts = ["--slot", f"alone{i}", "--target-dsn", pg.dsn(f"alone{i}"), "--sink", "postgres"]
-        t, start, cpu, _ = drain(args, dsn, pg.dsn(f"alone{i}"), opts)
+        t, start, cpu, _ = drain(args, dsn, pg.dsn(f"alone{i}"), opts, streams)
+        machine[0].append(machine_cpu_seconds() - streaming.pop())
         alone.append((t, start, cpu))
         nats = NatsProcess()
         with nats as url:
             opts = ["--slot", f"fanout{i}", "--target-dsn", pg.dsn(f"fanout{i}")]
             opts += ["--sink", "postgres", "--sink", url]
             before = proc_cpu_seconds(nats.proc.pid)
-            t, start, cpu, _ = drain(args, dsn, pg.dsn(f"fanout{i}"), opts)
+            t, start, cpu, _ = drain(args, dsn, pg.dsn(f"fanout{i}"), opts, streams)
+            machine[1].append(machine_cpu_seconds() - streaming.pop())
             server_cpu.append(proc_cpu_seconds(nats.proc.pid) - before)
         fan.append((t, start, cpu))
         t_beside, published = beside_traffic(args, pg, dsn, i)
@@ -140,6 +160,16 @@ def fan_out(args: argparse.Namespace, pg: EmbeddedPostgres, dsn: str) -> None:
     print(
         f"    fan-out ÷ PostgreSQL alone: {tf / ta:.2f}× the time end to end, "
         f"{(tf - sf) / max(1e-6, ta - sa):.2f}× streaming alone (target ≤ 1.25×)"
+    )
+    cores = os.cpu_count() or 1
+    ma, mf = (statistics.median(m) for m in machine)
+    least = sf + mf / cores
+    print(
+        f"    the whole machine's CPU (every process) while the consumer streamed: PostgreSQL "
+        f"alone {ma:.2f}s ({ma / (ta - sa) / cores:.0%} of {cores} cores), with JetStream "
+        f"{mf:.2f}s ({mf / (tf - sf) / cores:.0%}): the fan-out's drain cannot take less than "
+        f"its start-up and {mf:.2f}s ÷ {cores} cores, {least:.2f}s = {least / ta:.2f}× of "
+        "PostgreSQL alone"
     )
     tb = statistics.median(beside)
     print(

@@ -22,10 +22,11 @@ is not spread over the events).
 
 At the limited rate a third phase measures a floor: the least a Python reader does per
 transaction, in its own process on a slot of its own (no ledger-cdc running): wake on the
-replication socket, read the messages with the same driver, and at each Commit one prepared
-one-row UPDATE committed asynchronously, as the consumer's sink commits. Its p50 is what this
-machine, this server and the language take before any of ledger-cdc's own work (decode, fold,
-the projection's statement).
+replication socket, read the messages with the same driver, and at each Commit one one-row
+UPDATE committed asynchronously, as the consumer's sink commits (prepared once, run by libpq's
+own blocking call: no driver layer above it). Its p50 and its CPU per transaction (counted as
+the consumer's is) are what this machine, this server and the language take before any of
+ledger-cdc's own work (decode, fold, the projection's statement).
 
     sh scripts/dev.sh bench sustained [--seconds 10] [--pg-major 15]
 """
@@ -107,8 +108,10 @@ def floor_role(dsn: str, out: str) -> None:
         decode=False,
         options={"proto_version": "1", "publication_names": "agent_pub"},
     )
-    with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as w:
+    with psycopg.connect(dsn, autocommit=True) as w:
         w.execute("SET synchronous_commit = off")
+        pgconn = w.pgconn  # libpq itself: a statement prepared once, run blocking
+        pgconn.prepare(b"floor", b"UPDATE bench_floor SET lsn = $1 WHERE id = 1")
         while not stop.is_set():
             msg = cur.read_message()
             if msg is None:
@@ -116,7 +119,8 @@ def floor_role(dsn: str, out: str) -> None:
                 continue
             if msg.payload[:1] == b"C":  # Commit: flags, commit LSN, end LSN, commit time
                 (ts,) = struct.unpack_from(">q", msg.payload, 18)
-                w.execute("UPDATE bench_floor SET lsn = %s WHERE id = 1", (msg.data_start,))
+                res = pgconn.exec_prepared(b"floor", [str(msg.data_start).encode()])
+                assert res.status == psycopg.pq.ExecStatus.COMMAND_OK, res.error_message
                 lat.append(time.time() - (PG_EPOCH + ts / 1e6))
                 cur.send_feedback(flush_lsn=msg.data_start)
     repl.close()
@@ -141,7 +145,9 @@ def start_role(role: str, dsn: str, tmp: str) -> tuple[subprocess.Popen[bytes], 
 
 def floor_phase(
     pg: EmbeddedPostgres, dsn: str, clients: int, rate: int, seconds: int
-) -> list[float]:
+) -> tuple[list[float], float]:
+    """The floor reader's latencies and its CPU seconds per 1,000 transactions, counted as the
+    consumer's are: from the writers' start until it has read them all."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE bench_floor (id int PRIMARY KEY, lsn bigint)")
         conn.execute("INSERT INTO bench_floor VALUES (1, 0)")
@@ -151,16 +157,19 @@ def floor_phase(
             reader, out, script = start_role("floor", dsn, tmp)
             argv = pgbench_argv(pg, script, clients, seconds)
             argv[1:1] = ["-R", str(rate)]
+            cpu_before = proc_cpu_seconds(reader.pid)
             subprocess.run(argv, capture_output=True, text=True, check=True)
             time.sleep(0.5)
+            cpu = proc_cpu_seconds(reader.pid) - cpu_before
             reader.send_signal(signal.SIGTERM)
             reader.wait(60)
             lat: list[float] = json.loads(out.read_text())["latencies"]
+            cpu = cpu / max(1, len(lat)) * 1000
     finally:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("SELECT pg_drop_replication_slot(%s)", (FLOOR_SLOT,))
             conn.execute("DROP TABLE bench_floor")
-    return lat
+    return lat, cpu
 
 
 class Poller(threading.Thread):
@@ -336,11 +345,15 @@ def main() -> None:
                 f"(ledger-cdc beside it: p50 {b['p50']:.1f} ms, p99 {b['p99']:.1f} ms)"
             )
             if rate:
-                floor = floor_phase(pg, dsn, clients, rate, args.seconds)
+                floor, floor_cpu = floor_phase(pg, dsn, clients, rate, args.seconds)
                 print(
                     f"  floor reader     p50 {percentile(floor, 50) * 1000:7.2f} ms  p99 "
                     f"{percentile(floor, 99) * 1000:7.1f} ms  (wake, read, one one-row UPDATE "
                     f"per transaction, {len(floor)} of them: the least a Python reader takes)"
+                )
+                print(
+                    f"                   CPU {floor_cpu:.3f} s/1000 transactions, counted as "
+                    f"ledger-cdc's {a['cpu_per_1000']:.3f} is"
                 )
                 print(
                     f"  ledger-cdc p50 ÷ LISTEN/NOTIFY p50: {a['p50'] / b['side_p50']:.2f}× "
