@@ -348,6 +348,7 @@ class JetStreamPublisher:
         self._stream_ready = False
         self._broken = False
         self._closing: set[asyncio.Future[None]] = set()  # clients whose connect was cut short
+        self._shut = False  # close() under way: the connection's end is ours, not a fault
         self.published = 0
         self.skipped = 0  # messages not published: the stream already held their position
         self.heads_read = 0  # subjects whose last message was read (what may be in the stream)
@@ -550,7 +551,10 @@ class JetStreamPublisher:
         log.warning("NATS: %s", _first_line(e))
 
     async def _on_disconnected(self) -> None:
-        log.warning("NATS: disconnected")
+        if self._shut:
+            log.info("NATS: connection closed")
+        else:
+            log.warning("NATS: disconnected")
 
     async def _on_reconnected(self) -> None:
         url = getattr(self._nc, "connected_url", None)
@@ -939,6 +943,7 @@ class JetStreamPublisher:
         return await self._publish(msgs), len(msgs)
 
     def close(self) -> None:
+        self._shut = True
         log.info(
             "JetStream: %d messages published (%d in fast-ingest batches), %d already there",
             self.published,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -633,6 +634,30 @@ def test_a_fast_batch_holding_messages_the_stream_has_is_stored_once_and_succeed
     assert again.fast_batches == 1 and again.published == 400 and again.skipped == 0
     again.close()
     assert _positions([srv.url], "a") == list(range(1, 401))
+
+
+def test_closing_the_publisher_is_not_logged_as_a_lost_connection(
+    srv: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A consumer that stops closes its NATS connection: an info line, not the warning of a
+    connection lost (every clean stop logged "NATS: disconnected" as a warning); a server that
+    goes away still gets the warning."""
+    caplog.set_level(logging.INFO, logger="ledger_cdc")
+    pub = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
+    pub.publish(_events(uuid.uuid4(), 1, 10), [])
+    pub.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert "NATS: connection closed" in caplog.messages
+
+    caplog.clear()
+    lost = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
+    lost.publish(_events(uuid.uuid4(), 1, 10), [])
+    srv.kill()
+    try:
+        until(lambda: "NATS: disconnected" in caplog.messages, timeout=30)
+    finally:
+        lost.close()
+    assert all(r.levelno == logging.WARNING for r in caplog.records if "disconnected" in r.msg)
 
 
 def _republish(pub: JetStreamPublisher, batch: list[Any]) -> bool:
