@@ -209,6 +209,8 @@ class Consumer:
 
     def stop(self) -> None:
         self._stop.set()
+        for pub in self.sink.publishers:  # a publish a server does not answer ends soon, too
+            pub.stopping()
 
     def install_signal_handlers(self) -> None:
         """SIGINT, SIGTERM and SIGHUP stop the consumer after its current batch (the handler
@@ -355,6 +357,10 @@ class Consumer:
 
     def _back_off(self, why: str) -> None:
         """After a failure: recover, then wait (capped exponential backoff with jitter)."""
+        if self._stop.is_set():  # (stopping anyway: no reconnect to announce)
+            log.warning("%s", why)
+            self._recover()
+            return
         self.metrics.reconnects += 1
         delay = self._backoff.failed()
         log.warning("%s; reconnecting in %.2fs", why, delay)

@@ -230,6 +230,13 @@ def _lsn_of(session: tuple[Any, ...]) -> int:
 
 
 _PING_INTERVAL = 2  # seconds between NATS pings
+# once the process is asked to stop, a publish (or a connect) still unanswered this many
+# seconds later is given up, whatever ack_timeout says: its batch was not checkpointed, and is
+# published again when the consumer next starts
+STOP_GRACE = 5.0
+# while the server stays out of reach, nats-py reports each failed attempt (two a second): the
+# first is logged, the next ones once per this many seconds, counted
+_ERRORS_EVERY = 30.0
 _WINDOW = 4000  # publishes awaiting their acknowledgement at once
 _CHUNK = 500  # messages written to the connection at a time
 # fast-ingest batches (nats-server 2.14+, a stream with allow_batched): the server acknowledges
@@ -349,6 +356,9 @@ class JetStreamPublisher:
         self._broken = False
         self._closing: set[asyncio.Future[None]] = set()  # clients whose connect was cut short
         self._shut = False  # close() under way: the connection's end is ours, not a fault
+        self._stop_at: float | None = None  # when stopping() was called (monotonic)
+        self._quiet_until = 0.0  # connection errors are counted, not logged, until then
+        self._errors_held = 0
         self.published = 0
         self.skipped = 0  # messages not published: the stream already held their position
         self.heads_read = 0  # subjects whose last message was read (what may be in the stream)
@@ -376,16 +386,46 @@ class JetStreamPublisher:
         self.fast_batches = 0  # batches published as fast-ingest batches
         self.fast_published = 0  # messages in them
 
-    def _run(self, coro: Any, timeout: float) -> Any:
-        return self._result(asyncio.run_coroutine_threadsafe(coro, self._loop), timeout)
+    def stopping(self) -> None:
+        """The process is stopping: what is still waited for :data:`STOP_GRACE` seconds from
+        now (a batch's acknowledgements, a connection) is given up then, however long
+        ``ack_timeout`` is, so a stop never waits on a server that does not answer for longer
+        than that. Takes no lock: safe from any thread, a signal handler's included."""
+        if self._stop_at is None:
+            self._stop_at = time.monotonic()
 
-    def _result(self, fut: concurrent.futures.Future[Any], timeout: float) -> Any:
+    def _run(self, coro: Any, timeout: float) -> Any:
+        return self._result(asyncio.run_coroutine_threadsafe(coro, self._loop), timeout, False)
+
+    def _result(
+        self, fut: concurrent.futures.Future[Any], timeout: float, stoppable: bool = True
+    ) -> Any:
+        """``fut``'s result within ``timeout`` (and, when ``stoppable``, within
+        :data:`STOP_GRACE` of :meth:`stopping`); else JetStreamError, ``fut`` cancelled and the
+        connection marked for a reset."""
+        deadline = time.monotonic() + timeout
         try:
-            return fut.result(timeout)
-        except (TimeoutError, concurrent.futures.TimeoutError) as e:  # distinct before 3.11
+            while True:
+                now = time.monotonic()
+                end = deadline
+                if stoppable and self._stop_at is not None:
+                    end = min(end, self._stop_at + STOP_GRACE)
+                try:  # (in slices: a stop may come while this waits)
+                    return fut.result(max(0.0, min(end - now, 0.25)))
+                except (TimeoutError, concurrent.futures.TimeoutError):  # distinct before 3.11
+                    if time.monotonic() < end:
+                        continue
+                if end < deadline:
+                    raise JetStreamError(
+                        f"stopping: JetStream did not acknowledge within {STOP_GRACE:.0f}s of "
+                        "the stop; nothing unacknowledged was checkpointed, and it is published "
+                        "again at the next start"
+                    )
+                raise JetStreamError(f"JetStream did not acknowledge within {timeout:.0f}s")
+        except JetStreamError:
             fut.cancel()
             self._broken = True
-            raise JetStreamError(f"JetStream did not acknowledge within {timeout:.0f}s") from e
+            raise
         except BaseException:
             self._broken = True
             raise
@@ -438,6 +478,7 @@ class JetStreamPublisher:
                 closing.add_done_callback(self._closing.discard)
                 raise
             self._nc = nc
+            self._errors_over()
             self._js = self._nc.jetstream(timeout=s.ack_timeout)
             self._stream_ready = False
             await self._acks()
@@ -546,17 +587,31 @@ class JetStreamPublisher:
                 "match, or update the stream yourself"
             ) from e
 
-    # nats-py's own handlers print tracebacks on every disconnect: one line each instead
+    # nats-py's own handlers print tracebacks on every disconnect: one line each instead, and
+    # while a server stays out of reach, one every _ERRORS_EVERY seconds
     async def _on_error(self, e: Exception) -> None:
-        log.warning("NATS: %s", _first_line(e))
+        now = time.monotonic()
+        if now < self._quiet_until:
+            self._errors_held += 1
+            return
+        held, self._errors_held = self._errors_held, 0
+        self._quiet_until = now + _ERRORS_EVERY
+        more = f" (and {held} more in the last {_ERRORS_EVERY:.0f}s)" if held else ""
+        log.warning("NATS: %s%s", _first_line(e), more)
+
+    def _errors_over(self) -> None:
+        """Connected: the next error is news again."""
+        self._quiet_until = 0.0
+        self._errors_held = 0
 
     async def _on_disconnected(self) -> None:
-        if self._shut:
+        if self._shut or self._stop_at is not None:  # (ours, or of no matter any more)
             log.info("NATS: connection closed")
         else:
             log.warning("NATS: disconnected")
 
     async def _on_reconnected(self) -> None:
+        self._errors_over()
         url = getattr(self._nc, "connected_url", None)
         log.info("NATS: reconnected to %s", getattr(url, "netloc", url))
 

@@ -660,6 +660,74 @@ def test_closing_the_publisher_is_not_logged_as_a_lost_connection(
     assert all(r.levelno == logging.WARNING for r in caplog.records if "disconnected" in r.msg)
 
 
+def test_a_stop_gives_up_a_publish_the_server_does_not_answer_within_the_grace(
+    db: Database, tmp_path: Path
+) -> None:
+    """SIGTERM while the NATS server is hung (SIGSTOP) and ack_timeout is 10 minutes: the
+    consumer exits 0 within STOP_GRACE of the stop instead of waiting out the timeout (the
+    events written meanwhile are a batch it cannot publish, under way or flushed by the stop),
+    and checkpoints nothing it did not publish: started again with the server back, it
+    publishes every event once."""
+    from ledger_cdc.sink.jetstream import STOP_GRACE
+
+    srv = NatsServer(tmp_path / "js")
+    consumer = None
+    try:
+        wait_jetstream([srv.url])
+        log = tmp_path / "c.log"
+        args = ("--create-slot", "--sink", "postgres", "--sink", srv.url + "?ack_timeout=600")
+        consumer = ConsumerProcess(db.dsn, *args, log=log).start()
+        writers = Writers(db.dsn, n=2, pace=0.01).start()
+
+        def published() -> bool:  # a batch committed: JetStream acknowledged it first
+            with psycopg.connect(db.dsn) as conn:
+                row = conn.execute("SELECT count(*) FROM agent_sessions").fetchone()
+            return row is not None and row[0] > 0
+
+        try:
+            until(published, timeout=60)
+            srv.hang()
+            hung = writers.turns
+            until(lambda: writers.turns > hung + 20, timeout=60)
+        finally:
+            writers.stop()
+        began = time.monotonic()
+        assert consumer.terminate(timeout=STOP_GRACE + 30) == 0
+        took = time.monotonic() - began
+        assert took < STOP_GRACE + 10, f"the stop took {took:.1f}s"
+        assert "stopping: JetStream did not acknowledge" in log.read_text()
+        srv.restart()
+        wait_jetstream([srv.url])
+        consumer = ConsumerProcess(db.dsn, *args, log=log).start()
+        wait_caught_up(db.dsn, timeout=120)
+        assert _check_exactly_once(db, [srv.url]) > 20
+    finally:
+        if consumer is not None:
+            consumer.kill()
+        srv.kill()
+
+
+def test_a_server_out_of_reach_is_logged_once_per_half_minute_not_per_attempt(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """nats-py reports every failed connection attempt (two a second): the first is logged,
+    the rest are counted into the next line, 30 s on."""
+    from ledger_cdc.errors import JetStreamError
+    from tests.support.natsserver import free_port
+
+    caplog.set_level(logging.INFO, logger="ledger_cdc")
+    pub = JetStreamPublisher(
+        JetStreamSettings.from_url(f"nats://127.0.0.1:{free_port()}"), "agent_slot"
+    )
+    try:
+        with pytest.raises(JetStreamError):
+            pub.connect(timeout=4)
+    finally:
+        pub.close()
+    refused = [m for m in caplog.messages if m.startswith("NATS: ") and "Error" in m]
+    assert len(refused) == 1, refused
+
+
 def _republish(pub: JetStreamPublisher, batch: list[Any]) -> bool:
     from ledger_cdc.errors import JetStreamError
 
