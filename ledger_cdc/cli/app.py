@@ -428,6 +428,16 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "flushed; after a server crash the consumer re-applies what was lost. sync: each commit "
     "waits for its flush (and for synchronous standbys, if the server has them).",
 )
+@option(
+    "--stop-timeout",
+    default=30.0,
+    show_default=True,
+    type=Finite(1, 86400),
+    envvar=_env("STOP_TIMEOUT"),
+    help="Seconds a stop (SIGINT, SIGTERM, SIGHUP) may take to finish the batch in hand: past "
+    "them, with a database or NATS server that does not answer, the process exits with status "
+    "4 and what it had not confirmed is read again at the next start.",
+)
 @click.pass_obj
 @handles_errors
 def consume(
@@ -453,6 +463,7 @@ def consume(
     vacuum_interval: float,
     standby_poll: float,
     sink_commit: str,
+    stop_timeout: float,
 ) -> None:
     """Stream the slot into per-session projections, exactly once, in commit order.
 
@@ -462,7 +473,7 @@ def consume(
     handoff rebuilds a slot the server invalidated (--on-slot-lost resync).
 
     Runs until SIGINT, SIGTERM or SIGHUP, then finishes the current batch, commits, confirms and
-    exits 0.
+    exits 0 (or, past --stop-timeout with a server that does not answer, exits 4).
     Reconnects by itself when the connection drops or the server restarts.
 
     Run a second `consume` for the same slot as a hot standby: it waits while the slot is in
@@ -525,7 +536,9 @@ def consume(
         consumer = Consumer(config, prefetched=early)
         consumer.install_signal_handlers()
         try:
-            run_consumer(consumer, state.console, log_format, metrics_port, metrics_host)
+            run_consumer(
+                consumer, state.console, log_format, metrics_port, metrics_host, stop_timeout
+            )
         finally:
             ignore_stop_signals()  # done: a late signal must not turn its exit status into -15
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -16,7 +17,7 @@ from rich.text import Text
 
 from ledger_cdc.consumer.loop import Consumer, Metrics
 from ledger_cdc.consumer.metrics import MetricsCollector, registry, serve
-from ledger_cdc.errors import format_lsn
+from ledger_cdc.errors import DatabaseUnavailable, format_lsn
 
 __all__ = ["run_consumer", "setup_logging", "status_text"]
 
@@ -91,7 +92,12 @@ def run_consumer(
     log_format: str,
     metrics_port: int | None,
     metrics_host: str,
+    stop_timeout: float = 30.0,
 ) -> None:
+    """Run ``consumer`` with its status line (and metrics endpoint); once a stop is asked for,
+    the process exits with status 4 if the consumer is not done ``stop_timeout`` seconds later
+    (a database that stopped answering mid-statement holds its thread for good: nothing it
+    did not confirm is lost, the next start reads it again from the slot)."""
     interactive = log_format == "auto" and console.is_terminal
     root = setup_logging(log_format)
     server = None
@@ -141,8 +147,22 @@ def run_consumer(
             if live is not None:
                 live.stop()
 
+    def watchdog() -> None:
+        consumer.wait_stop()
+        if done.wait(stop_timeout):
+            return
+        root.error(
+            "stopping: not done %.0fs after the stop (a database or NATS server that does not "
+            "answer?); exiting now with what it holds unconfirmed, which the next start reads "
+            "again from the slot",
+            stop_timeout,
+        )
+        logging.shutdown()  # (flushes every handler)
+        os._exit(DatabaseUnavailable.exit_code)
+
     reporter = threading.Thread(target=report, name="ledger-cdc-status", daemon=True)
     reporter.start()
+    threading.Thread(target=watchdog, name="ledger-cdc-stop-watchdog", daemon=True).start()
     try:
         consumer.run()
     finally:

@@ -212,6 +212,10 @@ class Consumer:
         for pub in self.sink.publishers:  # a publish a server does not answer ends soon, too
             pub.stopping()
 
+    def wait_stop(self, timeout: float | None = None) -> bool:
+        """Whether a stop was asked for (:meth:`stop`), waiting up to ``timeout`` seconds."""
+        return self._stop.wait(timeout)
+
     def install_signal_handlers(self) -> None:
         """SIGINT, SIGTERM and SIGHUP stop the consumer after its current batch (the handler
         takes no lock: see :mod:`ledger_cdc.stopping`)."""

@@ -156,7 +156,8 @@ def test_walsender_terminated(db: Database, tmp_path: Path) -> None:
 
 
 class CuttableProxy:
-    """A TCP proxy on loopback whose connections can be cut at once."""
+    """A TCP proxy on loopback whose connections can be cut at once, or frozen: held open,
+    nothing forwarded either way (a server hung, or the network silently dropping)."""
 
     def __init__(self, target_port: int) -> None:
         self.target = ("127.0.0.1", target_port)
@@ -168,6 +169,7 @@ class CuttableProxy:
         self.conns: list[socket.socket] = []
         self.cuts = 0
         self._stop = threading.Event()
+        self._frozen = threading.Event()
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -189,6 +191,9 @@ class CuttableProxy:
         socks = [a, b]
         try:
             while not self._stop.is_set():
+                if self._frozen.is_set():
+                    self._stop.wait(0.05)
+                    continue
                 r, _, _ = select.select(socks, [], [], 0.2)
                 for s in r:
                     data = s.recv(65536)
@@ -210,6 +215,9 @@ class CuttableProxy:
                 s.shutdown(socket.SHUT_RDWR)
                 s.close()
         self.cuts += 1
+
+    def freeze(self) -> None:
+        self._frozen.set()
 
     def close(self) -> None:
         self._stop.set()
@@ -240,3 +248,48 @@ def test_tcp_connection_cut(server: Server, db: Database, tmp_path: Path) -> Non
     with psycopg.connect(db.dsn) as conn:
         (n,) = conn.execute("SELECT count(*) FROM ledger_dead_letters").fetchone()  # type: ignore[misc]
     assert n == 0
+
+
+def test_a_stop_with_the_projection_database_hung_ends_within_the_stop_timeout(
+    server: Server, db: Database, tmp_path: Path
+) -> None:
+    """The projections' connection frozen mid-run (its server stopped answering; the ledger's
+    connection still fine), then SIGTERM: the commit in flight never returns, and the process
+    exits with status 4 once --stop-timeout has passed instead of hanging for good. Started
+    again with the database answering, it loses nothing and applies nothing twice."""
+    proxy = CuttableProxy(server.pg.port)
+    log = tmp_path / "consumer.log"
+    try:
+        via_proxy = f"host=127.0.0.1 port={proxy.port} dbname={db.name} user=postgres"
+        _slot(db)
+        args = ("--target-dsn", via_proxy, "--stop-timeout", "3", "--vacuum-interval", "0")
+        consumer = ConsumerProcess(db.dsn, *args, log=log).start()
+        try:
+            wait_streaming(db.dsn)
+            writers = Writers(db.dsn, n=2, sessions=5).start()
+            try:
+
+                def folded() -> bool:  # under way: batches committed through the proxy
+                    with psycopg.connect(db.dsn) as conn:
+                        row = conn.execute("SELECT count(*) FROM agent_sessions").fetchone()
+                    return row is not None and row[0] > 0
+
+                until(folded, 60)
+                proxy.freeze()
+                turns = writers.turns
+                until(lambda: writers.turns > turns + 20, 60)
+            finally:
+                writers.stop()
+            began = time.monotonic()
+            assert consumer.terminate(timeout=60) == 4
+            took = time.monotonic() - began
+            assert 3 <= took < 15, f"the stop took {took:.1f}s"
+            assert "not done 3s after the stop" in log.read_text()
+        finally:
+            consumer.kill()
+    finally:
+        proxy.close()
+    with ConsumerProcess(db.dsn, log=log).start():
+        wait_caught_up(db.dsn, 120)
+    assert_projections_equal_refold(db.dsn)
+    assert_verify_exact(db.dsn)
