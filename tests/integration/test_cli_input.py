@@ -83,6 +83,10 @@ def test_an_error_holding_markup_is_one_plain_line() -> None:
         (["consume", "--standby-poll", "0.001"], "--standby-poll"),
         (["dispatch", "--poll-interval", "0.001"], "--poll-interval"),
         (["consume", "--sink", "nats://127.0.0.1:1", "--sink", "nats://127.0.0.1:1"], "twice"),
+        # a stop that may not take a moment would cut every batch in hand short
+        (["consume", "--stop-timeout", "0"], "--stop-timeout"),
+        (["consume", "--stop-timeout", "nan"], "finite"),
+        (["consume", "--stop-timeout", "1e10"], "--stop-timeout"),
         # not 0 (off), and so small the task would run without pause: a busy loop of queries
         (["consume", "--health-interval", "1e-320"], "neither 0 (off) nor from 0.1"),
         (["consume", "--heartbeat-interval", "0.001"], "neither 0 (off) nor from 0.1"),
