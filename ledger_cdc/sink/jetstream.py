@@ -235,7 +235,7 @@ _PING_INTERVAL = 2  # seconds between NATS pings
 # published again when the consumer next starts
 STOP_GRACE = 5.0
 # while the server stays out of reach, nats-py reports each failed attempt (two a second): the
-# first is logged, the next ones once per this many seconds, counted
+# first is logged, then at most one line per this many seconds, counting those not logged
 _ERRORS_EVERY = 30.0
 _WINDOW = 4000  # publishes awaiting their acknowledgement at once
 _CHUNK = 500  # messages written to the connection at a time
@@ -401,15 +401,17 @@ class JetStreamPublisher:
         self, fut: concurrent.futures.Future[Any], timeout: float, stoppable: bool = True
     ) -> Any:
         """``fut``'s result within ``timeout`` (and, when ``stoppable``, within
-        :data:`STOP_GRACE` of :meth:`stopping`); else JetStreamError, ``fut`` cancelled and the
-        connection marked for a reset."""
-        deadline = time.monotonic() + timeout
+        :data:`STOP_GRACE` of :meth:`stopping` or of this call, whichever is later: a batch
+        the stop itself publishes gets its own grace); else JetStreamError, ``fut`` cancelled
+        and the connection marked for a reset."""
+        began = time.monotonic()
+        deadline = began + timeout
         try:
             while True:
                 now = time.monotonic()
                 end = deadline
                 if stoppable and self._stop_at is not None:
-                    end = min(end, self._stop_at + STOP_GRACE)
+                    end = min(end, max(self._stop_at, began) + STOP_GRACE)
                 try:  # (in slices: a stop may come while this waits)
                     return fut.result(max(0.0, min(end - now, 0.25)))
                 except (TimeoutError, concurrent.futures.TimeoutError):  # distinct before 3.11
@@ -417,9 +419,9 @@ class JetStreamPublisher:
                         continue
                 if end < deadline:
                     raise JetStreamError(
-                        f"stopping: JetStream did not acknowledge within {STOP_GRACE:.0f}s of "
-                        "the stop; nothing unacknowledged was checkpointed, and it is published "
-                        "again at the next start"
+                        f"stopping: JetStream did not acknowledge within {STOP_GRACE:.0f}s; "
+                        "nothing unacknowledged was checkpointed, and it is published again at "
+                        "the next start"
                     )
                 raise JetStreamError(f"JetStream did not acknowledge within {timeout:.0f}s")
         except JetStreamError:
@@ -596,7 +598,7 @@ class JetStreamPublisher:
             return
         held, self._errors_held = self._errors_held, 0
         self._quiet_until = now + _ERRORS_EVERY
-        more = f" (and {held} more in the last {_ERRORS_EVERY:.0f}s)" if held else ""
+        more = f" (and {held} more since the last such line)" if held else ""
         log.warning("NATS: %s%s", _first_line(e), more)
 
     def _errors_over(self) -> None:
