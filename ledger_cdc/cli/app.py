@@ -435,8 +435,9 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     type=Finite(1, 86400),
     envvar=_env("STOP_TIMEOUT"),
     help="Seconds a stop (SIGINT, SIGTERM, SIGHUP) may take to finish the batch in hand: past "
-    "them, with a database or NATS server that does not answer, the process exits with status "
-    "4 and what it had not confirmed is read again at the next start.",
+    "them (a database or NATS server that does not answer, a bootstrap still under way), the "
+    "process exits with status 4 and what it had not confirmed is read again at the next "
+    "start (a bootstrap starts over).",
 )
 @click.pass_obj
 @handles_errors

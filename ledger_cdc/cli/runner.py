@@ -153,8 +153,8 @@ def run_consumer(
             return
         root.error(
             "stopping: not done %.0fs after the stop (a database or NATS server that does not "
-            "answer?); exiting now with what it holds unconfirmed, which the next start reads "
-            "again from the slot",
+            "answer, or a bootstrap still under way); exiting now with what it holds "
+            "unconfirmed, which the next start reads again from the slot",
             stop_timeout,
         )
         logging.shutdown()  # (flushes every handler)
