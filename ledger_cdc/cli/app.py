@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -13,6 +14,7 @@ from rich.table import Table
 
 from ledger_cdc.cli.base import (
     DSN,
+    F,
     Finite,
     Interval,
     State,
@@ -44,6 +46,20 @@ snapshot_every_option = option(
     envvar=_env("SNAPSHOT_EVERY"),
     help="Snapshot a session every N events (and at task end); 0: only at task end.",
 )
+
+
+def stop_timeout_option(holds: str, then: str) -> Callable[[F], F]:
+    """``--stop-timeout``: ``holds``, what may keep a stop from ending; ``then``, what becomes
+    of the work in hand when it is cut short."""
+    return option(
+        "--stop-timeout",
+        default=30.0,
+        show_default=True,
+        type=Finite(1, DAY),
+        envvar=_env("STOP_TIMEOUT"),
+        help=f"Seconds a stop (SIGINT, SIGTERM, SIGHUP) may take to finish the batch in hand: "
+        f"past them ({holds}), the process exits with status 4 and {then}.",
+    )
 
 
 @cli.command()
@@ -428,16 +444,9 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "flushed; after a server crash the consumer re-applies what was lost. sync: each commit "
     "waits for its flush (and for synchronous standbys, if the server has them).",
 )
-@option(
-    "--stop-timeout",
-    default=30.0,
-    show_default=True,
-    type=Finite(1, 86400),
-    envvar=_env("STOP_TIMEOUT"),
-    help="Seconds a stop (SIGINT, SIGTERM, SIGHUP) may take to finish the batch in hand: past "
-    "them (a database or NATS server that does not answer, a bootstrap still under way), the "
-    "process exits with status 4 and what it had not confirmed is read again at the next "
-    "start (a bootstrap starts over).",
+@stop_timeout_option(
+    "a database or NATS server that does not answer, a bootstrap still under way",
+    "what it had not confirmed is read again at the next start (a bootstrap starts over)",
 )
 @click.pass_obj
 @handles_errors
@@ -585,6 +594,10 @@ def consume(
     help="Memory for the session cache and the batch in hand.",
 )
 @log_format_option()
+@stop_timeout_option(
+    "a database or NATS server that does not answer",
+    "what it had not committed is folded again at the next start",
+)
 @click.pass_obj
 @handles_errors
 def fold(
@@ -597,6 +610,7 @@ def fold(
     snapshot_every: int,
     memory_limit_mb: int,
     log_format: str,
+    stop_timeout: float,
 ) -> None:
     """Fold one partition of the JetStream event stream into the projections, exactly once.
 
@@ -605,9 +619,10 @@ def fold(
     and memo rows a consumer builds, each for its share of the sessions. Each worker's
     checkpoint (the stream sequence it folded up to, `nats:<stream>:K/N` in
     ledger_checkpoints) commits with what it covers, so a worker killed at any point restarts
-    where it was. Runs until SIGINT, SIGTERM or SIGHUP.
+    where it was. Runs until SIGINT, SIGTERM or SIGHUP (then finishes its batch and exits 0;
+    past --stop-timeout with a server that does not answer, exits 4).
     """
-    from ledger_cdc.cli.runner import setup_logging
+    from ledger_cdc.cli.runner import setup_logging, watch_stop
     from ledger_cdc.consumer.fold_nats import FoldConfig, FoldWorker, parse_partition
     from ledger_cdc.stopping import ignore_stop_signals, on_stop_signals
 
@@ -627,9 +642,18 @@ def fold(
     )
 
     on_stop_signals(worker.stop)
+    done = threading.Event()
+    watch_stop(
+        worker.wait_stop,
+        done,
+        stop_timeout,
+        "a database or NATS server that does not answer",
+        "the next start folds again from the stream",
+    )
     try:
         worker.run()
     finally:
+        done.set()
         ignore_stop_signals()  # done: a late signal must not turn its exit status into -15
     click.echo(
         f"fold {worker.name}: {worker.folded:,} events folded, stream sequence "

@@ -19,7 +19,7 @@ from ledger_cdc.consumer.loop import Consumer, Metrics
 from ledger_cdc.consumer.metrics import MetricsCollector, registry, serve
 from ledger_cdc.errors import DatabaseUnavailable, format_lsn
 
-__all__ = ["run_consumer", "setup_logging", "status_text"]
+__all__ = ["run_consumer", "setup_logging", "status_text", "watch_stop"]
 
 
 class _JsonFormatter(logging.Formatter):
@@ -86,6 +86,31 @@ def bootstrap_progress(console: Console, log_format: str) -> Callable[[int, int]
     return report
 
 
+def watch_stop(
+    wait_stop: Callable[[], object], done: threading.Event, timeout: float, why: str, again: str
+) -> None:
+    """A daemon thread that, once ``wait_stop()`` returns (a stop was asked for), ends the
+    process with status 4 if ``done`` is not set ``timeout`` seconds later: a thread blocked
+    inside libpq on a server that stopped answering cannot be interrupted, and would hold the
+    stop for good. ``why``: what may hold it; ``again``: what becomes of the work in hand."""
+
+    def watchdog() -> None:
+        wait_stop()
+        if done.wait(timeout):
+            return
+        logging.getLogger("ledger_cdc").error(
+            "stopping: not done %.0fs after the stop (%s); exiting now with what it holds "
+            "unconfirmed, which %s",
+            timeout,
+            why,
+            again,
+        )
+        logging.shutdown()  # (flushes every handler)
+        os._exit(DatabaseUnavailable.exit_code)
+
+    threading.Thread(target=watchdog, name="ledger-cdc-stop-watchdog", daemon=True).start()
+
+
 def run_consumer(
     consumer: Consumer,
     console: Console,
@@ -147,22 +172,15 @@ def run_consumer(
             if live is not None:
                 live.stop()
 
-    def watchdog() -> None:
-        consumer.wait_stop()
-        if done.wait(stop_timeout):
-            return
-        root.error(
-            "stopping: not done %.0fs after the stop (a database or NATS server that does not "
-            "answer, or a bootstrap still under way); exiting now with what it holds "
-            "unconfirmed, which the next start reads again from the slot",
-            stop_timeout,
-        )
-        logging.shutdown()  # (flushes every handler)
-        os._exit(DatabaseUnavailable.exit_code)
-
     reporter = threading.Thread(target=report, name="ledger-cdc-status", daemon=True)
     reporter.start()
-    threading.Thread(target=watchdog, name="ledger-cdc-stop-watchdog", daemon=True).start()
+    watch_stop(
+        consumer.wait_stop,
+        done,
+        stop_timeout,
+        "a database or NATS server that does not answer, or a bootstrap still under way",
+        "the next start reads again from the slot",
+    )
     try:
         consumer.run()
     finally:

@@ -163,6 +163,10 @@ class FoldWorker:
     def stop(self) -> None:
         self._stop.set()
 
+    def wait_stop(self, timeout: float | None = None) -> bool:
+        """Whether a stop was asked for (:meth:`stop`), waiting up to ``timeout`` seconds."""
+        return self._stop.wait(timeout)
+
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> None:
