@@ -253,23 +253,25 @@ def test_tcp_connection_cut(server: Server, db: Database, tmp_path: Path) -> Non
 def test_a_stop_with_the_projection_database_hung_ends_within_the_stop_timeout(
     server: Server, db: Database, tmp_path: Path
 ) -> None:
-    """The projections' connection frozen mid-run (its server stopped answering; the ledger's
-    connection still fine), then SIGTERM: the commit in flight never returns, and the process
-    exits with status 4 once --stop-timeout has passed instead of hanging for good. Started
-    again with the database answering, it loses nothing and applies nothing twice."""
+    """The consumer's connections frozen mid-run (its server stopped answering, or the network
+    silently drops), then SIGTERM: what the stop sends (the commit in flight, or its look at
+    the WAL flush) never returns, and the process exits with status 4 once --stop-timeout has
+    passed instead of hanging for good. Started again with the database answering, it loses
+    nothing and applies nothing twice. (Every connection goes through the proxy: a
+    --target-dsn would store the projections another way than the second run does.)"""
     proxy = CuttableProxy(server.pg.port)
     log = tmp_path / "consumer.log"
     try:
         via_proxy = f"host=127.0.0.1 port={proxy.port} dbname={db.name} user=postgres"
         _slot(db)
-        args = ("--target-dsn", via_proxy, "--stop-timeout", "3", "--vacuum-interval", "0")
-        consumer = ConsumerProcess(db.dsn, *args, log=log).start()
+        args = ("--stop-timeout", "3", "--vacuum-interval", "0")
+        consumer = ConsumerProcess(via_proxy, *args, log=log).start()
         try:
             wait_streaming(db.dsn)
             writers = Writers(db.dsn, n=2, sessions=5).start()
             try:
 
-                def folded() -> bool:  # under way: batches committed through the proxy
+                def folded() -> bool:  # under way: batches committed
                     with psycopg.connect(db.dsn) as conn:
                         row = conn.execute("SELECT count(*) FROM agent_sessions").fetchone()
                     return row is not None and row[0] > 0
