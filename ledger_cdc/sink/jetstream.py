@@ -355,8 +355,9 @@ class JetStreamPublisher:
         self._stream_ready = False
         self._broken = False
         self._closing: set[asyncio.Future[None]] = set()  # clients whose connect was cut short
-        self._shut = False  # close() under way: the connection's end is ours, not a fault
-        self._stop_at: float | None = None  # when stopping() was called (monotonic)
+        # when stopping() was called (monotonic), by the process or by close(): from then on
+        # the end of the connection is ours, not a fault
+        self._stop_at: float | None = None
         self._quiet_until = 0.0  # connection errors are counted, not logged, until then
         self._errors_held = 0
         self.published = 0
@@ -390,7 +391,8 @@ class JetStreamPublisher:
         """The process is stopping: what is still waited for :data:`STOP_GRACE` seconds from
         now (a batch's acknowledgements, a connection) is given up then, however long
         ``ack_timeout`` is, so a stop never waits on a server that does not answer for longer
-        than that. Takes no lock: safe from any thread, a signal handler's included."""
+        than that; a disconnect from then on is no fault (close() calls it too). Takes no
+        lock: safe from any thread, a signal handler's included."""
         if self._stop_at is None:
             self._stop_at = time.monotonic()
 
@@ -607,7 +609,7 @@ class JetStreamPublisher:
         self._errors_held = 0
 
     async def _on_disconnected(self) -> None:
-        if self._shut or self._stop_at is not None:  # (ours, or of no matter any more)
+        if self._stop_at is not None:  # (ours, or of no matter any more)
             log.info("NATS: connection closed")
         else:
             log.warning("NATS: disconnected")
@@ -1000,7 +1002,7 @@ class JetStreamPublisher:
         return await self._publish(msgs), len(msgs)
 
     def close(self) -> None:
-        self._shut = True
+        self.stopping()  # (the drain below waits through _run, which the grace does not cut)
         log.info(
             "JetStream: %d messages published (%d in fast-ingest batches), %d already there",
             self.published,
