@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -148,6 +150,22 @@ def _new_database(server: Server, template: str | None) -> Iterator[Database]:
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
             )
+
+
+@pytest.fixture(autouse=True)
+def _no_nats_thread_left() -> Iterator[None]:
+    """A NATS client left open by a test keeps reconnecting to a server long gone, and its
+    log lines land in the tests after it: every one a test opens is closed by its end."""
+    before = {t for t in threading.enumerate() if t.name == "ledger-cdc-nats"}
+    yield
+    deadline = time.monotonic() + 15
+    left = [1]
+    while left and time.monotonic() < deadline:
+        left = [t for t in threading.enumerate() if t.name == "ledger-cdc-nats"]
+        left = [t for t in left if t not in before and t.is_alive()]
+        if left:
+            time.sleep(0.1)
+    assert not left, f"{len(left)} NATS client(s) left open (a publisher not closed)"
 
 
 @pytest.fixture

@@ -212,5 +212,5 @@ def test_a_consumer_that_publishes_never_holds_a_backlog_batch() -> None:
         assert fanned.flush_policy.catch_up_delay == 0
     finally:
         for c in (alone, fanned):
-            c.sink.close()
+            c.sink.shutdown()  # (its publishers' threads with it)
             c.stream.close()
