@@ -204,7 +204,12 @@ def check_slots(
     out: list[SlotHealth] = []
     if slot and not rows:
         h = SlotHealth(slot=slot, exists=False, current_wal_lsn=current, status=LOST)
-        h.reasons.append("slot does not exist")
+        other = conn.execute(
+            "SELECT slot_type FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+        h.reasons.append(
+            "slot does not exist" if other is None else f"a {other[0]} slot, not a logical one"
+        )
         h.status_name = STATUS_NAMES[LOST]
         return [h]
     for r in rows:

@@ -44,6 +44,7 @@ __all__ = [
     "init",
     "load_migrations",
     "migrate",
+    "slot_misfit",
     "validate_publication_name",
     "validate_slot_name",
 ]
@@ -276,6 +277,32 @@ def _update_columns(conn: psycopg.Connection[Any], name: str) -> None:
     )
 
 
+def slot_misfit(conn: psycopg.Connection[Any], name: str) -> str | None:
+    """Why the existing slot ``name`` is not one to stream the ledger from (a physical slot, a
+    logical slot of another plugin, or of another database), else None (it fits, or there is
+    no such slot). Such a slot is somebody else's: never read, dropped or replaced."""
+    row = conn.execute(
+        "SELECT plugin, slot_type, database, current_database() FROM pg_replication_slots "
+        "WHERE slot_name = %s",
+        (name,),
+    ).fetchone()
+    if row is None:
+        return None
+    plugin, slot_type, database, current = row
+    if slot_type != "logical" or plugin != "pgoutput":
+        what = f"a {slot_type} slot" + (f" with plugin {plugin!r}" if plugin else "")
+        return (
+            f"slot {name!r} exists but is {what}, not a pgoutput logical slot; "
+            "drop it or choose another --slot"
+        )
+    if database != current:
+        return (
+            f"slot {name!r} belongs to database {database!r}, not {current!r}; "
+            "choose another --slot"
+        )
+    return None
+
+
 def create_slot(
     conn: psycopg.Connection[Any], name: str = DEFAULT_SLOT, *, two_phase: bool = False
 ) -> bool:
@@ -284,22 +311,10 @@ def create_slot(
     An existing slot with another plugin is an error rather than something to reuse.
     """
     validate_slot_name(name)
-    row = conn.execute(
-        "SELECT plugin, slot_type, database FROM pg_replication_slots WHERE slot_name = %s", (name,)
-    ).fetchone()
-    if row is not None:
-        plugin, slot_type, database = row
-        if slot_type != "logical" or plugin != "pgoutput":
-            raise ConfigError(
-                f"slot {name!r} exists but is a {slot_type} slot with plugin {plugin!r}, "
-                "not a pgoutput logical slot; drop it or choose another --slot"
-            )
-        current = conn.execute("SELECT current_database()").fetchone()
-        if current is not None and database != current[0]:
-            raise ConfigError(
-                f"slot {name!r} belongs to database {database!r}, not {current[0]!r}; "
-                "choose another --slot"
-            )
+    misfit = slot_misfit(conn, name)
+    if misfit is not None:
+        raise ConfigError(misfit)
+    if conn.execute("SELECT FROM pg_replication_slots WHERE slot_name = %s", (name,)).fetchone():
         return False
     try:
         with conn.transaction():

@@ -32,7 +32,7 @@ from typing import Any
 
 from psycopg import sql
 
-from ledger_cdc.admin.schema import drop_slot
+from ledger_cdc.admin.schema import drop_slot, slot_misfit
 from ledger_cdc.client.recovery import rebuild_context
 from ledger_cdc.consumer.config import ConsumerConfig
 from ledger_cdc.consumer.metrics import Metrics
@@ -256,7 +256,7 @@ class Consumer:
                 while not self._stop.is_set():  # permanent problems stop here, within seconds
                     try:
                         self._schema = preflight(
-                            cfg.dsn, cfg.publication, cfg.target_dsn, cfg.table
+                            cfg.dsn, cfg.publication, cfg.target_dsn, cfg.table, cfg.slot
                         )
                         break
                     except RetryableError as e:
@@ -392,7 +392,8 @@ class Consumer:
         self._reset_stream_state(checkpoint)
         try:
             self.stream.start(checkpoint)
-        except SlotError:
+        except SlotError as e:
+            self._refuse_misfit(e)
             if not self.config.create_slot:
                 raise
             log.info(
@@ -414,7 +415,19 @@ class Consumer:
             "" if early is None else f" (begun {early[0]:.2f}s ago, {early[1]:,} bytes read ahead)",
         )
 
+    def _refuse_misfit(self, cause: BaseException | None) -> None:
+        """SlotError if the slot is not a pgoutput slot of the ledger's database: somebody
+        else's (a standby's physical slot, another tool's), never read, dropped or replaced.
+        PostgreSQL 15 says "invalidated" of any slot without a restart LSN, a physical slot
+        that never reserved WAL included, and 16+ refuses a physical slot in words of its own:
+        the server's error alone does not tell them from the ledger's slot lost."""
+        with connected(self.config.dsn, "ledger database (the slot)") as conn:
+            misfit = slot_misfit(conn, self.config.slot)
+        if misfit is not None:
+            raise SlotError(misfit) from cause
+
     def _slot_lost(self, e: SlotLostError) -> None:
+        self._refuse_misfit(e)
         self.metrics.count("slot_resyncs_total")
         if self.config.on_slot_lost == "exit":
             log.error("%s; exiting (--on-slot-lost exit)", e)
@@ -431,6 +444,7 @@ class Consumer:
         self.stream.close()  # (a prefetch would hold the slot the drop below ends)
         self.sink.mark_bootstrap()  # a crash from here on makes the next start redo all of it
         if drop:
+            self._refuse_misfit(None)
             drop_slot(cfg.dsn, cfg.slot, force=True)
         try:
             consistent, snapshot = self.stream.create_slot_exported()

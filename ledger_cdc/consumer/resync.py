@@ -16,10 +16,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ledger_cdc.admin.schema import LEDGER_SCHEMA_SQL, load_migrations
+from ledger_cdc.admin.schema import LEDGER_SCHEMA_SQL, load_migrations, slot_misfit
 from ledger_cdc.client.read import load_events_sized
 from ledger_cdc.connect import connect
-from ledger_cdc.errors import ConfigError, SchemaError, translate
+from ledger_cdc.errors import ConfigError, SchemaError, SlotError, translate
 from ledger_cdc.events import LedgerEvent
 from ledger_cdc.names import LEDGER_TABLE
 from ledger_cdc.stream.assemble import estimate
@@ -63,11 +63,16 @@ def check_schema(applied: list[int] | None, where: str) -> None:
 
 
 def preflight(
-    dsn: str, publication: str, target_dsn: str | None, table: str = LEDGER_TABLE
+    dsn: str,
+    publication: str,
+    target_dsn: str | None,
+    table: str = LEDGER_TABLE,
+    slot: str | None = None,
 ) -> str | None:
     """What no retry cures is said at once, as one ConfigError with its fix: the server's
     wal_level, the role's REPLICATION, the schema's migrations and the publication (and the
-    projection database's schema). Returns the schema of the ledger table (as the role's
+    projection database's schema); and ``slot``, if it exists, being a pgoutput logical slot
+    of this database (SlotError). Returns the schema of the ledger table (as the role's
     search_path finds it), the one whose relation the stream folds."""
     with connected(dsn, "ledger database") as conn:
         row = conn.execute(_PREFLIGHT, (publication, table)).fetchone()
@@ -90,6 +95,9 @@ def preflight(
                 f"publication {publication!r} does not exist in the ledger database: "
                 "run `ledger-cdc init` (with --shards N for shard publications)"
             )
+        misfit = slot_misfit(conn, slot) if slot else None
+        if misfit is not None:
+            raise SlotError(misfit)
     where = "the role in --dsn"
     if target_dsn:
         with connected(target_dsn, "projection database") as conn:

@@ -219,10 +219,64 @@ class CuttableProxy:
     def freeze(self) -> None:
         self._frozen.set()
 
+    def thaw(self) -> None:
+        self._frozen.clear()
+
     def close(self) -> None:
         self._stop.set()
         self.cut()
         self.listener.close()
+
+
+def test_a_slot_replaced_by_a_physical_one_while_away_is_left_alone(
+    server: Server, db: Database, tmp_path: Path
+) -> None:
+    """While the consumer is cut off (a network partition), its slot is dropped and a physical
+    slot of the same name made (a standby's). At its reconnect PostgreSQL 15 calls that slot
+    "invalidated" (it reserved no WAL), 16+ "a physical replication slot": either way the
+    consumer exits 3 saying whose slot it is, and the standby's slot stays. (Resynchronising
+    a lost slot drops it and makes a new one: it took the standby's.)"""
+    proxy = CuttableProxy(server.pg.port)
+    try:
+        via_proxy = f"host=127.0.0.1 port={proxy.port} dbname={db.name} user=postgres"
+        log = tmp_path / "consumer.log"
+        consumer = _running_consumer(db, tmp_path, via_proxy)
+        try:
+            wait_streaming(db.dsn)
+            proxy.freeze()  # the consumer cannot see what happens next, nor reconnect
+            with psycopg.connect(db.dsn, autocommit=True) as conn:
+                conn.execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                    "WHERE slot_name = 'agent_slot' AND active_pid IS NOT NULL"
+                )
+                until(
+                    lambda: (
+                        conn.execute(
+                            "SELECT active FROM pg_replication_slots WHERE slot_name = 'agent_slot'"
+                        ).fetchone()
+                        == (False,)
+                    ),
+                    30,
+                )
+                conn.execute("SELECT pg_drop_replication_slot('agent_slot')")
+                conn.execute("SELECT pg_create_physical_replication_slot('agent_slot')")
+            proxy.thaw()
+            proxy.cut()
+            assert consumer.proc is not None
+            assert consumer.proc.wait(90) == 3, log.read_text()
+        finally:
+            if consumer.alive():
+                consumer.kill()
+        text = log.read_text()
+        assert "is a physical slot, not a pgoutput logical slot" in text, text
+        assert "resynchronising" not in text, text
+        with psycopg.connect(db.dsn) as conn:
+            assert conn.execute(
+                "SELECT slot_type FROM pg_replication_slots WHERE slot_name = 'agent_slot'"
+            ).fetchone() == ("physical",)
+            conn.execute("SELECT pg_drop_replication_slot('agent_slot')")
+    finally:
+        proxy.close()
 
 
 def test_tcp_connection_cut(server: Server, db: Database, tmp_path: Path) -> None:

@@ -430,3 +430,84 @@ def test_lag_sees_a_slot_no_consumer_ever_read(db: Database) -> None:
     code, (h,) = lag(db.dsn, "--slot", "agent_slot", "--warn-seconds", "2")
     assert code == 1 and h["unfolded_events"] == 5, h
     assert any("behind" in r for r in h["reasons"])
+
+
+CONSUME = [
+    sys.executable,
+    "-m",
+    "ledger_cdc.cli",
+    "consume",
+    "--create-slot",
+    "--log-format",
+    "text",
+]
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        ("SELECT pg_create_physical_replication_slot(%s)", "is a physical slot"),
+        ("SELECT pg_create_physical_replication_slot(%s, true)", "is a physical slot"),
+        ("SELECT pg_create_logical_replication_slot(%s, 'test_decoding')", "'test_decoding'"),
+    ],
+    ids=["physical", "physical-reserved", "test_decoding"],
+)
+def test_consume_refuses_a_slot_that_is_not_a_pgoutput_slot_and_leaves_it(
+    db: Database, tmp_path: Path, make: str, says: str
+) -> None:
+    """A --slot naming somebody else's slot (a standby's physical slot, another tool's
+    logical one) stops consume at once with exit 3 and the reason; the slot stays as it was.
+    PostgreSQL 15 reports a physical slot that never reserved WAL as "invalidated", the
+    signal of a lost slot, which the consumer resynchronises by dropping and re-creating it:
+    it dropped a standby's slot and put a logical one in its place."""
+    name = f"theirs_{uuid.uuid4().hex[:8]}"
+    with db.connect() as conn:
+        conn.execute(make, (name,))
+        kind = conn.execute(
+            "SELECT slot_type, plugin FROM pg_replication_slots WHERE slot_name = %s", (name,)
+        ).fetchone()
+    try:
+        out = subprocess.run(
+            [*CONSUME, "--dsn", db.dsn, "--slot", name],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert out.returncode == 3, out.stderr
+        assert says in out.stderr and "not a pgoutput logical slot" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and "resynchronising" not in out.stderr
+        if kind[0] == "physical":  # `lag` names what it is, rather than "does not exist"
+            code, health = lag(db.dsn, "--slot", name)
+            assert code == 3 and health[0]["reasons"] == ["a physical slot, not a logical one"]
+        with db.connect() as conn:
+            assert (
+                conn.execute(
+                    "SELECT slot_type, plugin FROM pg_replication_slots WHERE slot_name = %s",
+                    (name,),
+                ).fetchone()
+                == kind
+            )
+    finally:
+        with db.connect() as conn:
+            conn.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                "WHERE slot_name = %s",
+                (name,),
+            )
+
+
+def test_consume_refuses_the_slot_of_another_database(
+    db: Database, second_db: Database, tmp_path: Path
+) -> None:
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+    out = subprocess.run(
+        [*CONSUME, "--dsn", second_db.dsn],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert out.returncode == 3, out.stderr
+    assert f"belongs to database '{db.name}', not '{second_db.name}'" in out.stderr, out.stderr
