@@ -406,6 +406,9 @@ class Consumer:
         except SlotLostError as e:
             self._slot_lost(e)
             return
+        except ConfigError as e:  # (another plugin's slot refuses pgoutput's options)
+            self._refuse_misfit(e)
+            raise
         self.metrics.confirmed_lsn = self.stream.confirmed
         early = getattr(self.stream, "adopted", None)
         log.info(

@@ -228,21 +228,35 @@ class CuttableProxy:
         self.listener.close()
 
 
-def test_a_slot_replaced_by_a_physical_one_while_away_is_left_alone(
-    server: Server, db: Database, tmp_path: Path
+@pytest.mark.parametrize(
+    ("make", "kind", "says"),
+    [
+        ("pg_create_physical_replication_slot('agent_slot')", "physical", "is a physical slot"),
+        (
+            "pg_create_logical_replication_slot('agent_slot', 'test_decoding')",
+            "logical",
+            "with plugin 'test_decoding'",
+        ),
+    ],
+    ids=["physical", "test_decoding"],
+)
+def test_a_slot_replaced_by_another_kind_while_away_is_left_alone(
+    server: Server, db: Database, tmp_path: Path, make: str, kind: str, says: str
 ) -> None:
-    """While the consumer is cut off (a network partition), its slot is dropped and a physical
-    slot of the same name made (a standby's). At its reconnect PostgreSQL 15 calls that slot
-    "invalidated" (it reserved no WAL), 16+ "a physical replication slot": either way the
-    consumer exits 3 saying whose slot it is, and the standby's slot stays. (Resynchronising
-    a lost slot drops it and makes a new one: it took the standby's.)"""
+    """While the consumer is cut off (a network partition), its slot is dropped and another of
+    the same name made: a standby's physical slot, another tool's logical one. At its
+    reconnect PostgreSQL 15 calls the physical slot "invalidated" (it reserved no WAL), 16+
+    "a physical replication slot"; the other plugin refuses pgoutput's options. Each way the
+    consumer exits 3 saying what the slot is, and the slot stays. (Resynchronising a lost
+    slot drops it and makes a new one: on 15 it took the standby's.)"""
     proxy = CuttableProxy(server.pg.port)
     try:
         via_proxy = f"host=127.0.0.1 port={proxy.port} dbname={db.name} user=postgres"
         log = tmp_path / "consumer.log"
         consumer = _running_consumer(db, tmp_path, via_proxy)
         try:
-            wait_streaming(db.dsn)
+            # past its checks at start (it streams before they end): this is a reconnect
+            until(lambda: "streaming slot agent_slot from" in log.read_text(), 60)
             proxy.freeze()  # the consumer cannot see what happens next, nor reconnect
             with psycopg.connect(db.dsn, autocommit=True) as conn:
                 conn.execute(
@@ -259,7 +273,7 @@ def test_a_slot_replaced_by_a_physical_one_while_away_is_left_alone(
                     30,
                 )
                 conn.execute("SELECT pg_drop_replication_slot('agent_slot')")
-                conn.execute("SELECT pg_create_physical_replication_slot('agent_slot')")
+                conn.execute(f"SELECT {make}")
             proxy.thaw()
             proxy.cut()
             assert consumer.proc is not None
@@ -268,12 +282,12 @@ def test_a_slot_replaced_by_a_physical_one_while_away_is_left_alone(
             if consumer.alive():
                 consumer.kill()
         text = log.read_text()
-        assert "is a physical slot, not a pgoutput logical slot" in text, text
+        assert f"{says}, not a pgoutput logical slot" in text, text
         assert "resynchronising" not in text, text
         with psycopg.connect(db.dsn) as conn:
             assert conn.execute(
                 "SELECT slot_type FROM pg_replication_slots WHERE slot_name = 'agent_slot'"
-            ).fetchone() == ("physical",)
+            ).fetchone() == (kind,)
             conn.execute("SELECT pg_drop_replication_slot('agent_slot')")
     finally:
         proxy.close()
