@@ -389,7 +389,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     show_default=True,
     type=Interval(),
     envvar=_env("HEALTH_INTERVAL"),
-    help="Seconds between slot health checks (0: off).",
+    help="Seconds between checks of the slot's health and of the publication (0: off).",
 )
 @log_format_option()
 @option(

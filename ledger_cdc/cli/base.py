@@ -5,7 +5,8 @@ Exit codes (every command):
   0  success
   1  the command ran and found a problem it reports (e.g. differences, unhealthy slot)
   2  usage error (bad option or argument)
-  3  the replication slot is missing or was invalidated (lag, consume --on-slot-lost exit)
+  3  the replication slot is missing, invalidated, or not a pgoutput slot of this database
+     (lag, consume)
   4  configuration or connection error (bad DSN, bad name, missing binaries)
   5  any other ledger-cdc error
 An error is printed as one red line on stderr, with a hint where there is one.

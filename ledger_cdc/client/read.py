@@ -80,10 +80,16 @@ def row_event(row: Sequence[Any]) -> LedgerEvent | Rejected:
 
 
 def events_query(
-    session_id: uuid.UUID | None, after_position: int, upto_seq: int | None
+    session_id: uuid.UUID | None,
+    after_position: int,
+    upto_seq: int | None,
+    upto_position: int | None = None,
 ) -> tuple[bytes, list[Any]]:
     where = ["position > %s"]
     params: list[Any] = [after_position]
+    if upto_position is not None:
+        where.append("position <= %s")
+        params.append(upto_position)
     if session_id is not None:
         where.append("session_id = %s")
         params.append(session_id)
@@ -103,10 +109,11 @@ def load_events(
     *,
     after_position: int = 0,
     upto_seq: int | None = None,
+    upto_position: int | None = None,
 ) -> Iterator[LedgerEvent | Rejected]:
     """Events in (session, position) order; a row no reader can fold comes as :class:`Rejected`
     (never an exception), to be quarantined by :func:`ledger_cdc.fold.fold_one`."""
-    query, params = events_query(session_id, after_position, upto_seq)
+    query, params = events_query(session_id, after_position, upto_seq, upto_position)
     with conn.cursor() as cur:
         cur.execute(query, params)
         for row in cur:

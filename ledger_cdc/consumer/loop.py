@@ -33,6 +33,7 @@ from typing import Any
 from psycopg import sql
 
 from ledger_cdc.admin.schema import drop_slot, slot_misfit
+from ledger_cdc.client.read import load_events
 from ledger_cdc.client.recovery import rebuild_context
 from ledger_cdc.consumer.config import ConsumerConfig
 from ledger_cdc.consumer.metrics import Metrics
@@ -48,6 +49,7 @@ from ledger_cdc.consumer.tasks import (
     vacuum,
 )
 from ledger_cdc.errors import ConfigError, FencedError, LedgerError, RetryableError
+from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.fold import (
     CompletedModel,
     CompletedTool,
@@ -56,6 +58,7 @@ from ledger_cdc.fold import (
     encode_stored,
 )
 from ledger_cdc.lsn import format_lsn
+from ledger_cdc.names import LEDGER_TABLE
 from ledger_cdc.retry import Backoff
 from ledger_cdc.sink.base import BOOTSTRAPPING, Sink
 from ledger_cdc.sink.batch import (
@@ -186,6 +189,9 @@ class Consumer:
             on_anomaly=self._on_anomaly,
             by_reference=bool(getattr(self.sink, "by_reference", False)),
             folds=config.fold,
+            # positions the stream skipped, read from the ledger (not for a stand-in sink or
+            # stream: tests', which may have no ledger database behind them)
+            fill_gap=None if self._standalone or config.table != LEDGER_TABLE else self._gap_rows,
         )
         self.flush_policy = FlushPolicy(
             config.batch_size,
@@ -194,7 +200,9 @@ class Consumer:
             catch_up_delay=0.0 if config.sinks else CATCH_UP_DELAY,
         )
         self._worker = SinkWorker(self.sink)
-        self._guard = SlotGuard(config.slot, config.thresholds, self.metrics)
+        self._guard = SlotGuard(
+            config.slot, config.thresholds, self.metrics, config.publication, config.table
+        )
         self._backoff = Backoff(
             base=config.reconnect_base, cap=config.reconnect_cap, healthy_after=_HEALTHY_AFTER
         )
@@ -736,6 +744,14 @@ class Consumer:
         if last_commit_ts:
             m.last_commit_ts = _PG_EPOCH + last_commit_ts / 1e6
             m.last_applied_at = committed_at
+
+    def _gap_rows(self, sid: uuid.UUID, first: int, last: int) -> list[LedgerEvent | Rejected]:
+        """Session ``sid``'s rows at positions ``first``..``last``, from the ledger table (the
+        builder folds them where the stream skipped them)."""
+        with connected(self.config.dsn, "ledger database (positions the stream skipped)") as c:
+            rows = list(load_events(c, sid, after_position=first - 1, upto_position=last))
+        self.metrics.count("stream_gap_rows_read_total", len(rows))
+        return rows
 
     def _load_contexts(
         self, session_ids: Iterable[uuid.UUID]

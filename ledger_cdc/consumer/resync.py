@@ -25,7 +25,15 @@ from ledger_cdc.names import LEDGER_TABLE
 from ledger_cdc.stream.assemble import estimate
 from ledger_cdc.stream.route import Base, Held, Item
 
-__all__ = ["History", "archived_bases", "check_schema", "connected", "count_unfolded", "preflight"]
+__all__ = [
+    "History",
+    "archived_bases",
+    "check_schema",
+    "connected",
+    "count_unfolded",
+    "preflight",
+    "publication_problem",
+]
 
 _PREFLIGHT = sql.SQL("""
 SELECT current_setting('wal_level'),
@@ -95,6 +103,9 @@ def preflight(
                 f"publication {publication!r} does not exist in the ledger database: "
                 "run `ledger-cdc init` (with --shards N for shard publications)"
             )
+        unpublished = publication_problem(conn, publication, table)
+        if unpublished is not None:
+            raise ConfigError(unpublished)
         misfit = slot_misfit(conn, slot) if slot else None
         if misfit is not None:
             raise SlotError(misfit)
@@ -112,6 +123,48 @@ def preflight(
             "`ledger-cdc init` grants it to ledger_consumer)"
         )
     return str(schema) if schema is not None else None
+
+
+_PUBLISHED = sql.SQL("""
+SELECT p.pubinsert, p.pubviaroot,
+       EXISTS (SELECT FROM pg_publication_tables t WHERE t.pubname = p.pubname
+               AND t.tablename = %s AND t.schemaname = {schema}),
+       EXISTS (SELECT FROM pg_partitioned_table WHERE partrelid = to_regclass(quote_ident(%s)))
+FROM pg_publication p WHERE p.pubname = %s
+""").format(schema=sql.SQL(LEDGER_SCHEMA_SQL))
+
+
+def publication_problem(conn: psycopg.Connection[Any], publication: str, table: str) -> str | None:
+    """Why ``publication`` does not stream the ledger table's rows as the consumer reads them
+    (not in it, INSERTs not published, a partitioned ledger published partition by partition),
+    else None. What the slot does not carry never reaches the projections: said at the start,
+    not found missing later."""
+    row = conn.execute(_PUBLISHED, (table, table, table, publication)).fetchone()
+    if row is None:
+        return None  # (no such publication: said by the caller)
+    inserts, via_root, listed, partitioned = row
+    lost = (
+        "; what is written meanwhile never reaches the slot (once it is published again, a "
+        "session's next event has the consumer read what it lacks from the ledger table)"
+    )
+    if not listed:
+        if partitioned and not via_root:
+            return (
+                f"publication {publication!r} publishes the partitions of {table!r}, not the "
+                "table the consumer reads: ALTER PUBLICATION … SET (publish_via_partition_root "
+                "= true)"
+            )
+        return (
+            f"publication {publication!r} does not publish the ledger table {table!r} "
+            f"(ALTER PUBLICATION … ADD TABLE {table}, or `ledger-cdc init` for a new one){lost}"
+        )
+    if not inserts:
+        return (
+            f"publication {publication!r} does not publish INSERTs, the only change the "
+            f"ledger has (ALTER PUBLICATION … SET (publish = 'insert, update, delete, "
+            f"truncate')){lost}"
+        )
+    return None
 
 
 def count_unfolded(conn: psycopg.Connection[Any], positions: dict[uuid.UUID, int]) -> int:

@@ -26,7 +26,8 @@ import psycopg
 from ledger_cdc.admin.health import LOST, RateWatch, Thresholds, check_slots
 from ledger_cdc.connect import connect_timeout, open_session
 from ledger_cdc.consumer.metrics import Metrics
-from ledger_cdc.names import HEARTBEAT_PREFIX
+from ledger_cdc.consumer.resync import publication_problem
+from ledger_cdc.names import HEARTBEAT_PREFIX, LEDGER_TABLE
 
 __all__ = ["Periodic", "SlotGuard", "heartbeat", "lease_watch", "partition_keeper", "vacuum"]
 
@@ -187,12 +188,26 @@ def vacuum(written: Callable[[], int], every: float) -> Step:
 
 class SlotGuard:
     """Checks the slot: gauges, a warning before the keep-size bound, an error at the critical
-    share, and ``lost`` set when the server reports the slot lost (the loop then resyncs)."""
+    share, and ``lost`` set when the server reports the slot lost (the loop then resyncs).
+    And the publication: one changed under a running consumer so that it no longer streams
+    the ledger's INSERTs is an error in the log (again each minute while it lasts; the
+    ``publication_streams_ledger`` gauge 0) until it does again."""
 
-    def __init__(self, slot: str, thresholds: Thresholds, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        slot: str,
+        thresholds: Thresholds,
+        metrics: Metrics,
+        publication: str | None = None,
+        table: str = LEDGER_TABLE,
+    ) -> None:
         self.slot = slot
         self.thresholds = thresholds
         self.metrics = metrics
+        self.publication = publication
+        self.table = table
+        self._unpublished: str | None = None
+        self._unpublished_log = 0.0
         self.lost = threading.Event()
         self._last_status = 0
         self._last_log = 0.0
@@ -227,6 +242,18 @@ class SlotGuard:
             self._last_status = h.status
         if h.status == LOST and h.exists:
             self.lost.set()
+        if self.publication is not None:
+            self._check_publication(conn, self.publication, now)
+
+    def _check_publication(self, conn: psycopg.Connection[Any], name: str, now: float) -> None:
+        why = publication_problem(conn, name, self.table)
+        self.metrics.extra["publication_streams_ledger"] = float(why is None)
+        if why is not None and (why != self._unpublished or now - self._unpublished_log > 60):
+            self._unpublished_log = now
+            log.error("%s", why)
+        elif why is None and self._unpublished is not None:
+            log.info("publication %s streams the ledger table again", name)
+        self._unpublished = why
 
     def _gauges(self, h: Any) -> None:
         x = self.metrics.extra

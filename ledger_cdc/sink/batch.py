@@ -318,6 +318,9 @@ def by_session(
 Loader = Callable[[list[uuid.UUID]], dict[uuid.UUID, tuple[SessionContext, int]]]
 
 
+GapReader = Callable[[uuid.UUID, int, int], list[LedgerEvent | Rejected]]
+
+
 class BatchBuilder:
     """Folds committed transactions into batches (see the module docstring).
 
@@ -339,8 +342,12 @@ class BatchBuilder:
         on_anomaly: Callable[[Anomaly], None] | None = None,
         by_reference: bool = True,
         folds: bool = True,
+        fill_gap: GapReader | None = None,
     ) -> None:
         self.load_contexts = load
+        # (session, first, last) → that session's rows at those positions, read from the
+        # ledger table: what the stream never sent (see _fill); None: recorded as a gap only
+        self.fill_gap = fill_gap
         # False: a relay (consume --publish-only) that only hands the events on to the
         # publishers, in commit order, quarantined ones included; fold workers build the
         # projections from the stream
@@ -541,7 +548,7 @@ class BatchBuilder:
                 head = ev.hash if ev.position == ctx.last_position else None
                 changed[sid] = (ctx, txn.commit_lsn, head or (prev[2] if prev else None))
             return
-        if ev.position > ctx.last_position + 1:
+        if ev.position > ctx.last_position + 1 and not self._fill(f, txn, ctx, ev, before):
             self._gap(f, it, txn, ctx, ev)
         self._touch(f, sid, ctx, before)
         reason = self.reducers.fold_one(ctx, ev)
@@ -561,6 +568,42 @@ class BatchBuilder:
             # a bootstrap (xid 0) folds rows read from the table, not a streamed commit: their
             # LSN is unknown (0), so the fan-out looks up what the stream already holds of them
             f.batch.published.append((ev, txn.commit_lsn if txn.xid else 0))
+
+    def _fill(
+        self,
+        f: _Part,
+        txn: Transaction[Item],
+        ctx: SessionContext,
+        ev: LedgerEvent | Rejected,
+        before: dict[uuid.UUID, tuple[int, str]] | None,
+    ) -> bool:
+        """A session's positions the stream skipped (a publication that left its rows out for a
+        while), read from the ledger table and folded in order, before ``ev``: the log is the
+        source of truth, and what it holds below a committed position was committed before it
+        (each position is taken in the order of the session's commits). False when they cannot
+        all be read as positions (then recorded as a gap, as without a reader)."""
+        if self.fill_gap is None:
+            return False
+        first, last = ctx.last_position + 1, ev.position - 1
+        rows = self.fill_gap(ev.session_id, first, last)
+        if [r.position for r in rows] != list(range(first, last + 1)) or any(
+            type(r) is Rejected and r.unplaced for r in rows
+        ):
+            return False
+        log.warning(
+            "positions %d..%d of session %s never came through the stream before position %d "
+            "(was the ledger left out of the publication for a while?): read from the ledger "
+            "table and folded in order",
+            first,
+            last,
+            ev.session_id,
+            ev.position,
+        )
+        for r in rows:
+            self._fold_item(
+                f, Held(txn.commit_lsn, r) if isinstance(r, Rejected) else r, txn, before
+            )
+        return True
 
     @staticmethod
     def _gap(

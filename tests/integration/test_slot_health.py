@@ -432,15 +432,18 @@ def test_lag_sees_a_slot_no_consumer_ever_read(db: Database) -> None:
     assert any("behind" in r for r in h["reasons"])
 
 
-CONSUME = [
-    sys.executable,
-    "-m",
-    "ledger_cdc.cli",
-    "consume",
-    "--create-slot",
-    "--log-format",
-    "text",
-]
+START = ("--create-slot", "--log-format", "text")
+
+
+def _consume_once(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``consume --create-slot`` run to its end (each caller expects it to refuse at start)."""
+    return subprocess.run(
+        [sys.executable, "-m", "ledger_cdc.cli", "consume", "--dsn", dsn, *START, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.parametrize(
@@ -467,13 +470,7 @@ def test_consume_refuses_a_slot_that_is_not_a_pgoutput_slot_and_leaves_it(
             "SELECT slot_type, plugin FROM pg_replication_slots WHERE slot_name = %s", (name,)
         ).fetchone()
     try:
-        out = subprocess.run(
-            [*CONSUME, "--dsn", db.dsn, "--slot", name],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-        )
+        out = _consume_once(db.dsn, "--slot", name)
         assert out.returncode == 3, out.stderr
         assert says in out.stderr and "not a pgoutput logical slot" in out.stderr, out.stderr
         assert "Traceback" not in out.stderr and "resynchronising" not in out.stderr
@@ -502,12 +499,62 @@ def test_consume_refuses_the_slot_of_another_database(
 ) -> None:
     with db.connect() as conn:
         create_slot(conn, "agent_slot")
-    out = subprocess.run(
-        [*CONSUME, "--dsn", second_db.dsn],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    out = _consume_once(second_db.dsn)
     assert out.returncode == 3, out.stderr
     assert f"belongs to database '{db.name}', not '{second_db.name}'" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("alter", "says"),
+    [
+        ("ALTER PUBLICATION agent_pub DROP TABLE agent_events", "does not publish the ledger"),
+        (
+            "ALTER PUBLICATION agent_pub SET (publish = 'update, delete')",
+            "does not publish INSERTs",
+        ),
+        (  # (the ledger's own has a column list, which PostgreSQL allows only through the root)
+            "DROP PUBLICATION agent_pub; CREATE PUBLICATION agent_pub FOR TABLE agent_events",
+            "publishes the partitions of 'agent_events'",
+        ),
+    ],
+    ids=["table-dropped", "no-inserts", "partitions"],
+)
+def test_a_publication_that_does_not_stream_the_ledger_stops_consume_at_start(
+    empty_db: Database, alter: str, says: str
+) -> None:
+    """The publication exists, but what it streams is not the ledger as the consumer reads it:
+    the table taken out of it, INSERTs not published, a partitioned ledger published partition
+    by partition (relations the consumer does not take for the ledger). It used to stream
+    along with nothing to fold, and what was written meanwhile never reached the slot: now
+    consume exits 4 at start, with the statement that puts it right."""
+    from ledger_cdc.admin.schema import init
+
+    init(empty_db.dsn, partition_by="month" if "partitions of" in says else None)
+    with empty_db.connect() as conn:
+        conn.execute(alter)
+    out = _consume_once(empty_db.dsn)
+    assert out.returncode == 4, out.stderr
+    assert says in out.stderr and "ALTER PUBLICATION" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    with empty_db.connect() as conn:  # refused before anything was made
+        assert conn.execute("SELECT count(*) FROM pg_replication_slots").fetchone() == (0,)
+
+
+def test_a_publication_changed_under_a_running_consumer_is_an_error_until_put_right(
+    db: Database, tmp_path: Path
+) -> None:
+    """The ledger table taken out of the publication while the consumer runs: what is written
+    meanwhile never reaches the slot. The slot check says so, as an error, within its interval,
+    and says when the publication streams the ledger again."""
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+    log = tmp_path / "c.log"
+    with ConsumerProcess(db.dsn, "--health-interval", "0.5", log=log):
+        until(lambda: "streaming slot agent_slot" in log.read_text(), 60)
+        with db.connect() as conn:
+            conn.execute("ALTER PUBLICATION agent_pub DROP TABLE agent_events")
+        until(lambda: "does not publish the ledger table 'agent_events'" in log.read_text(), 60)
+        assert "ERROR publication 'agent_pub' does not publish" in log.read_text()
+        with db.connect() as conn:
+            conn.execute("ALTER PUBLICATION agent_pub ADD TABLE agent_events")
+        until(lambda: "agent_pub streams the ledger table again" in log.read_text(), 60)
