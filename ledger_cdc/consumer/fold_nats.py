@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 import psycopg
 
-from ledger_cdc.client.read import COLUMNS, row_event
+from ledger_cdc.client.read import COLUMNS, load_events, row_event
 from ledger_cdc.connect import connect
 from ledger_cdc.consumer.config import RANGES
 from ledger_cdc.errors import ConfigError, FencedError, LedgerError, check_ranges
@@ -140,6 +140,7 @@ class FoldWorker:
             reducers=reducers,
             snapshots=SnapshotPolicy(config.snapshot_every),
             by_reference=self.sink.by_reference,
+            fill_gap=self._gap_rows,
         )
         self._stop = threading.Event()
         self._backoff = Backoff(
@@ -426,6 +427,12 @@ class FoldWorker:
             why = f"published without its payload ({w.omitted} bytes), not in agent_events"
             return wire_event(msgspec.structs.replace(w, rejected=why), b""), lsn
         return wire_event(w, payload), lsn
+
+    def _gap_rows(self, sid: uuid.UUID, first: int, last: int) -> list[LedgerEvent | Rejected]:
+        """Session ``sid``'s rows at positions ``first``..``last``, from the ledger table: what
+        the stream lacks before a later position (the relay never had them), folded there."""
+        conn = self._ledger_conn()
+        return list(load_events(conn, sid, after_position=first - 1, upto_position=last))
 
     def _ledger_conn(self) -> psycopg.Connection[Any]:
         if self.config.target_dsn is None:

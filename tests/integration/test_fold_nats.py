@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -323,44 +323,75 @@ def test_fold_refuses_a_bad_partition_in_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in out.stderr
 
 
-def test_rows_of_no_session_reach_the_fold_workers_dead_letters_each(
-    db: Database, tmp_path: Path
-) -> None:
-    """Rows without a session (NOT NULL dropped by hand) share the nil session and a position:
-    published as such, all but the first were skipped as already in the stream (and shared a
-    message id), so the fold workers dead-lettered one of them. Each is a message of its own,
-    by seq, and a dead letter."""
+@pytest.fixture
+def srv18(db: Database, tmp_path: Path) -> Iterator[NatsServer]:
+    """A JetStream server, for a test of the stream's path (the same on every PostgreSQL: run
+    on 18 only)."""
     if db.server.major < 18:
         pytest.skip("the stream's path is the same on every PostgreSQL: run once, on 18")
     srv = NatsServer(tmp_path / "js")
     try:
         wait_jetstream([srv.url])
-        sid = uuid.uuid4()
-        with Ledger(db.dsn) as ledger, db.connect() as conn:
-            ledger.append(sid, "a", "tool.invoked", {"call_id": "c0", "tool": "t"})
-            write_rows_without_a_session(conn, 3)
-            conn.commit()
-            ledger.append(sid, "a", "tool.observed", {"call_id": "c0", "result": 1})
-            rows = conn.execute(f"SELECT {COLUMNS} FROM agent_events ORDER BY seq")
-            events = [row_event(r) for r in rows]
-        assert sum(1 for e in events if getattr(e, "unplaced", False)) == 3
-        pub = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
-        pub.connect()
-        pub.publish([(e, 0x1000 * (i + 1)) for i, e in enumerate(events)], [])
-        pub.publish([(e, 0x1000 * (i + 1)) for i, e in enumerate(events)], [])  # a replay
-        pub.close()
-        config = FoldConfig(url=srv.url, dsn=db.dsn, reconnect_cap=0.5)
-
-        def dead() -> list[tuple[object, ...]]:
-            with db.connect() as conn:
-                return conn.execute(
-                    "SELECT session_id, kind FROM ledger_dead_letters ORDER BY seq"
-                ).fetchall()
-
-        _fold_until(FoldWorker(config), lambda: _event_count(db.dsn, sid) == 2 and len(dead()) >= 3)
-        assert dead() == [(None, "quarantined")] * 3
-        with db.connect() as conn:
-            sessions = [r[0] for r in conn.execute("SELECT session_id FROM agent_sessions")]
-        assert sessions == [sid]
+        yield srv
     finally:
         srv.kill()
+
+
+def test_rows_of_no_session_reach_the_fold_workers_dead_letters_each(
+    db: Database, srv18: NatsServer
+) -> None:
+    """Rows without a session (NOT NULL dropped by hand) share the nil session and a position:
+    published as such, all but the first were skipped as already in the stream (and shared a
+    message id), so the fold workers dead-lettered one of them. Each is a message of its own,
+    by seq, and a dead letter."""
+    sid = uuid.uuid4()
+    with Ledger(db.dsn) as ledger, db.connect() as conn:
+        ledger.append(sid, "a", "tool.invoked", {"call_id": "c0", "tool": "t"})
+        write_rows_without_a_session(conn, 3)
+        conn.commit()
+        ledger.append(sid, "a", "tool.observed", {"call_id": "c0", "result": 1})
+        rows = conn.execute(f"SELECT {COLUMNS} FROM agent_events ORDER BY seq")
+        events = [row_event(r) for r in rows]
+    assert sum(1 for e in events if getattr(e, "unplaced", False)) == 3
+    pub = JetStreamPublisher(JetStreamSettings.from_url(srv18.url), "agent_slot")
+    pub.connect()
+    pub.publish([(e, 0x1000 * (i + 1)) for i, e in enumerate(events)], [])
+    pub.publish([(e, 0x1000 * (i + 1)) for i, e in enumerate(events)], [])  # a replay
+    pub.close()
+    config = FoldConfig(url=srv18.url, dsn=db.dsn, reconnect_cap=0.5)
+
+    def dead() -> list[tuple[object, ...]]:
+        with db.connect() as conn:
+            return conn.execute(
+                "SELECT session_id, kind FROM ledger_dead_letters ORDER BY seq"
+            ).fetchall()
+
+    _fold_until(FoldWorker(config), lambda: _event_count(db.dsn, sid) == 2 and len(dead()) >= 3)
+    assert dead() == [(None, "quarantined")] * 3
+    with db.connect() as conn:
+        sessions = [r[0] for r in conn.execute("SELECT session_id FROM agent_sessions")]
+    assert sessions == [sid]
+
+
+def test_positions_the_stream_lacks_are_read_from_the_ledger_by_a_fold_worker(
+    db: Database, srv18: NatsServer
+) -> None:
+    """The relay never had positions 2 and 3 (inserts left out of the publication for a
+    while): the fold worker reads them from the ledger table and folds them before position
+    4, as the consumer does, instead of a gap dead letter and a projection short of them."""
+    sid = uuid.uuid4()
+    with Ledger(db.dsn) as ledger, db.connect() as conn:
+        for i in range(4):
+            ledger.append(sid, "a", "tool.invoked", {"call_id": f"c{i}", "tool": "t"})
+        rows = conn.execute(f"SELECT {COLUMNS} FROM agent_events ORDER BY seq")
+        events = [row_event(r) for r in rows]
+    pub = JetStreamPublisher(JetStreamSettings.from_url(srv18.url), "agent_slot")
+    pub.connect()
+    pub.publish([(e, 0x1000 * (i + 1)) for i, e in enumerate(events) if i in (0, 3)], [])
+    pub.close()
+    worker = FoldWorker(FoldConfig(url=srv18.url, dsn=db.dsn, reconnect_cap=0.5))
+    _fold_until(worker, lambda: _event_count(db.dsn, sid) == 4)
+    with db.connect() as conn:
+        dead = conn.execute("SELECT kind FROM ledger_dead_letters").fetchall()
+    assert dead == [], dead
+    assert_projections_equal_refold(db.dsn)
