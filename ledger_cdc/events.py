@@ -815,6 +815,9 @@ class Rejected(msgspec.Struct, frozen=True, gc=False):
     # its session or position could not be read (NULL, retyped by hand, left out of the stream):
     # it is in no session's history, so every fold quarantines it without moving a session
     unplaced: bool = False
+    # the stream lacked some of its columns (a publication's column list): the row itself is
+    # whole in agent_events, and a reader that can reads it there
+    incomplete: bool = False
 
 
 _NIL = uuid.UUID(int=0)

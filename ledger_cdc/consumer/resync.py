@@ -23,6 +23,7 @@ from ledger_cdc.errors import ConfigError, SchemaError, SlotError, translate
 from ledger_cdc.events import LedgerEvent
 from ledger_cdc.names import LEDGER_TABLE
 from ledger_cdc.stream.assemble import estimate
+from ledger_cdc.stream.ledger import REQUIRED_COLUMNS
 from ledger_cdc.stream.route import Base, Held, Item
 
 __all__ = [
@@ -127,8 +128,8 @@ def preflight(
 
 _PUBLISHED = sql.SQL("""
 SELECT p.pubinsert, p.pubviaroot,
-       EXISTS (SELECT FROM pg_publication_tables t WHERE t.pubname = p.pubname
-               AND t.tablename = %s AND t.schemaname = {schema}),
+       (SELECT t.attnames FROM pg_publication_tables t WHERE t.pubname = p.pubname
+        AND t.tablename = %s AND t.schemaname = {schema}),
        EXISTS (SELECT FROM pg_partitioned_table WHERE partrelid = to_regclass(quote_ident(%s)))
 FROM pg_publication p WHERE p.pubname = %s
 """).format(schema=sql.SQL(LEDGER_SCHEMA_SQL))
@@ -142,7 +143,8 @@ def publication_problem(conn: psycopg.Connection[Any], publication: str, table: 
     row = conn.execute(_PUBLISHED, (table, table, table, publication)).fetchone()
     if row is None:
         return None  # (no such publication: said by the caller)
-    inserts, via_root, listed, partitioned = row
+    inserts, via_root, columns, partitioned = row
+    listed = columns is not None
     lost = (
         "; what is written meanwhile never reaches the slot (once it is published again, a "
         "session's next event has the consumer read what it lacks from the ledger table)"
@@ -157,6 +159,13 @@ def publication_problem(conn: psycopg.Connection[Any], publication: str, table: 
         return (
             f"publication {publication!r} does not publish the ledger table {table!r} "
             f"(ALTER PUBLICATION … ADD TABLE {table}, or `ledger-cdc init` for a new one){lost}"
+        )
+    left_out = [c for c in REQUIRED_COLUMNS if c not in columns]
+    if left_out:
+        return (
+            f"publication {publication!r} leaves out {', '.join(left_out)} of {table!r}, "
+            "which the fold needs: every row would be a dead letter (`ledger-cdc init` puts "
+            f"the column list back, or ALTER PUBLICATION … SET TABLE {table} (…)){lost}"
         )
     if not inserts:
         return (

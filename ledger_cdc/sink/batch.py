@@ -517,6 +517,14 @@ class BatchBuilder:
             )
             return
         ev: LedgerEvent | Rejected = it if kind is LedgerEvent else it.rejected  # type: ignore[assignment,union-attr]
+        if kind is Held and ev.incomplete and not ev.unplaced and self.fill_gap is not None:  # type: ignore[union-attr]
+            # the stream lacked some of its columns: the row, whole, from the ledger table
+            # (a relay publishes it whole too)
+            whole = self.fill_gap(ev.session_id, ev.position, ev.position)
+            if len(whole) == 1 and whole[0].position == ev.position:
+                ev = whole[0]
+                it = ev if type(ev) is LedgerEvent else Held(it.lsn, ev)  # type: ignore[union-attr,arg-type]
+                kind = type(it)
         if not self.folds:
             f.batch.events += 1
             if ev.seq > f.max_seq:

@@ -5,8 +5,10 @@ psycopg's loaders (one ``load_sequence`` per row); the jsonb payload is left as 
 and decoded once, by msgspec, straight into the payload Struct registered for the event type.
 Columns are found by name, so a ledger table with extra or reordered columns still decodes. A
 Relation without some of the ledger's required columns (a publication's column list changed by
-hand) stops nothing: each of its rows is quarantined with the columns it lacks, and the next
-Relation, once the publication streams them again, decodes as before.
+hand) stops nothing: each of its rows comes as :class:`~ledger_cdc.events.Rejected` marked
+``incomplete`` with the columns it lacks (the consumer reads it whole from the table, see
+``sink.batch``), and the next Relation, once the publication streams them again, decodes as
+before.
 """
 
 from __future__ import annotations
@@ -167,6 +169,7 @@ class LedgerRowDecoder:
             key if type(key) is str else None,
             as_digest(loaded.get("hash")),
             unplaced(sid, pos),
+            bool(self.missing),
         )
 
 

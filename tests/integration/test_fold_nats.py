@@ -29,6 +29,7 @@ from tests.support.cdc import (
     Writers,
     assert_projections_equal_refold,
     assert_verify_exact,
+    published_columns,
     until,
     wait_caught_up,
     write_rows_without_a_session,
@@ -391,6 +392,39 @@ def test_positions_the_stream_lacks_are_read_from_the_ledger_by_a_fold_worker(
     pub.close()
     worker = FoldWorker(FoldConfig(url=srv18.url, dsn=db.dsn, reconnect_cap=0.5))
     _fold_until(worker, lambda: _event_count(db.dsn, sid) == 4)
+    with db.connect() as conn:
+        dead = conn.execute("SELECT kind FROM ledger_dead_letters").fetchall()
+    assert dead == [], dead
+    assert_projections_equal_refold(db.dsn)
+
+
+def test_a_row_the_relay_streamed_without_its_payload_is_published_whole(
+    db: Database, srv18: NatsServer, tmp_path: Path
+) -> None:
+    """The publication's column list narrowed by hand for a while: the relay reads each row
+    the stream sent without its payload whole from the ledger table and publishes it so; the
+    fold worker folds every event (such rows used to reach it as dead letters)."""
+    sid = uuid.uuid4()
+    args = ("--create-slot", "--publish-only", "--sink", srv18.url, "--max-delay-ms", "5")
+    with ConsumerProcess(db.dsn, *args, log=tmp_path / "relay.log"), Ledger(db.dsn) as ledger:
+        with db.connect() as conn:
+            until(
+                lambda: (
+                    conn.execute("SELECT count(*) FROM pg_replication_slots").fetchone() == (1,)
+                ),
+                60,
+            )
+            cols = published_columns(conn)
+            narrow = ", ".join(c for c in cols if c != "payload")
+            ledger.append(sid, "a", "tool.invoked", {"call_id": "1", "tool": "t"})
+            conn.execute(f"ALTER PUBLICATION agent_pub SET TABLE agent_events ({narrow})")
+            conn.commit()
+            ledger.append(sid, "a", "tool.invoked", {"call_id": "2", "tool": "t"})
+            conn.execute(f"ALTER PUBLICATION agent_pub SET TABLE agent_events ({', '.join(cols)})")
+            conn.commit()
+            ledger.append(sid, "a", "tool.invoked", {"call_id": "3", "tool": "t"})
+        worker = FoldWorker(FoldConfig(url=srv18.url, dsn=db.dsn, reconnect_cap=0.5))
+        _fold_until(worker, lambda: _event_count(db.dsn, sid) == 3, timeout=60)
     with db.connect() as conn:
         dead = conn.execute("SELECT kind FROM ledger_dead_letters").fetchall()
     assert dead == [], dead

@@ -512,19 +512,24 @@ def test_consume_refuses_the_slot_of_another_database(
             "ALTER PUBLICATION agent_pub SET (publish = 'update, delete')",
             "does not publish INSERTs",
         ),
+        (
+            "ALTER PUBLICATION agent_pub SET TABLE agent_events (seq, session_id, position)",
+            "leaves out agent_id, event_type, payload, created_at of 'agent_events'",
+        ),
         (  # (the ledger's own has a column list, which PostgreSQL allows only through the root)
             "DROP PUBLICATION agent_pub; CREATE PUBLICATION agent_pub FOR TABLE agent_events",
             "publishes the partitions of 'agent_events'",
         ),
     ],
-    ids=["table-dropped", "no-inserts", "partitions"],
+    ids=["table-dropped", "no-inserts", "columns", "partitions"],
 )
 def test_a_publication_that_does_not_stream_the_ledger_stops_consume_at_start(
     empty_db: Database, alter: str, says: str
 ) -> None:
     """The publication exists, but what it streams is not the ledger as the consumer reads it:
-    the table taken out of it, INSERTs not published, a partitioned ledger published partition
-    by partition (relations the consumer does not take for the ledger). It used to stream
+    the table taken out of it, INSERTs not published, a column list without columns the fold
+    needs, a partitioned ledger published partition by partition (relations the consumer does
+    not take for the ledger). It used to stream
     along with nothing to fold, and what was written meanwhile never reached the slot: now
     consume exits 4 at start, with the statement that puts it right."""
     from ledger_cdc.admin.schema import init

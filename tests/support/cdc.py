@@ -353,3 +353,12 @@ def write_rows_without_a_session(conn: psycopg.Connection[Any], n: int) -> None:
             "VALUES (NULL, 'a', 'tool.invoked', %s::jsonb)",
             (json.dumps({"call_id": f"n{i}", "tool": "t"}),),
         )
+
+
+def published_columns(conn: psycopg.Connection[Any]) -> list[str]:
+    """The columns of agent_events that agent_pub streams."""
+    (cols,) = conn.execute(  # type: ignore[misc]
+        "SELECT attnames FROM pg_publication_tables WHERE pubname = 'agent_pub' "
+        "AND tablename = 'agent_events'"
+    ).fetchone()
+    return list(cols)
