@@ -130,7 +130,8 @@ _PUBLISHED = sql.SQL("""
 SELECT p.pubinsert, p.pubviaroot,
        (SELECT t.attnames FROM pg_publication_tables t WHERE t.pubname = p.pubname
         AND t.tablename = %s AND t.schemaname = {schema}),
-       EXISTS (SELECT FROM pg_partitioned_table WHERE partrelid = to_regclass(quote_ident(%s)))
+       EXISTS (SELECT FROM pg_partitioned_table WHERE partrelid = to_regclass(quote_ident(%s))),
+       to_regclass(quote_ident(%s)) IS NOT NULL
 FROM pg_publication p WHERE p.pubname = %s
 """).format(schema=sql.SQL(LEDGER_SCHEMA_SQL))
 
@@ -140,10 +141,10 @@ def publication_problem(conn: psycopg.Connection[Any], publication: str, table: 
     (not in it, INSERTs not published, a partitioned ledger published partition by partition),
     else None. What the slot does not carry never reaches the projections: said at the start,
     not found missing later."""
-    row = conn.execute(_PUBLISHED, (table, table, table, publication)).fetchone()
-    if row is None:
-        return None  # (no such publication: said by the caller)
-    inserts, via_root, columns, partitioned = row
+    row = conn.execute(_PUBLISHED, (table, table, table, table, publication)).fetchone()
+    if row is None or not row[4]:
+        return None  # (no such publication: said by the caller; no table of that name: renamed)
+    inserts, via_root, columns, partitioned, _ = row
     listed = columns is not None
     lost = (
         "; what is written meanwhile never reaches the slot (once it is published again, a "
