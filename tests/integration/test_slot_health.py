@@ -563,3 +563,33 @@ def test_a_publication_changed_under_a_running_consumer_is_an_error_until_put_ri
         with db.connect() as conn:
             conn.execute("ALTER PUBLICATION agent_pub ADD TABLE agent_events")
         until(lambda: "agent_pub streams the ledger table again" in log.read_text(), 60)
+
+
+def test_a_slot_advanced_by_hand_skips_nothing_a_session_writes_on_after(
+    db: Database, tmp_path: Path
+) -> None:
+    """The slot moved past the consumer's checkpoint by hand while it was stopped: the server
+    drops the events between. At each session's next event the consumer reads the positions it
+    lacks from the table; projections then equal a refold from zero (they used to stay short,
+    behind a gap dead letter)."""
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+    a, b = uuid.uuid4(), uuid.uuid4()
+    log = tmp_path / "c.log"
+    with ConsumerProcess(db.dsn, log=log), Ledger(db.dsn) as ledger:
+        ledger.append(a, "w", "tool.invoked", {"call_id": "a1", "tool": "t"})
+        wait_caught_up(db.dsn)
+    with Ledger(db.dsn) as ledger, db.connect() as conn:
+        for i in range(3):
+            ledger.append(b, "w", "tool.invoked", {"call_id": f"b{i}", "tool": "t"})
+        ledger.append(a, "w", "tool.invoked", {"call_id": "a2", "tool": "t"})
+        conn.execute("SELECT pg_replication_slot_advance('agent_slot', pg_current_wal_lsn())")
+    with ConsumerProcess(db.dsn, log=log), Ledger(db.dsn) as ledger:
+        ledger.append(a, "w", "tool.invoked", {"call_id": "a3", "tool": "t"})
+        ledger.append(b, "w", "tool.invoked", {"call_id": "b3", "tool": "t"})
+        wait_caught_up(db.dsn)
+    with db.connect() as conn:
+        dead = conn.execute("SELECT kind FROM ledger_dead_letters").fetchall()
+    assert dead == [], dead
+    assert_projections_equal_refold(db.dsn)
+    assert_verify_exact(db.dsn)
