@@ -281,26 +281,31 @@ def slot_misfit(conn: psycopg.Connection[Any], name: str) -> str | None:
     """Why the existing slot ``name`` is not one to stream the ledger from (a physical slot, a
     logical slot of another plugin, or of another database), else None (it fits, or there is
     no such slot). Such a slot is somebody else's: never read, dropped or replaced."""
+    return _slot_fit(conn, name)[1]
+
+
+def _slot_fit(conn: psycopg.Connection[Any], name: str) -> tuple[bool, str | None]:
+    """(whether slot ``name`` exists, :func:`slot_misfit`'s answer), from one look."""
     row = conn.execute(
         "SELECT plugin, slot_type, database, current_database() FROM pg_replication_slots "
         "WHERE slot_name = %s",
         (name,),
     ).fetchone()
     if row is None:
-        return None
+        return False, None
     plugin, slot_type, database, current = row
     if slot_type != "logical" or plugin != "pgoutput":
         what = f"a {slot_type} slot" + (f" with plugin {plugin!r}" if plugin else "")
-        return (
+        return True, (
             f"slot {name!r} exists but is {what}, not a pgoutput logical slot; "
             "drop it or choose another --slot"
         )
     if database != current:
-        return (
+        return True, (
             f"slot {name!r} belongs to database {database!r}, not {current!r}; "
             "choose another --slot"
         )
-    return None
+    return True, None
 
 
 def create_slot(
@@ -311,10 +316,10 @@ def create_slot(
     An existing slot with another plugin is an error rather than something to reuse.
     """
     validate_slot_name(name)
-    misfit = slot_misfit(conn, name)
+    exists, misfit = _slot_fit(conn, name)
     if misfit is not None:
         raise ConfigError(misfit)
-    if conn.execute("SELECT FROM pg_replication_slots WHERE slot_name = %s", (name,)).fetchone():
+    if exists:
         return False
     try:
         with conn.transaction():

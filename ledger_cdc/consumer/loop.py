@@ -395,6 +395,7 @@ class Consumer:
             log.warning(
                 "a bootstrap of slot %s was interrupted; starting it again", self.config.slot
             )
+            self._refuse_misfit(None)  # (the slot is dropped and made again)
             self._bootstrap(drop=True)
             return
         self._reset_stream_state(checkpoint)
@@ -454,8 +455,7 @@ class Consumer:
         cfg = self.config
         self.stream.close()  # (a prefetch would hold the slot the drop below ends)
         self.sink.mark_bootstrap()  # a crash from here on makes the next start redo all of it
-        if drop:
-            self._refuse_misfit(None)
+        if drop:  # (each caller has refused a slot not ours: _refuse_misfit)
             drop_slot(cfg.dsn, cfg.slot, force=True)
         try:
             consistent, snapshot = self.stream.create_slot_exported()

@@ -35,7 +35,7 @@ from tests.support.cdc import (
     write_rows_without_a_session,
 )
 from tests.support.harness import Database
-from tests.support.natsserver import NatsServer, publish, wait_jetstream
+from tests.support.natsserver import NatsServer, jetstream_server, publish, wait_jetstream
 
 
 def fold_process(dsn: str, url: str, partition: str, log: Path) -> ConsumerProcess:
@@ -330,12 +330,8 @@ def srv18(db: Database, tmp_path: Path) -> Iterator[NatsServer]:
     on 18 only)."""
     if db.server.major < 18:
         pytest.skip("the stream's path is the same on every PostgreSQL: run once, on 18")
-    srv = NatsServer(tmp_path / "js")
-    try:
-        wait_jetstream([srv.url])
+    with jetstream_server(tmp_path / "js") as srv:
         yield srv
-    finally:
-        srv.kill()
 
 
 def test_rows_of_no_session_reach_the_fold_workers_dead_letters_each(

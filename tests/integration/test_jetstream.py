@@ -28,6 +28,7 @@ from tests.support.harness import Database
 from tests.support.natsserver import (
     NatsServer,
     cluster,
+    jetstream_server,
     read_all,
     stream_config,
     wait_jetstream,
@@ -450,12 +451,8 @@ def test_the_publisher_recovers_from_a_server_killed_mid_batch(tmp_path: Path, n
 @pytest.fixture
 def srv(tmp_path: Path) -> Iterator[NatsServer]:
     """A nats-server with JetStream, answering, killed after the test."""
-    srv = NatsServer(tmp_path / "js")
-    try:
-        wait_jetstream([srv.url])
+    with jetstream_server(tmp_path / "js") as srv:
         yield srv
-    finally:
-        srv.kill()
 
 
 def _events(sid: uuid.UUID, first: int, last: int) -> list[Any]:

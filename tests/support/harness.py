@@ -156,15 +156,16 @@ def _new_database(server: Server, template: str | None) -> Iterator[Database]:
 def _no_nats_thread_left() -> Iterator[None]:
     """A NATS client left open by a test keeps reconnecting to a server long gone, and its
     log lines land in the tests after it: every one a test opens is closed by its end."""
-    before = {t for t in threading.enumerate() if t.name == "ledger-cdc-nats"}
+
+    def opened() -> set[threading.Thread]:  # (enumerate lists live threads only)
+        return {t for t in threading.enumerate() if t.name == "ledger-cdc-nats"}
+
+    before = opened()
     yield
     deadline = time.monotonic() + 15
-    left = [1]
-    while left and time.monotonic() < deadline:
-        left = [t for t in threading.enumerate() if t.name == "ledger-cdc-nats"]
-        left = [t for t in left if t not in before and t.is_alive()]
-        if left:
-            time.sleep(0.1)
+    while opened() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = opened() - before
     assert not left, f"{len(left)} NATS client(s) left open (a publisher not closed)"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +110,17 @@ def cluster(root: Path, n: int = 3) -> list[NatsServer]:
         NatsServer(root / f"n{i}", f"n{i}", (ports[i], [p for j, p in enumerate(ports) if j != i]))
         for i in range(n)
     ]
+
+
+@contextlib.contextmanager
+def jetstream_server(root: Path) -> Iterator[NatsServer]:
+    """A nats-server with JetStream (its store under ``root``), answering, killed at the end."""
+    srv = NatsServer(root)
+    try:
+        wait_jetstream([srv.url])
+        yield srv
+    finally:
+        srv.kill()
 
 
 def wait_jetstream(servers: list[str], timeout: float = 60) -> None:
