@@ -69,6 +69,7 @@ __all__ = [
     "ensure_for",
     "is_partitioned",
     "list_partitions",
+    "recreate",
     "setup",
 ]
 
@@ -109,11 +110,12 @@ def setup(conn: psycopg.Connection[Any], unit: str) -> bool:
     return True
 
 
-def finish(conn: psycopg.Connection[Any], ahead: int = 3) -> list[str]:
-    """After the migrations: the partition-aware insert trigger, then the first partitions."""
+def recreate(conn: psycopg.Connection[Any]) -> None:
+    """After the baseline, on a fresh database: agent_events made again, partitioned. Its
+    guards and grants follow from the definitions (``schema.apply_definitions``), before the
+    first partitions (:func:`ensure`), which take the parent's row triggers."""
     with conn.transaction():
         conn.execute(_sql("partitioned/post.sql").encode())
-    return ensure(conn, ahead)
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,8 @@ def _timestamp(text: str) -> dt.datetime:
     """A partition bound as PostgreSQL prints it, read the same on every Python this package
     supports (3.10's ``fromisoformat`` reads neither the ``+00`` offset nor a fraction of other
     than 3 or 6 digits). A bound Python cannot hold — the year 10000 that ends a partition of
-    9999's last interval, or a year BC, which ``ledger_ensure_partitions`` made when asked
-    before sql/0017 (a database may still hold one) — is the latest (earliest) time it can:
+    9999's last interval, or a year BC, which a ledger made by the legacy schema files before
+    sql/legacy/0017 may hold — is the latest (earliest) time it can:
     such a partition is listed, and never archived for its end, instead of breaking every
     command that lists partitions."""
     m = _TIMESTAMPTZ.fullmatch(text)
@@ -192,7 +194,7 @@ def ensure(
     """Create the partitions for the interval holding ``at`` (now) and the next ``ahead``
     intervals (at most 120), if missing. Returns the names created. Idempotent, safe to run
     concurrently, and open to the consumer's role: ``ledger_ensure_partitions`` (SECURITY
-    DEFINER, sql/0016_archiving.sql and 0017) creates them as the ledger's owner, for the
+    DEFINER, sql/functions/partitions.sql) creates them as the ledger's owner, for the
     years 1 to 9999 only (past them: ConfigError)."""
     if not 0 <= ahead <= 120:
         raise ConfigError(f"partitions ahead must be 0 to 120, got {ahead}")
@@ -202,7 +204,7 @@ def ensure(
                 str(r[0])
                 for r in conn.execute("SELECT ledger_ensure_partitions(%s, %s)", (ahead, at))
             ]
-    except psycopg.errors.DatetimeFieldOverflow as e:  # past year 9999 (sql/0017)
+    except psycopg.errors.DatetimeFieldOverflow as e:  # past year 9999 (ledger_ensure_partitions)
         raise ConfigError(e.diag.message_primary or str(e)) from None
 
 
@@ -616,7 +618,7 @@ def _attach(conn: psycopg.Connection[Any], p: Partition) -> None:
 
 
 def _record_start(conn: psycopg.Connection[Any], p: Partition) -> uuid.UUID:
-    """Commit the archive-under-way record before the detach (see sql/0016_archiving.sql);
+    """Commit the archive-under-way record (ledger_archiving) before the detach;
     returns the run's id, written into its manifest. What stored contexts and memo rows
     reference in the partition is kept now too: from the detach on, its rows are out of the
     ledger (for good, if this run is killed then), and those readers must not miss them."""

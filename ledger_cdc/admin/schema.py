@@ -1,10 +1,20 @@
-"""Schema migrations, the publication and the slot: what ``ledger-cdc init`` does.
+"""The schema, the publication and the slot: what ``ledger-cdc init`` does.
 
-Migrations are the numbered ``NNNN_name.sql`` files shipped inside the package (``ledger_cdc/sql``
-in a wheel, ``sql/`` in a source tree). Each is applied once, in its own transaction, and recorded
-with a checksum in ``ledger_migrations``; a concurrent ``init`` waits on an advisory lock. Names
-that users give (publication, slot) are validated here and always passed to PostgreSQL as quoted
-identifiers or bound parameters, never pasted into SQL.
+The schema is shipped inside the package (``ledger_cdc/sql`` in a wheel, ``sql/`` in a source
+tree) as three kinds of file:
+
+* ``NNNN_name.sql``, versioned: tables, columns, indexes. Each is applied once, in its own
+  transaction, and recorded with a checksum in ``ledger_migrations``; the first is the baseline
+  (``0018_baseline.sql``). A database initialised by the numbered files it replaces
+  (``legacy/0001``–``0017``) is brought up to them, then taken for baselined.
+* ``functions/*.sql``, re-appliable: every function, trigger and view as it is now, applied
+  by every init (``CREATE OR REPLACE``), with ``@schema@`` filled in with the ledger's schema
+  (their ``search_path`` is pinned to it, ``pg_temp`` last).
+* ``grants.sql``, re-appliable: every privilege of the four group roles, set from nothing.
+
+A concurrent ``init`` waits on an advisory lock. Names that users give (publication, slot) are
+validated here and always passed to PostgreSQL as quoted identifiers or bound parameters, never
+pasted into SQL.
 """
 
 from __future__ import annotations
@@ -32,16 +42,20 @@ from ledger_cdc.names import (
 )
 
 __all__ = [
+    "BASELINE",
     "DEFAULT_PUBLICATION",
     "DEFAULT_SLOT",
     "LEDGER_SCHEMA_SQL",
     "Migration",
     "applied_migrations",
+    "apply_definitions",
     "connect",
     "create_publication",
     "create_slot",
     "drop_slot",
     "init",
+    "load_definitions",
+    "load_legacy",
     "load_migrations",
     "migrate",
     "slot_misfit",
@@ -57,10 +71,15 @@ LEDGER_SCHEMA_SQL = (
 """SQL: the schema of the ledger table named by its parameter, the one the session's
 search_path finds (a publication of all tables may also hold another schema's of that name)."""
 
+BASELINE = 18
+"""The version of ``0018_baseline.sql``: the schema the legacy files 0001–0017 ended at."""
+
 _MIGRATION_LOCK = 0x1ED6E2C0  # advisory lock key serialising concurrent ``init`` runs
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 _SLOT_RE = re.compile(r"^[a-z0-9_]{1,63}$")
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+# functions the legacy files made that the definitions no longer have: dropped on an upgrade
+_RETIRED = ("ledger_apply_grants()",)
 
 
 @dataclass(frozen=True)
@@ -82,26 +101,41 @@ def _sql_dir() -> Path:
     if source.is_dir():
         return source
     raise MigrationError(
-        "the schema migrations are missing from this installation "
+        "the schema files are missing from this installation "
         f"(looked in {packaged} and {source}); reinstall ledger-cdc"
     )
 
 
 def load_migrations(directory: Path | None = None) -> list[Migration]:
-    """The migrations in version order; a malformed file name or a repeated number is an error."""
+    """The versioned files in version order (the baseline first); a malformed file name or a
+    repeated number is an error."""
     directory = directory or _sql_dir()
     found: dict[int, Migration] = {}
     for path in sorted(directory.iterdir()):
-        if path.suffix != ".sql":
+        if path.suffix != ".sql" or not path.is_file() or path.name == "grants.sql":
             continue
         m = _FILE_RE.match(path.name)
         if not m:
-            raise MigrationError(f"{path}: migration files are named NNNN_name.sql")
+            raise MigrationError(f"{path}: versioned schema files are named NNNN_name.sql")
         version = int(m.group(1))
         if version in found:
             raise MigrationError(f"{path}: migration number {version} is used twice")
         found[version] = Migration(version, m.group(2), path.read_text())
     return [found[v] for v in sorted(found)]
+
+
+def load_legacy() -> list[Migration]:
+    """The numbered files the baseline replaces, as they were applied (never edited): used only
+    to bring a database initialised by them up to the baseline."""
+    return load_migrations(_sql_dir() / "legacy")
+
+
+def load_definitions() -> list[tuple[str, str]]:
+    """``(name, text)`` of the re-appliable files in the order init applies them: every
+    ``functions/*.sql`` by name, then ``grants.sql``."""
+    root = _sql_dir()
+    files = [*sorted((root / "functions").glob("*.sql")), root / "grants.sql"]
+    return [(str(f.relative_to(root)), f.read_text()) for f in files]
 
 
 _CREATE_TABLE = """
@@ -126,8 +160,26 @@ def applied_migrations(conn: psycopg.Connection[Any]) -> dict[int, str]:
 def migrate(
     conn: psycopg.Connection[Any], migrations: Sequence[Migration] | None = None
 ) -> list[int]:
-    """Apply what is not yet applied; returns the versions applied now (empty on a re-run)."""
-    migrations = list(migrations) if migrations is not None else load_migrations()
+    """Bring the schema to this version; returns the versions applied now (empty on a re-run).
+
+    With no ``migrations`` given: the versioned files not yet applied, then every definition
+    (functions, triggers, views, grants). A database initialised by the legacy files is first
+    brought to their end (those applied now are in the result), then recorded as baselined.
+    Given ``migrations``, exactly those are applied and nothing else (the tests make a legacy
+    database that way)."""
+    if migrations is not None:
+        return _apply(conn, list(migrations))
+    applied = applied_migrations(conn)
+    applied_now: list[int] = []
+    if any(v < BASELINE for v in applied) and BASELINE not in applied:
+        applied_now += _apply(conn, load_legacy())
+        _adopt_legacy(conn)
+    applied_now += _apply(conn, load_migrations())
+    apply_definitions(conn)
+    return applied_now
+
+
+def _apply(conn: psycopg.Connection[Any], migrations: list[Migration]) -> list[int]:
     applied_now: list[int] = []
     with conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
@@ -145,6 +197,8 @@ def migrate(
                         "to this database; add a new numbered migration instead of editing it"
                     )
                 continue
+            if mig.version >= BASELINE:
+                _check_legacy_done(conn, mig)
             try:
                 conn.execute(mig.text.encode())
             except psycopg.Error as e:
@@ -157,6 +211,64 @@ def migrate(
             )
             applied_now.append(mig.version)
     return applied_now
+
+
+def _check_legacy_done(conn: psycopg.Connection[Any], mig: Migration) -> None:
+    """A versioned file is never applied over a legacy schema not yet adopted (its tables would
+    exist already): ``migrate()`` adopts it first."""
+    row = conn.execute(
+        "SELECT count(*) FROM ledger_migrations WHERE version < %s", (BASELINE,)
+    ).fetchone()
+    if row and row[0]:
+        raise MigrationError(
+            "this database's schema was made by the numbered files before the baseline: run "
+            f"`ledger-cdc init`, which brings it up to them, before {mig.version:04d}_{mig.name}"
+        )
+
+
+def _adopt_legacy(conn: psycopg.Connection[Any]) -> None:
+    """A database at the end of the legacy files is at the baseline: record it so, and drop
+    what the definitions no longer have."""
+    baseline = next(m for m in load_migrations() if m.version == BASELINE)
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        conn.execute("DELETE FROM ledger_migrations WHERE version < %s", (BASELINE,))
+        conn.execute(
+            "INSERT INTO ledger_migrations (version, name, checksum) VALUES (%s, %s, %s) "
+            "ON CONFLICT (version) DO NOTHING",
+            (baseline.version, baseline.name, baseline.checksum),
+        )
+        for fn in _RETIRED:
+            conn.execute(sql.SQL("DROP FUNCTION IF EXISTS {}").format(sql.SQL(fn)))
+
+
+def ledger_schema(conn: psycopg.Connection[Any]) -> str:
+    """The schema of the ledger table the session's search_path finds."""
+    row = conn.execute(sql.SQL("SELECT " + LEDGER_SCHEMA_SQL), (LEDGER_TABLE,)).fetchone()
+    if row is None or row[0] is None:
+        raise MigrationError("agent_events is missing: the baseline was not applied")
+    return str(row[0])
+
+
+def apply_definitions(conn: psycopg.Connection[Any]) -> None:
+    """(Re-)apply every function, trigger, view and grant, in one transaction, with ``@schema@``
+    made the ledger's schema (quoted as an identifier)."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+        schema = ledger_schema(conn)
+        quoted = sql.Identifier(schema).as_string(conn)
+        # objects are created in the ledger's schema; pg_temp named last is never searched
+        # before it (the definitions' own DO blocks run in this session)
+        conn.execute(
+            sql.SQL("SELECT set_config('search_path', {}, true)").format(
+                sql.Literal(f"{quoted}, pg_temp")
+            )
+        )
+        for name, text in load_definitions():
+            try:
+                conn.execute(text.replace("@schema@", quoted).encode())
+            except psycopg.Error as e:
+                raise MigrationError(f"{name} failed: {e.diag.message_primary or e}") from e
 
 
 def validate_slot_name(name: str) -> str:
@@ -365,9 +477,10 @@ def init(
             preflight(conn, slot=slot is not None or bool(shards))
             fresh = partitions.setup(conn, partition_by) if partition_by else False
             applied = migrate(conn)
-            conn.execute(_GRANTS)
             if fresh:
-                created = partitions.finish(conn, partitions_ahead)
+                partitions.recreate(conn)
+                apply_definitions(conn)
+                created = partitions.ensure(conn, partitions_ahead)
             elif partitions.is_partitioned(conn):
                 created = partitions.ensure(conn, partitions_ahead)
             pub = create_publication(conn, publication)
@@ -381,35 +494,6 @@ def init(
         raise translate(e, dsn=dsn, doing="init") from e
     return InitResult(applied, pub, made, created, sharded)
 
-
-# What a hardened database takes from PUBLIC, given back to the group roles by every init (a
-# database's grants are not copied with it as a template; a role that may not grant them gets
-# a warning, not an error): USAGE on the ledger's schema (REVOKE ALL ON SCHEMA public FROM
-# PUBLIC, and no role sees a table of it), and TEMPORARY on the database to the consumer,
-# which stages a large batch in temporary tables (its start says so if it lacks it).
-_GRANTS = """
-DO $$ BEGIN
-    EXECUTE format('GRANT USAGE ON SCHEMA %I TO ledger_writer, ledger_reader, ledger_consumer, '
-                   'ledger_dispatcher',
-                   (SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-                    WHERE c.oid = 'agent_events'::regclass));
-    EXECUTE format('GRANT TEMPORARY ON DATABASE %I TO ledger_consumer', current_database());
-    -- and EXECUTE on the functions PUBLIC may run by default, to the four roles, for a
-    -- database whose default privileges take it from PUBLIC (ALTER DEFAULT PRIVILEGES REVOKE
-    -- EXECUTE ON FUNCTIONS FROM PUBLIC): not the ones the migrations keep from PUBLIC
-    EXECUTE (
-        SELECT 'GRANT EXECUTE ON FUNCTION ' || string_agg(p.oid::regprocedure::text, ', ')
-               || ' TO ledger_writer, ledger_reader, ledger_consumer, ledger_dispatcher'
-        FROM pg_proc p
-        WHERE p.pronamespace = (SELECT relnamespace FROM pg_class
-                                WHERE oid = 'agent_events'::regclass)
-          AND left(p.proname, 7) = 'ledger_'
-          AND p.proname NOT IN ('ledger_make_partitions', 'ledger_ensure_partitions',
-                                'ledger_session_head', 'ledger_event_by_key',
-                                'ledger_apply_grants')
-    );
-END $$
-"""
 
 _PREFLIGHT = """
 SELECT current_setting('wal_level'),

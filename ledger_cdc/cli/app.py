@@ -106,13 +106,24 @@ def init(
     partitions_ahead: int,
     shards: int | None,
 ) -> None:
-    """Apply the schema migrations and create the publication (idempotent).
+    """Create or upgrade the ledger's schema and create the publication (idempotent).
 
-    Needs a role that may create tables, roles and publications (and slots, with
-    --create-slot). Creates the group roles ledger_writer and ledger_consumer; see the
-    README for logging in as their members. With --partition-by the ledger is partitioned
-    (see `ledger-cdc partitions --help`); on an existing partitioned ledger, init also creates
-    the partitions that are due.
+    Applies the versioned schema files not yet applied (a database made by the legacy
+    numbered files is brought up to the baseline first), then every function, trigger, view
+    and grant again, so a definition or privilege changed by hand is put back. Needs a role
+    that may create tables, roles and publications (and slots, with --create-slot).
+
+    \b
+    Creates four NOLOGIN group roles; log in as a member of one:
+      ledger_writer      appends (INSERT of the writer's columns, the outbox)
+      ledger_reader      reads everything (rebuild_context, verify, inspect, runs)
+      ledger_consumer    consume: its own tables; the login role needs REPLICATION itself
+                         (CREATE ROLE cdc LOGIN REPLICATION IN ROLE ledger_consumer)
+      ledger_dispatcher  dispatch: the outbox
+    A worker that resumes sessions and appends is a member of writer and reader.
+
+    With --partition-by the ledger is partitioned (see `ledger-cdc partitions --help`); on an
+    existing partitioned ledger, init also creates the partitions that are due.
     """
     from ledger_cdc.admin.schema import init as do_init
 
@@ -125,7 +136,7 @@ def init(
         shards=shards,
     )
     applied = ", ".join(f"{v:04d}" for v in res.applied) or "none (already up to date)"
-    state.console.print(f"migrations applied: {applied}")
+    state.console.print(f"schema versions applied: {applied}; functions and grants applied")
     state.console.print(
         f"publication {publication}: {'created' if res.publication_created else 'exists'}"
     )

@@ -136,8 +136,9 @@ def _upto(upto_seq: int | None) -> int | None:
 def snapshot_context(sid: uuid.UUID, row: Sequence[Any]) -> SessionContext | None:
     """The snapshot's context if its bytes still hash to its content hash, else None.
 
-    Rows from before migration 0005 hold jsonb, whose key order is not the hashed one: those
-    are trusted as they are (``verify`` still compares them with a refold)."""
+    Rows written under a legacy schema older than its file 0005 hold jsonb, whose key order is
+    not the hashed one: those are trusted as they are (``verify`` still compares them with a
+    refold)."""
     upto_seq, _, digest, data, hashed = row
     raw = bytes(data)
     if hashed and hashlib.sha256(raw).digest() != bytes(digest):

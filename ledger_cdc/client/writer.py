@@ -91,8 +91,8 @@ class AppendResult:
     created_at: dt.datetime | None = None  # the row's created_at (None for a duplicate)
 
 
-# Through SECURITY DEFINER functions (migration 0009): a writer learns a session's head and
-# whether a key names the same event, without being able to read any event's contents.
+# Through SECURITY DEFINER functions (sql/functions/ledger.sql): a writer learns a session's
+# head and whether a key names the same event, without being able to read any event's contents.
 _SELECT_KEY = "SELECT seq, position, same FROM ledger_event_by_key(%s, %s, %s, %s::jsonb)"
 _SELECT_HEAD = "SELECT ledger_session_head(%s)"
 _INSERT = (

@@ -11,12 +11,16 @@ CREATE TABLE agent_session_heads (
     hash       BYTEA  NOT NULL
 );
 
--- Idempotency keys, unique per session across partitions.
+-- Idempotency keys, unique per session across partitions. A key row outlives an archive of its
+-- event, with what an idempotent retry compares (position, type, payload digest).
 CREATE TABLE agent_event_keys (
     session_id      UUID        NOT NULL,
     idempotency_key TEXT        NOT NULL,
     seq             BIGINT      NOT NULL,
     created_at      TIMESTAMPTZ NOT NULL,
+    position        BIGINT,
+    event_type      TEXT,
+    payload_sha256  BYTEA,
     PRIMARY KEY (session_id, idempotency_key)
 );
 CREATE INDEX agent_event_keys_created ON agent_event_keys (created_at);

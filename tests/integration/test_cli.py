@@ -33,7 +33,7 @@ def test_init_twice_then_bad_slot(empty_db: Database) -> None:
     runner = CliRunner()
     r = runner.invoke(cli, ["init", "--dsn", empty_db.dsn, "--create-slot"])
     assert r.exit_code == 0, r.output
-    assert "migrations applied: 0001" in r.output and "slot agent_slot: created" in r.output
+    assert "schema versions applied: 0018" in r.output and "slot agent_slot: created" in r.output
     r = runner.invoke(cli, ["init", "--create-slot"], env={"LEDGER_CDC_DSN": empty_db.dsn})
     assert (
         r.exit_code == 0

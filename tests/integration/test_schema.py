@@ -15,6 +15,7 @@ from ledger_cdc.admin.schema import (
     applied_migrations,
     create_slot,
     init,
+    load_legacy,
     load_migrations,
     migrate,
 )
@@ -249,7 +250,7 @@ def test_memo_migration_copies_the_calls_folded_before_it(empty_db: Database) ->
     )
     from ledger_cdc.fold import encode_context, fold
 
-    migs = load_migrations()
+    migs = load_legacy()
     sid = uuid.uuid4()
     with empty_db.connect() as conn:
         migrate(conn, [m for m in migs if m.version < 8])
@@ -278,7 +279,7 @@ def test_memo_migration_copies_the_calls_folded_before_it(empty_db: Database) ->
                 encode_context(ctx).decode(),
             ),
         )
-        assert migrate(conn, migs) == [m.version for m in migs if m.version >= 8]
+        assert migrate(conn) == [m.version for m in migs if m.version >= 8]
         rows = conn.execute(
             "SELECT kind, call_id, completed_seq, idempotency_key, prompt_hash FROM agent_memo "
             "WHERE session_id = %s ORDER BY completed_seq",
@@ -337,7 +338,7 @@ def test_migration_0015_rewrites_the_keys_already_stored(empty_db: Database) -> 
     sid = uuid.uuid4()
     with empty_db.connect() as conn:
         conn.autocommit = True
-        migrate(conn, [m for m in load_migrations() if m.version < 15])
+        migrate(conn, [m for m in load_legacy() if m.version < 15])
         for call, key, prompt, pos in (
             (long_call, long_key, long_prompt, 1),
             ("short", "k", "p", 2),
@@ -349,7 +350,7 @@ def test_migration_0015_rewrites_the_keys_already_stored(empty_db: Database) -> 
                 "VALUES (%s, 'model', %s, %s, %s, %s, %s, '{}')",
                 (sid, call, pos, pos, key, prompt),
             )
-        assert migrate(conn, [m for m in load_migrations() if m.version <= 15]) == [15]
+        assert migrate(conn) == [15, 16, 17]
         rows = conn.execute(
             "SELECT call_id, idempotency_key, prompt_hash FROM agent_memo "
             "ORDER BY completed_position"

@@ -136,7 +136,7 @@ def test_staged_rows_are_compressed_as_their_tables_are(
 ) -> None:
     # a staged context or snapshot over 2 kB is compressed on its way into the staging table and
     # decompressed by the merge: with lz4 where the server has it, as the projection tables
-    # (sql/0004), not with the default pglz
+    # (sql/0018_baseline.sql), not with the default pglz
     with db.connect() as conn:
         (lz4,) = conn.execute(  # type: ignore[misc]
             "SELECT attcompression = 'l' FROM pg_attribute "
