@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from ledger_cdc.admin.health import Thresholds
 from ledger_cdc.errors import DAY, check_ranges
 from ledger_cdc.fold import Reducers
-from ledger_cdc.names import DEFAULT_PUBLICATION, DEFAULT_SLOT, LEDGER_TABLE, RUNS_CHANNEL
+from ledger_cdc.names import DEFAULT_PUBLICATION, DEFAULT_SLOT, RUNS_CHANNEL
 
 __all__ = ["RANGES", "ConsumerConfig"]
 
@@ -54,7 +54,6 @@ class ConsumerConfig:
     spill_dir: str | None = None
     reconnect_base: float = 0.1
     reconnect_cap: float = 5.0
-    table: str = LEDGER_TABLE
     on_slot_lost: str = "resync"  # or "exit"
     health_interval: float = 10.0
     notify_channel: str = RUNS_CHANNEL  # NOTIFY channel for runs ready to lease

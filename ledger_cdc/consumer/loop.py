@@ -58,7 +58,6 @@ from ledger_cdc.fold import (
     encode_stored,
 )
 from ledger_cdc.lsn import format_lsn
-from ledger_cdc.names import LEDGER_TABLE
 from ledger_cdc.retry import Backoff
 from ledger_cdc.sink.base import BOOTSTRAPPING, Sink
 from ledger_cdc.sink.batch import (
@@ -191,7 +190,7 @@ class Consumer:
             folds=config.fold,
             # positions the stream skipped, read from the ledger (not for a stand-in sink or
             # stream: tests', which may have no ledger database behind them)
-            fill_gap=None if self._standalone or config.table != LEDGER_TABLE else self._gap_rows,
+            fill_gap=None if self._standalone else self._gap_rows,
         )
         self.flush_policy = FlushPolicy(
             config.batch_size,
@@ -200,9 +199,7 @@ class Consumer:
             catch_up_delay=0.0 if config.sinks else CATCH_UP_DELAY,
         )
         self._worker = SinkWorker(self.sink)
-        self._guard = SlotGuard(
-            config.slot, config.thresholds, self.metrics, config.publication, config.table
-        )
+        self._guard = SlotGuard(config.slot, config.thresholds, self.metrics, config.publication)
         self._backoff = Backoff(
             base=config.reconnect_base, cap=config.reconnect_cap, healthy_after=_HEALTHY_AFTER
         )
@@ -234,7 +231,6 @@ class Consumer:
             skip_upto=checkpoint,
             memory_limit=self.config.memory_limit * 35 // 100,
             spill_dir=self.config.spill_dir,
-            table=self.config.table,
             schema=self._schema,
             nonce=self._nonce,
             on_heartbeat=self._on_heartbeat,
@@ -264,7 +260,7 @@ class Consumer:
                 while not self._stop.is_set():  # permanent problems stop here, within seconds
                     try:
                         self._schema = preflight(
-                            cfg.dsn, cfg.publication, cfg.target_dsn, cfg.table, cfg.slot
+                            cfg.dsn, cfg.publication, cfg.target_dsn, slot=cfg.slot
                         )
                         break
                     except RetryableError as e:
