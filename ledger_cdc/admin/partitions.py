@@ -59,6 +59,7 @@ from ledger_cdc.fold import (
 from ledger_cdc.sink.postgres import SNAPSHOT_CONFLICT
 
 __all__ = [
+    "PARTITION_LOCK",
     "UNITS",
     "ArchiveRefusedError",
     "ArchivedPartition",
@@ -74,6 +75,9 @@ __all__ = [
 ]
 
 UNITS = ("day", "week", "month")
+PARTITION_LOCK = 517399233
+"""Advisory lock key of whoever creates partitions (one at a time): this module and
+ledger_make_partitions (sql/functions/partitions.sql), which spells it the same way."""
 
 
 def _sql(name: str) -> str:
@@ -214,7 +218,7 @@ def ensure_for(conn: psycopg.Connection[Any], times: Iterable[dt.datetime]) -> l
     unit = _unit(conn)
     created = []
     with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (0x1ED6E2C1,))
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (PARTITION_LOCK,))
         existing = {p.name for p in list_partitions(conn)}
         archived = {
             r[0] for r in conn.execute("SELECT partition_name FROM ledger_archives").fetchall()
@@ -400,7 +404,7 @@ def archive(
 # One archive run at a time, per database: a run takes up the records another left under way
 # (_resume), which must be a dead run's, never those of a run still exporting. A session lock,
 # held for the whole run: it ends with the run's server process, however the client died.
-_ARCHIVE_LOCK = 0x1ED6E2C2
+_ARCHIVE_LOCK = 517399234
 _LOCK_WAIT = 10.0  # seconds: a run killed a moment ago holds it until its server process exits
 
 

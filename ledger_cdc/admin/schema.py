@@ -74,7 +74,7 @@ search_path finds (a publication of all tables may also hold another schema's of
 BASELINE = 18
 """The version of ``0018_baseline.sql``: the schema the legacy files 0001–0017 ended at."""
 
-_MIGRATION_LOCK = 0x1ED6E2C0  # advisory lock key serialising concurrent ``init`` runs
+_MIGRATION_LOCK = 517399232  # advisory lock key serialising concurrent ``init`` runs
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 _SLOT_RE = re.compile(r"^[a-z0-9_]{1,63}$")
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")

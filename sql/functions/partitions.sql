@@ -28,7 +28,7 @@ BEGIN
     v_step := ('1 ' || v_unit)::INTERVAL;
     SELECT c.relnamespace::regnamespace::text INTO v_ns FROM pg_class c
     WHERE c.oid = 'agent_events'::regclass;
-    PERFORM pg_advisory_xact_lock(517399233);  -- partitions.py's lock: one creator at a time
+    PERFORM pg_advisory_xact_lock(517399233);  -- partitions.PARTITION_LOCK: one creator at a time
     v_start := date_trunc(v_unit, coalesce(p_at, now()));
     FOR i IN 0..p_ahead LOOP
         v_name := 'agent_events_p' || to_char(v_start, 'YYYYMMDD');

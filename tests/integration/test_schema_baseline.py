@@ -105,3 +105,12 @@ def test_init_puts_back_a_function_or_grant_changed_by_hand(empty_db: Database) 
     init(empty_db.dsn)
     with empty_db.connect() as conn:
         assert schema_catalog(conn) == before
+
+
+def test_the_partition_lock_is_spelled_once() -> None:
+    """Python and SQL take the same advisory lock to create partitions, written alike."""
+    from ledger_cdc.admin.partitions import PARTITION_LOCK
+    from ledger_cdc.admin.schema import load_definitions
+
+    (text,) = [t for name, t in load_definitions() if name == "functions/partitions.sql"]
+    assert f"pg_advisory_xact_lock({PARTITION_LOCK})" in text
