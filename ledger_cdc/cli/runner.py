@@ -1,4 +1,5 @@
-"""Running a consumer for the command line: logging, the status line, the metrics endpoint."""
+"""Running a consumer for the command line: logging, the status line, the metrics and health
+endpoint."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from rich.live import Live
 from rich.text import Text
 
 from ledger_cdc.consumer.loop import Consumer, Metrics
-from ledger_cdc.consumer.metrics import MetricsCollector, registry, serve
+from ledger_cdc.consumer.metrics import HealthCheck, MetricsCollector, registry, serve
 from ledger_cdc.errors import DatabaseUnavailable, format_lsn
 
 __all__ = ["run_consumer", "setup_logging", "status_text", "watch_stop"]
@@ -127,9 +128,11 @@ def run_consumer(
     root = setup_logging(log_format)
     server = None
     if metrics_port is not None:
-        collector = MetricsCollector(consumer.metrics, consumer.config.slot)
-        server = serve(registry(collector), metrics_port, metrics_host)
-        root.info("metrics on http://%s:%d/metrics", metrics_host, server.port)
+        slot = consumer.config.slot
+        collector = MetricsCollector(consumer.metrics, slot)
+        check = HealthCheck(consumer.metrics, slot)
+        server = serve(registry(collector), metrics_port, metrics_host, health=check)
+        root.info("metrics on http://%s:%d/metrics, health on /healthz", metrics_host, server.port)
     done = threading.Event()
 
     def report() -> None:
