@@ -65,6 +65,17 @@ _RUNS = (
 _record = msgspec.json.Decoder(HarnessRecord)
 
 
+def _validate_max_snapshots(value: object) -> None:
+    """The harness's own check of the retention bound, with its words (its stores refuse a
+    bound that is not an int with one message, one below 1 with another)."""
+    if value is None:
+        return
+    if not isinstance(value, int):
+        raise ValueError(f"max_snapshots_per_run must be an int >= 1 or None, got {value!r}")
+    if value < 1:
+        raise ValueError(f"max_snapshots_per_run must be >= 1 or None, got {value!r}")
+
+
 def run_session(run_id: str) -> uuid.UUID:
     """The ledger session of a harness run."""
     return uuid.uuid5(PYDANTIC_NAMESPACE, str(run_id))
@@ -163,12 +174,7 @@ class LedgerStepStore:
     """The harness's ``StepStore`` protocol on an :class:`~ledger_cdc.AsyncLedger`."""
 
     def __init__(self, ledger: AsyncLedger, *, max_snapshots_per_run: int | None = None) -> None:
-        if max_snapshots_per_run is not None and (
-            not isinstance(max_snapshots_per_run, int) or max_snapshots_per_run < 1
-        ):
-            raise ValueError(
-                f"max_snapshots_per_run must be an int >= 1 or None, got {max_snapshots_per_run!r}"
-            )
+        _validate_max_snapshots(max_snapshots_per_run)
         self.ledger = ledger
         self.max_snapshots_per_run = max_snapshots_per_run
 

@@ -9,6 +9,7 @@ import asyncio
 import datetime as dt
 import random
 import uuid
+from typing import Any, cast
 
 import pytest
 
@@ -234,3 +235,20 @@ def test_a_stored_record_a_newer_or_broken_writer_left_is_read_or_skipped(db: Da
             await ledger.close()
 
     assert asyncio.run(go()) == (["newer"], ["newer", None, None, None])
+
+
+@pytest.mark.parametrize("bound", [0, -3, 1.5, "2"])
+def test_a_retention_bound_below_one_is_refused_in_the_harness_stores_words(
+    bound: Any, tmp_path: Any
+) -> None:
+    """The harness's stores refuse a bound that is no int with one message and one below 1
+    with another; the ledger's store said the first for both."""
+    from pydantic_ai_harness.step_persistence import FileStepStore
+
+    with pytest.raises(ValueError) as theirs:
+        InMemoryStepStore(max_snapshots_per_run=bound)
+    with pytest.raises(ValueError) as file_store:
+        FileStepStore(tmp_path, max_snapshots_per_run=bound)
+    with pytest.raises(ValueError) as ours:
+        LedgerStepStore(cast(Any, None), max_snapshots_per_run=bound)
+    assert str(ours.value) == str(theirs.value) == str(file_store.value)
