@@ -5,6 +5,10 @@ events of one ledger session.
     session = LedgerSession("user-42", ledger)          # ledger: an AsyncLedger
     result = await Runner.run(agent, "Hello", session=session)
 
+    session = LedgerSession.from_url("user-42", url=dsn)  # from sync code too: opens lazily
+    result = Runner.run_sync(agent, "Hello", session=session)
+    session.close()                                     # or ``await session.close()``
+
 ``add_items`` appends one ``openai.items.added`` event holding all its items (one call's items
 stay together and in order, whoever else writes), ``pop_item`` one ``openai.item.popped`` naming
 the item it removed, ``clear_session`` one ``openai.items.cleared``: nothing is updated or
@@ -21,18 +25,20 @@ writes it as an integer) — is stored as that JSON text in base64 under the one
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
 import math
 import re
 import uuid
+from collections.abc import Generator
 from typing import Any
 
 import msgspec
 
 from ledger_cdc.client.writer import AsyncLedger
-from ledger_cdc.errors import ConcurrentAppendError
+from ledger_cdc.errors import ConcurrentAppendError, ConfigError
 from ledger_cdc.events import (
     READ_MAX_DEPTH,
     ItemPopped,
@@ -168,13 +174,18 @@ class LedgerSession(_Base):
     def __init__(
         self,
         session_id: str,
-        ledger: AsyncLedger,
+        ledger: AsyncLedger | str,
         *,
         agent_id: str = AGENT,
         session_settings: Any = None,
     ) -> None:
         self.session_id = session_id
-        self.ledger = ledger
+        # given a DSN, the session opens its own AsyncLedger at first use, in the event loop
+        # that uses it (the SDK's run_sync runs each call in the thread's one loop)
+        self._dsn: str | None = ledger if isinstance(ledger, str) else None
+        self._ledger: AsyncLedger | None = None if isinstance(ledger, str) else ledger
+        self._opened_in: asyncio.AbstractEventLoop | None = None
+        self._opening: asyncio.Lock | None = None
         self.agent_id = agent_id
         if SessionSettings is not None:  # as the SDK's sessions: a dict is coerced, none default
             self.session_settings = (
@@ -187,9 +198,66 @@ class LedgerSession(_Base):
         self.ledger_session = conversation_session(session_id)
         self._folded = _History(self.ledger_session)
 
+    @classmethod
+    def from_url(
+        cls,
+        session_id: str,
+        *,
+        url: str,
+        agent_id: str = AGENT,
+        session_settings: Any = None,
+    ) -> LedgerSession:
+        """A session on a pool of its own, opened at first use (so it can be made in sync
+        code, as the SDK's ``SQLiteSession``); :meth:`close` closes it."""
+        return cls(session_id, url, agent_id=agent_id, session_settings=session_settings)
+
+    @property
+    def ledger(self) -> AsyncLedger:
+        """The writer the session uses (given, or opened from its DSN at first use)."""
+        if self._ledger is None:
+            raise ConfigError(
+                f"session {self.session_id!r} has not opened its ledger yet: it opens at its "
+                "first operation (or closed it)"
+            )
+        return self._ledger
+
+    async def _open(self) -> AsyncLedger:
+        if self._dsn is None:
+            return self.ledger
+        loop = asyncio.get_running_loop()
+        if self._ledger is not None and self._opened_in is loop:
+            return self._ledger
+        if self._opening is None or self._opened_in is not loop:
+            self._opening = asyncio.Lock()
+        async with self._opening:  # one pool, however many coroutines ask at once
+            if self._ledger is None or self._opened_in is not loop:
+                # a pool of a loop that is gone cannot be closed from this one: let it go
+                self._ledger = await AsyncLedger.connect(self._dsn)
+                self._opened_in = loop
+        return self._ledger
+
+    def close(self) -> _Closed:
+        """Close the pool the session opened from a DSN (a given ledger stays open: its owner
+        closes it). Call it from sync code, as ``SQLiteSession.close()``, or await it, as the
+        SDK's async sessions' ``close()``; the session can be used again after (it reopens)."""
+        ledger, loop = (self._ledger, self._opened_in) if self._dsn is not None else (None, None)
+        if ledger is None:
+            return _Closed(None)
+        self._ledger = self._opened_in = None
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not None and running is loop:
+            return _Closed(running.create_task(ledger.close()))
+        if loop is not None and not loop.is_closed() and not loop.is_running():
+            loop.run_until_complete(ledger.close())  # sync code, after run_sync
+        return _Closed(None)
+
     async def _history(self) -> _History:
         """The history brought up to date: only the events after what this object folded."""
-        async with self.ledger.connection() as conn:
+        ledger = await self._open()
+        async with ledger.connection() as conn:
             cur = await conn.execute(_EVENTS, (self.ledger_session, self._folded.head))
             rows = await cur.fetchall()
         return self._folded.fold(rows)
@@ -207,7 +275,8 @@ class LedgerSession(_Base):
     async def add_items(self, items: list[Any]) -> None:
         if not items:
             return
-        await self.ledger.append(
+        ledger = await self._open()
+        await ledger.append(
             self.ledger_session,
             self.agent_id,
             "openai.items.added",
@@ -223,7 +292,7 @@ class LedgerSession(_Base):
             (added_at, index), item = last
             head = history.head
             try:
-                await self.ledger.append(
+                await (await self._open()).append(
                     self.ledger_session,
                     self.agent_id,
                     "openai.item.popped",
@@ -235,6 +304,18 @@ class LedgerSession(_Base):
             return item
 
     async def clear_session(self) -> None:
-        await self.ledger.append(
+        await (await self._open()).append(
             self.ledger_session, self.agent_id, "openai.items.cleared", ItemsCleared()
         )
+
+
+class _Closed:
+    """What :meth:`LedgerSession.close` returns: done already (sync code), or awaitable for
+    the close it started in the running loop."""
+
+    def __init__(self, task: asyncio.Task[None] | None) -> None:
+        self._task = task
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if self._task is not None:
+            yield from self._task.__await__()

@@ -225,3 +225,34 @@ def test_a_row_that_does_not_fit_is_skipped_and_pops_stay_linear(db: Database) -
     items, last = asyncio.run(go())
     assert items == [*[_item(n) for n in range(10)], _item(9999)]
     assert last == _item(9999)
+
+
+def test_a_session_made_in_sync_code_opens_lazily_and_closes(db: Database) -> None:
+    """SDK users make sessions in sync code (``SQLiteSession(...)``) and call ``close()``:
+    ``LedgerSession.from_url`` opens its pool at first use, in the loop that uses it, and
+    ``close()`` works from sync code and awaited (it was async-only, with no close at all)."""
+    sid = f"conv-{uuid.uuid4()}"
+    session = LedgerSession.from_url(sid, url=db.dsn)  # no event loop here
+    loop = asyncio.new_event_loop()  # as Runner.run_sync: the thread's one loop, kept
+    try:
+        loop.run_until_complete(session.add_items([_item(0), _item(1)]))
+        pool = session.ledger._pool
+        assert pool is not None and not pool.closed
+        assert loop.run_until_complete(session.get_items()) == [_item(0), _item(1)]
+        session.close()  # sync code, after the loop ran
+        assert pool.closed
+        # used again, in another loop (asyncio.run each time): it opens again, and awaited
+        # close() closes what that loop opened
+
+        async def again() -> list[Any]:
+            await session.add_items([_item(2)])
+            items = await session.get_items()
+            await session.close()
+            return items
+
+        assert asyncio.run(again()) == [_item(0), _item(1), _item(2)]
+        assert asyncio.run(again())[-1] == _item(2)
+    finally:
+        loop.close()
+    with pytest.raises(Exception, match="has not opened its ledger"):
+        session.ledger  # noqa: B018 - closed: nothing open
