@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import threading
 import uuid
@@ -69,6 +70,7 @@ from ledger_cdc.events import (
     Write,
     WritesPut,
     decode_bounded,
+    register_event_type,
 )
 
 __all__ = ["LANGGRAPH_NAMESPACE", "AsyncLedgerSaver", "LedgerSaver", "thread_session"]
@@ -244,6 +246,42 @@ def _memo_of(conn: Any, sid: uuid.UUID, call_id: str) -> Any:
     except NoSuchSessionError:
         return None
     return memoised_tool(conn, ctx, call_id)
+
+
+class CallResult(msgspec.Struct, frozen=True):
+    """A ``call_once`` result as JSON text, in the order the call returned its keys."""
+
+    call_id: str
+    text: str
+
+
+register_event_type("langgraph.call.result", CallResult)
+_RESULT = (
+    "SELECT payload->>'text' FROM agent_events "
+    "WHERE session_id = %s AND event_type = 'langgraph.call.result' "
+    "AND payload->>'call_id' = %s ORDER BY position DESC LIMIT 1"
+)
+
+
+def _result_steps(sid: uuid.UUID, call_id: str) -> Steps[Any]:
+    """The result ``call_once`` stored for ``call_id``, decoded from its text in order
+    (``_MISSING`` when there is none)."""
+    rows = yield Step(_RESULT, (sid, call_id))
+    if not rows or rows[0][0] is None:
+        return _MISSING
+    return msgspec.json.decode(rows[0][0])
+
+
+def _takes_key(call: Callable[..., Any]) -> bool:
+    """Whether ``call`` accepts a keyword ``idempotency_key``."""
+    try:
+        params = inspect.signature(call).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: called as it is
+        return False
+    return any(
+        (p.name == "idempotency_key" and p.kind != p.POSITIONAL_ONLY) or p.kind == p.VAR_KEYWORD
+        for p in params
+    )
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -757,7 +795,7 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         config: RunnableConfig,
         call_id: str,
         tool: str,
-        call: Callable[[], Any],
+        call: Callable[..., Any],
         *,
         arguments: dict[str, Any] | None = None,
     ) -> Any:
@@ -767,20 +805,30 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         LangGraph re-runs a node whose writes were not saved: a worker killed after the call
         but before the graph moved on calls again on resume. Here the call is recorded in the
         thread's session as the ledger's own ``tool.invoked`` / ``tool.observed`` (idempotency
-        key ``<thread>:<call_id>``); once observed, a re-run answers from the ledger's memo.
-        The result must be JSON (it is stored in the ledger). A call invoked but never observed
-        (the worker died during it) is called again with the same key: pass it to the service."""
+        key ``<thread>:<call_id>``); once observed, a re-run answers from the ledger. The
+        result must be JSON; it comes back as the call returned it, object keys in their order
+        (the result's JSON text is kept beside ``tool.observed``, in a ``langgraph.call.result``
+        event of the same transaction: jsonb alone would reorder them). A call invoked but never
+        observed (the worker died during it) is called again with the same key: a ``call`` that
+        takes a keyword ``idempotency_key`` (or ``**kwargs``) is given it, to pass to the
+        service; one that takes no argument is called as it is."""
         thread_id = str(_configurable(config)["thread_id"])
         sid = thread_session(thread_id)
         ledger = self._sync_ledger()
         with ledger.connection() as conn:
-            done = _memo_of(conn, sid, call_id)
-        if done is not None:
-            return done.result
+            done = run(conn, _result_steps(sid, call_id))
+            if done is _MISSING:
+                memo = _memo_of(conn, sid, call_id)
+                done = _MISSING if memo is None else memo.result
+        if done is not _MISSING:
+            return done
         key = f"{thread_id}:{call_id}"
         ledger.append(sid, AGENT, "tool.invoked", ToolInvoked(call_id, tool, arguments or {}, key))
-        result = call()
-        ledger.append(sid, AGENT, "tool.observed", ToolObserved(call_id, result))
+        result = call(idempotency_key=key) if _takes_key(call) else call()
+        with ledger.transaction() as tx:
+            tx.append(sid, AGENT, "tool.observed", ToolObserved(call_id, result))  # (checks it)
+            text = msgspec.json.encode(result).decode()
+            tx.append(sid, AGENT, "langgraph.call.result", CallResult(call_id, text))
         return result
 
     # -- async ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ that stops mid-graph leaves a thread another process continues."""
 from __future__ import annotations
 
 import asyncio
+import json
 import operator
 import sys
 import threading
@@ -507,3 +508,37 @@ def test_one_saver_serves_threads_that_read_while_another_writes(db: Database) -
         saver.close()
     assert not any(t.is_alive() for t in threads)
     assert not errors, repr(errors[0])
+
+
+def test_call_once_gives_the_call_its_key_and_the_result_back_in_its_order(db: Database) -> None:
+    """The call is handed its idempotency key (users rebuilt ``thread:call_id`` by hand to pass
+    it to the service), and a result answered from the ledger keeps its keys' order (jsonb had
+    put shorter keys first, so a resumed run's tool message differed from the first run's)."""
+    thread = f"t-{uuid.uuid4()}"
+    config = {"configurable": {"thread_id": thread}}
+    result = {"zeta": 1, "id": "ch_1", "amount": {"value": 42, "currency": "EUR"}, "a": [3, 1]}
+    keys: list[str] = []
+
+    def charge(*, idempotency_key: str) -> dict[str, Any]:
+        keys.append(idempotency_key)
+        return result
+
+    def plain() -> str:  # one that takes no argument is called as it was
+        keys.append("plain")
+        return "done"
+
+    first, second = LedgerSaver(Ledger(db.dsn)), LedgerSaver(Ledger(db.dsn))
+    try:
+        got = first.call_once(config, "charge", "payments.charge", charge)
+        again = second.call_once(config, "charge", "payments.charge", charge)  # a new worker
+        assert first.call_once(config, "mail", "mail.send", plain) == "done"
+        assert second.call_once(config, "mail", "mail.send", plain) == "done"
+    finally:
+        first.close()
+        second.close()
+    assert keys == [f"{thread}:charge", "plain"]  # each called once
+    assert got == again == result
+    assert json.dumps(again) == json.dumps(result)  # in order, nested objects too
+    with db.connect() as conn:
+        ctx = rebuild_context(conn, thread_session(thread))
+    assert ctx.completed_tools["charge"].result == result  # the ledger's memo has it too
