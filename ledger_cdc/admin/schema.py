@@ -58,6 +58,7 @@ __all__ = [
     "load_legacy",
     "load_migrations",
     "migrate",
+    "set_failover",
     "slot_misfit",
     "validate_publication_name",
     "validate_slot_name",
@@ -304,6 +305,7 @@ def create_shards(
     publication: str = DEFAULT_PUBLICATION,
     slot: str = DEFAULT_SLOT,
     create_slots: bool = True,
+    failover: bool = False,
 ) -> list[tuple[str, str]]:
     """One publication with a row filter on the session id, and one slot, per shard (PG 15+)."""
     if not 2 <= shards <= 256:
@@ -315,7 +317,7 @@ def create_shards(
         pub, sl = shard_names(k, publication, slot)
         create_publication(conn, pub, where=shard_filter(shards, k))
         if create_slots:
-            create_slot(conn, sl)
+            create_slot(conn, sl, failover=failover)
         out.append((pub, sl))
     return out
 
@@ -421,9 +423,15 @@ def _slot_fit(conn: psycopg.Connection[Any], name: str) -> tuple[bool, str | Non
 
 
 def create_slot(
-    conn: psycopg.Connection[Any], name: str = DEFAULT_SLOT, *, two_phase: bool = False
+    conn: psycopg.Connection[Any],
+    name: str = DEFAULT_SLOT,
+    *,
+    two_phase: bool = False,
+    failover: bool = False,
 ) -> bool:
-    """Create a pgoutput logical slot if missing; True if created now.
+    """Create a pgoutput logical slot if missing; True if created now. ``failover`` makes it a
+    failover slot (PostgreSQL 17+): kept on a standby that has ``sync_replication_slots``, so it
+    survives the standby's promotion.
 
     An existing slot with another plugin is an error rather than something to reuse.
     """
@@ -433,14 +441,59 @@ def create_slot(
         raise ConfigError(misfit)
     if exists:
         return False
+    _need_failover_server(conn, failover)
     try:
         with conn.transaction():
-            conn.execute(
-                "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, %s)",
-                (name, two_phase),
-            )
+            if failover:
+                conn.execute(
+                    "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, %s, true)",
+                    (name, two_phase),
+                )
+            else:
+                conn.execute(
+                    "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, %s)",
+                    (name, two_phase),
+                )
     except psycopg.errors.DuplicateObject:
         return False
+    return True
+
+
+def _need_failover_server(conn: psycopg.Connection[Any], failover: bool) -> None:
+    if failover and conn.info.server_version < 170000:
+        raise ConfigError(
+            "failover slots need PostgreSQL 17 or later (the server is "
+            f"{conn.info.server_version // 10000}): leave out --failover"
+        )
+
+
+def set_failover(dsn: str, name: str, on: bool = True) -> bool:
+    """Turn the failover property of the existing slot ``name`` on (or off): ALTER_REPLICATION_SLOT
+    on a replication connection (PostgreSQL 17+; the slot must not be in use). Returns whether it
+    changed."""
+    validate_slot_name(name)
+    try:
+        with open_session(dsn, autocommit=True) as conn:
+            _need_failover_server(conn, True)
+            exists, misfit = _slot_fit(conn, name)
+            if misfit is not None:
+                raise ConfigError(misfit)
+            if not exists:
+                raise ConfigError(f"slot {name!r} does not exist (`ledger-cdc slot create`)")
+            row = conn.execute(
+                "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (name,)
+            ).fetchone()
+            if row is not None and bool(row[0]) == on:
+                return False
+        with open_session(dsn, autocommit=True, replication="database") as rep:
+            # the name is validated ([a-z0-9_]{1,63}); replication commands take no parameters
+            rep.execute(f'ALTER_REPLICATION_SLOT "{name}" (FAILOVER {"true" if on else "false"})')
+    except psycopg.errors.ObjectInUse as e:
+        raise ConfigError(
+            f"slot {name!r} is in use: stop its consumer, then change its failover setting"
+        ) from e
+    except psycopg.Error as e:
+        raise translate(e, dsn=dsn, doing=f"changing slot {name}") from e
     return True
 
 
@@ -461,6 +514,7 @@ def init(
     partition_by: str | None = None,
     partitions_ahead: int = 3,
     shards: int | None = None,
+    failover: bool = False,
 ) -> InitResult:
     """Apply the migrations, create the publication and, if ``slot`` is given, the slot.
 
@@ -475,6 +529,7 @@ def init(
     try:
         with open_session(dsn, autocommit=True) as conn:
             preflight(conn, slot=slot is not None or bool(shards))
+            _need_failover_server(conn, failover and (slot is not None or bool(shards)))
             fresh = partitions.setup(conn, partition_by) if partition_by else False
             applied = migrate(conn)
             if fresh:
@@ -484,9 +539,15 @@ def init(
             elif partitions.is_partitioned(conn):
                 created = partitions.ensure(conn, partitions_ahead)
             pub = create_publication(conn, publication)
-            made = create_slot(conn, slot) if slot is not None else None
+            made = create_slot(conn, slot, failover=failover) if slot is not None else None
             sharded = (
-                create_shards(conn, shards, publication=publication, slot=slot or DEFAULT_SLOT)
+                create_shards(
+                    conn,
+                    shards,
+                    publication=publication,
+                    slot=slot or DEFAULT_SLOT,
+                    failover=failover,
+                )
                 if shards
                 else []
             )

@@ -41,6 +41,7 @@ class ConsumerConfig:
     publication: str = DEFAULT_PUBLICATION
     target_dsn: str | None = None
     create_slot: bool = False
+    failover: bool = False  # a slot the consumer creates is a failover slot (PostgreSQL 17+)
     batch_size: int = 20000
     max_delay: float = 0.05  # (a backlog's batch may wait longer: consumer/policy.py)
     snapshot_every: int = 100

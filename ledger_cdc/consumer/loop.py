@@ -35,6 +35,7 @@ from psycopg import sql
 from ledger_cdc.admin.schema import drop_slot, slot_misfit
 from ledger_cdc.client.read import load_events
 from ledger_cdc.client.recovery import rebuild_context
+from ledger_cdc.consumer import divergence
 from ledger_cdc.consumer.config import ConsumerConfig
 from ledger_cdc.consumer.metrics import Metrics
 from ledger_cdc.consumer.policy import CATCH_UP_DELAY, FlushPolicy
@@ -165,6 +166,7 @@ class Consumer:
             # begun by the caller (ReplicationStream.prefetch): used if it streams the same
             if prefetched is not None and prefetched.same_as(stream):
                 stream, prefetched = prefetched, None
+            stream.failover = config.failover
             transport = stream
         if prefetched is not None:
             prefetched.close()
@@ -273,6 +275,7 @@ class Consumer:
                 except RetryableError as e:  # connection lost, server restarting, NATS …
                     self._back_off(str(e))
         finally:
+            self.metrics.set_state("stopped")
             self._worker.wait()
             with contextlib.suppress(Exception):
                 self._worker.take()
@@ -360,6 +363,7 @@ class Consumer:
             self._standing_by = True
             log.warning("%s; standing by (retrying every %.1fs)", e, self.config.standby_poll)
         self.metrics.extra["standby"] = 1.0
+        self.metrics.set_state("standby")
         self._recover()
         self._stop.wait(self.config.standby_poll)
 
@@ -370,6 +374,7 @@ class Consumer:
             self._recover()
             return
         self.metrics.reconnects += 1
+        self.metrics.set_state("connecting")
         delay = self._backoff.failed()
         log.warning("%s; reconnecting in %.2fs", why, delay)
         self._recover()
@@ -385,8 +390,16 @@ class Consumer:
         self._cache.clear()
 
     def _connect(self) -> None:
+        self.metrics.set_state("connecting")
         checkpoint = self.sink.load_checkpoint() or 0
         self._cache.clear()  # the projections may have moved on without us (fencing)
+        if (
+            self.config.target_dsn
+            and self.config.fold
+            and not self._standalone
+            and self._diverged(checkpoint)
+        ):
+            return
         if self.sink.epoch == BOOTSTRAPPING:
             log.warning(
                 "a bootstrap of slot %s was interrupted; starting it again", self.config.slot
@@ -415,6 +428,7 @@ class Consumer:
             self._refuse_misfit(e)
             raise
         self.metrics.confirmed_lsn = self.stream.confirmed
+        self.metrics.set_state("streaming")
         early = getattr(self.stream, "adopted", None)
         log.info(
             "streaming slot %s from %s%s",
@@ -422,6 +436,50 @@ class Consumer:
             format_lsn(checkpoint),
             "" if early is None else f" (begun {early[0]:.2f}s ago, {early[1]:,} bytes read ahead)",
         )
+
+    def _diverged(self, checkpoint: int) -> bool:
+        """Projections in another database that may no longer agree with the ledger's server
+        (a failover lost what they folded, or the server was restored): the slot is rebuilt
+        from the ledger table, which is the truth (:meth:`_bootstrap` discards the sessions
+        ahead of it first). True when it was (the stream then runs from the new slot)."""
+        cfg = self.config
+        assert cfg.target_dsn is not None
+        found, me = divergence.check(cfg.dsn, cfg.target_dsn, cfg.slot, checkpoint)
+        if found:
+            self.metrics.count("divergence_repairs_total")
+            for why in found.reasons:
+                log.error("the projections do not agree with the ledger's server: %s", why)
+            self._refuse_misfit(None)  # (the slot is dropped and made again)
+            self._bootstrap(drop=True)
+        if me is not None:
+            divergence.record(cfg.target_dsn, cfg.slot, me)
+        return bool(found)
+
+    def _discard_ahead(self) -> None:
+        """Before a bootstrap into another database: the projections the ledger does not hold
+        as they folded them are discarded, so that it folds those sessions from their first
+        event (a projection ahead of the ledger would otherwise skip, by position, what the
+        ledger holds there now)."""
+        cfg = self.config
+        assert cfg.target_dsn is not None
+        with (
+            connected(cfg.dsn, "ledger database") as ledger,
+            connected(cfg.target_dsn, "projection database") as target,
+        ):
+            ahead = divergence.projections_ahead(ledger, target)
+        for sid, pos, head in ahead[:20]:
+            log.error(
+                "session %s: its projection is at position %d, the ledger's head at %d with "
+                "another history: discarded, folded again from the ledger",
+                sid,
+                pos,
+                head,
+            )
+        if len(ahead) > 20:
+            log.error("… and %d sessions more", len(ahead) - 20)
+        if ahead:
+            self.metrics.count("sessions_refolded_total", len(ahead))
+            divergence.discard(cfg.target_dsn, [sid for sid, _, _ in ahead])
 
     def _refuse_misfit(self, cause: BaseException | None) -> None:
         """SlotError if the slot is not a pgoutput slot of the ledger's database: somebody
@@ -449,6 +507,7 @@ class Consumer:
         stream has everything committed after the snapshot) and no double (what the snapshot
         holds is not in the stream; what a projection already folded is skipped by position)."""
         cfg = self.config
+        self.metrics.set_state("resyncing")
         self.stream.close()  # (a prefetch would hold the slot the drop below ends)
         self.sink.mark_bootstrap()  # a crash from here on makes the next start redo all of it
         if drop:  # (each caller has refused a slot not ours: _refuse_misfit)
@@ -459,6 +518,8 @@ class Consumer:
             if not drop:  # nothing was lost: the next start need not take this for a bootstrap
                 self.sink.unmark_bootstrap()
             raise
+        if cfg.target_dsn and cfg.fold:
+            self._discard_ahead()
         positions = self.sink.positions()
         self._reset_stream_state(consistent)
         self._cache.clear()
@@ -481,6 +542,7 @@ class Consumer:
         self._submitted_lsn = consistent
         self.stream.start(consistent, reuse=True)
         self._confirmed(0, events, dead, None, None, rows=events)
+        self.metrics.set_state("streaming")
         log.info(
             "slot %s created at %s; %d events %s from the table",
             cfg.slot,

@@ -144,6 +144,9 @@ class ReplicationStream:
         if two_phase and proto_version >= 3:
             self.options["two_phase"] = "on"
         self.status_interval = status_interval
+        # a slot this stream creates is a failover slot (PostgreSQL 17+: kept on standbys with
+        # sync_replication_slots, so it survives a promotion)
+        self.failover = False
         self._conn: Any = None
         self._cur: Any = None
         self._lock = threading.Lock()
@@ -229,10 +232,24 @@ class ReplicationStream:
         valid until the next command on this connection, i.e. until streaming starts."""
         self.close()
         conn = self._open()
+        if self.failover and conn.server_version < 170000:
+            conn.close()
+            raise ConfigError(
+                "failover slots need PostgreSQL 17 or later (the server is "
+                f"{conn.server_version // 10000}): leave out --failover"
+            )
         try:
             cur = conn.cursor()
             # the slot name is validated ([a-z0-9_]{1,63}) and this command takes no parameters
-            cur.execute(f'CREATE_REPLICATION_SLOT "{self.slot}" LOGICAL pgoutput EXPORT_SNAPSHOT')
+            if self.failover:
+                cur.execute(
+                    f'CREATE_REPLICATION_SLOT "{self.slot}" LOGICAL pgoutput '
+                    "(SNAPSHOT 'export', FAILOVER true)"
+                )
+            else:
+                cur.execute(
+                    f'CREATE_REPLICATION_SLOT "{self.slot}" LOGICAL pgoutput EXPORT_SNAPSHOT'
+                )
             _, consistent_point, snapshot_name, _ = cur.fetchone()
         except psycopg2.errors.DuplicateObject as e:
             conn.close()

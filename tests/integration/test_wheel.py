@@ -63,4 +63,4 @@ def test_init_from_installed_wheel(tmp_path: Path, empty_db: Database) -> None:
         env=env,
     )
     assert p.returncode == 0, p.stderr
-    assert "schema versions applied: 0018;" in p.stdout
+    assert "schema versions applied: 0018, 0019;" in p.stdout
