@@ -103,8 +103,9 @@ def test_a_stall_by_synchronized_standby_slots_is_named_with_its_fix(
         conn.execute("ALTER SYSTEM SET synchronized_standby_slots = 'standby_1, gone_standby'")
         conn.execute("SELECT pg_reload_conf()")
         until(
-            lambda: "gone_standby"
-            in str(conn.execute("SHOW synchronized_standby_slots").fetchone()),
+            lambda: (
+                "gone_standby" in str(conn.execute("SHOW synchronized_standby_slots").fetchone())
+            ),
             30,
         )
         ready, stall = failover_state(conn, "agent_slot")
