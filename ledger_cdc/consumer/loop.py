@@ -412,13 +412,26 @@ class Consumer:
             self.stream.start(checkpoint)
         except SlotError as e:
             self._refuse_misfit(e)
-            if not self.config.create_slot:
+            if self.config.create_slot:
+                log.info(
+                    "slot %s does not exist: creating it and %s the ledger's history",
+                    self.config.slot,
+                    "folding" if self.config.fold else "publishing",
+                )
+            elif checkpoint and self.config.on_slot_lost == "resync":
+                # streamed before, so the slot was dropped (by hand, a failover to a standby
+                # without it, a restore): lost as much as an invalidated one
+                self.metrics.count("slot_resyncs_total")
+                log.error(
+                    "slot %s no longer exists (dropped, or a failover to a server without it); "
+                    "creating it and resynchronising from the ledger table (--on-slot-lost "
+                    "exit stops instead)",
+                    self.config.slot,
+                )
+            else:
+                if checkpoint:
+                    log.error("%s; exiting (--on-slot-lost exit)", e)
                 raise
-            log.info(
-                "slot %s does not exist: creating it and %s the ledger's history",
-                self.config.slot,
-                "folding" if self.config.fold else "publishing",
-            )
             self._bootstrap(drop=False)
             return
         except SlotLostError as e:
