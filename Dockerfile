@@ -12,7 +12,8 @@ COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
 USER ledger
 EXPOSE 9187
+# healthy = streaming and caught up (/healthz answers 503 with its reasons otherwise)
 HEALTHCHECK --interval=10s --timeout=3s --retries=3 \
-    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9187/metrics', timeout=2)"
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9187/healthz', timeout=2)"
 ENTRYPOINT ["ledger-cdc"]
 CMD ["consume", "--metrics-port", "9187", "--metrics-host", "0.0.0.0", "--log-format", "json"]
