@@ -14,7 +14,9 @@ publishes to JetStream does not wait (``catch_up_delay`` 0): publishing costs it
 event, not per session, so the sink is what a drain waits for, and a batch held back only
 leaves it idle.
 
-Snapshots are the batch builder's :class:`~ledger_cdc.sink.batch.SnapshotPolicy`.
+When the slot may be confirmed past what the consumer applied, while it is idle, is
+:func:`idle_confirm`. Snapshots are the batch builder's
+:class:`~ledger_cdc.sink.batch.SnapshotPolicy`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["FlushPolicy"]
+__all__ = ["FlushPolicy", "Idle", "idle_confirm"]
 
 IDLE_WAIT = 0.1  # seconds to wait on the socket with nothing in hand
 INLINE_TRANSACTIONS = 4  # a batch of at most this many …
@@ -79,3 +81,34 @@ class FlushPolicy:
     def wait_timeout(self) -> float:
         """How long the loop may wait on the socket before looking again."""
         return self.max_delay if self.since is not None else IDLE_WAIT
+
+
+@dataclass(frozen=True)
+class Idle:
+    """What the loop knows when nothing is ready to read (see :func:`idle_confirm`)."""
+
+    sink_busy: bool  # a batch is being written
+    submitted: int  # end LSN of the last batch handed to the sink
+    confirmed: int  # what the slot was last confirmed to
+    unsettled: bool  # committed batches not yet known durable (or not yet settled)
+    in_flight: bool  # a transaction begun in the stream and not yet committed
+    in_hand: bool  # transactions taken, not yet handed to the sink
+    wal_end: int  # the server's WAL end, as its keepalives say
+
+
+def idle_confirm(s: Idle) -> int | None:
+    """The position to confirm while idle, or None. Confirming the WAL end lets an idle slot
+    advance (its WAL is freed) even though no change of ours is in it; it is allowed only when
+    every batch handed to the sink has been settled as committed and is known durable, and
+    nothing is begun or in hand: the WAL end must never pass a batch whose commit failed, is
+    still unknown or may yet be lost, nor a transaction not yet applied."""
+    if (
+        s.sink_busy
+        or s.submitted > s.confirmed
+        or s.unsettled
+        or s.in_flight
+        or s.in_hand
+        or s.wal_end <= s.confirmed
+    ):
+        return None
+    return s.wal_end
