@@ -1,27 +1,30 @@
-"""A sink in a process's memory, with the PostgreSQL sink's rules.
+"""A sink in a process's memory, with the PostgreSQL sink's rules and rows.
 
-Every commit is all or nothing (the new state is built aside, then swapped in), the checkpoint is
-fenced exactly like ``ledger_checkpoints`` (a commit succeeds only if the stored LSN is still the
-one this sink read), snapshots at the same point are replaced only by another format or reducer
-version, memo rows are never overwritten. Several :class:`MemorySink` objects can share one
-:class:`MemoryStore`, as several consumers share one database: that is how a test crashes a
-consumer mid-batch and starts another on the same state. ``fail_next`` makes the next commit
-fail (before anything is applied), as a dropped connection would.
+It stores the rows the PostgreSQL sink writes, built by the same functions (``sink.shape``), and
+what those rows reference of the ledger's events. Every commit is all or nothing (the new state is
+built aside, then swapped in), the checkpoint is fenced exactly like ``ledger_checkpoints`` (a
+commit succeeds only if the stored LSN is still the one this sink read), snapshots at the same
+point are replaced only by another format or reducer version, memo rows are never overwritten.
+Several :class:`MemorySink` objects can share one :class:`MemoryStore`, as several consumers
+share one database: that is how a test crashes a consumer mid-batch and starts another on the
+same state. ``fail_next`` makes the next commit fail (before anything is applied), as a dropped
+connection would.
 """
 
 from __future__ import annotations
 
-import copy
+import operator
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from ledger_cdc.errors import FencedError
 from ledger_cdc.events import Message
 from ledger_cdc.fold import (
-    FORMAT_VERSION,
     RUN_PENDING,
     CompletedModel,
     CompletedTool,
@@ -33,24 +36,40 @@ from ledger_cdc.fold import (
 from ledger_cdc.lsn import format_lsn
 from ledger_cdc.names import SESSIONS_CHANNEL
 from ledger_cdc.sink.base import BOOTSTRAPPING
-from ledger_cdc.sink.batch import Batch, DeadLetter, SnapshotPolicy, SnapshotRow, context_size
+from ledger_cdc.sink.batch import Batch, DeadLetter, SnapshotPolicy, context_size
+from ledger_cdc.sink.shape import (
+    MEMO,
+    AgentMemoRow,
+    AgentSessionRow,
+    AgentSnapshotRow,
+    memo_row,
+    session_row,
+    snapshot_row,
+)
 
 __all__ = ["MemorySink", "MemoryStore", "Projection"]
 
 
-@dataclass
-class Projection:
-    """One row of the projections: the context's canonical JSON and what is indexed of it."""
+class Projection(AgentSessionRow):
+    """A row of ``agent_sessions``, as the PostgreSQL sink writes it."""
 
-    data: bytes
-    last_seq: int
-    last_position: int
-    event_count: int
-    status: str
-    run_status: str | None
-    leases: int | None
-    last_hash: bytes | None
-    commit_lsn: int
+    __slots__ = ()
+
+    @property
+    def data(self) -> bytes:
+        """The stored context's JSON (the ``context`` column)."""
+        return self.context
+
+    @property
+    def leases(self) -> int | None:
+        """Its run's leases, read from the stored context as SQL reads them."""
+        run = decode_context(self.context).run
+        return None if run is None else run.leases
+
+
+_memo_key = operator.attrgetter(*MEMO.key)
+_tool_entry = msgspec.json.Decoder(CompletedTool)
+_model_entry = msgspec.json.Decoder(CompletedModel)
 
 
 @dataclass
@@ -66,10 +85,9 @@ class MemoryStore:
     """What a database would hold for one slot."""
 
     sessions: dict[uuid.UUID, Projection] = field(default_factory=dict)
-    snapshots: dict[tuple[uuid.UUID, int], tuple[int, SnapshotRow]] = field(default_factory=dict)
-    memo: dict[tuple[uuid.UUID, str, str, int], CompletedTool | CompletedModel] = field(
-        default_factory=dict
-    )
+    # by (session, upto_position): the same event as the table's key, (session, upto_seq)
+    snapshots: dict[tuple[uuid.UUID, int], AgentSnapshotRow] = field(default_factory=dict)
+    memo: dict[tuple[uuid.UUID, str, str, int], AgentMemoRow] = field(default_factory=dict)
     dead_letters: list[DeadLetter] = field(default_factory=list)
     notifications: list[tuple[str, str]] = field(default_factory=list)
     checkpoint: int | None = None
@@ -81,6 +99,9 @@ class MemoryStore:
     # and the strings messages were taken from, by (session, event position)
     windows: dict[tuple[uuid.UUID, int], tuple[Message, ...]] = field(default_factory=dict)
     strings: dict[tuple[uuid.UUID, int], str] = field(default_factory=dict)
+    # and the result (content) of each completing event, which its memo row's entry may leave
+    # in it (fold.encode_memo_entry)
+    results: dict[tuple[uuid.UUID, int], Any] = field(default_factory=dict)
 
     def stored(self, session_id: uuid.UUID) -> SessionContext | None:
         """The projection as stored, its window attached (no completed calls: see memo)."""
@@ -102,22 +123,36 @@ class MemoryStore:
 
     def context(self, session_id: uuid.UUID) -> SessionContext | None:
         """The whole context the projection stands for: its window attached and its completed
-        calls read from the memo (what ``ledger_session_context`` gives in SQL)."""
+        calls read from the memo, the latest row of each call up to the projection's position
+        (what ``ledger_session_context`` gives in SQL)."""
         ctx = self.stored(session_id)
         if ctx is None or not ctx.memo_position:
             return ctx
-        latest: dict[tuple[str, str], tuple[int, CompletedTool | CompletedModel]] = {}
-        for (sid, kind, call, seq), done in self.memo.items():
-            prev = latest.get((kind, call))
-            if sid == session_id and (prev is None or prev[0] < seq):
-                latest[(kind, call)] = (seq, done)
-        for (_, call), (_, done) in sorted(latest.items(), key=lambda kv: kv[1][0]):
+        latest: dict[tuple[str, str], AgentMemoRow] = {}
+        for row in self.memo.values():
+            if row.session_id != session_id or row.completed_position > ctx.memo_position:
+                continue
+            prev = latest.get((row.kind, row.call_id))
+            if prev is None or prev.completed_position < row.completed_position:
+                latest[(row.kind, row.call_id)] = row
+        for row in sorted(latest.values(), key=operator.attrgetter("completed_position")):
+            done = self.memo_entry(row)
             if isinstance(done, CompletedTool):
-                ctx.completed_tools[call] = done
+                ctx.completed_tools[done.call_id] = done
             else:
-                ctx.completed_models[call] = done
+                ctx.completed_models[done.request_id] = done
         ctx.memo_position = 0
         return ctx
+
+    def memo_entry(self, row: AgentMemoRow) -> CompletedTool | CompletedModel:
+        """The call a memo row stands for, what its entry leaves in the completing event put
+        back (as ``ledger_memo_entry`` does in SQL)."""
+        entry = msgspec.json.decode(row.entry)
+        left, decoder = ("result", _tool_entry) if row.kind == "tool" else ("content", _model_entry)
+        if left not in entry:
+            entry[left] = self.results.get((row.session_id, row.completed_position))
+        done: CompletedTool | CompletedModel = decoder.decode(msgspec.json.encode(entry))
+        return done
 
     def _copy(self) -> MemoryStore:
         return MemoryStore(
@@ -133,6 +168,7 @@ class MemoryStore:
             self.lock,
             dict(self.windows),
             dict(self.strings),
+            dict(self.results),
         )
 
     def _swap(self, new: MemoryStore) -> None:
@@ -148,6 +184,7 @@ class MemoryStore:
             "commits",
             "windows",
             "strings",
+            "results",
         ):
             setattr(self, name, getattr(new, name))
 
@@ -167,7 +204,7 @@ class _Tail:
             if p is None:
                 continue
             if policy.crossed(t.count_before, t.status_before, p.event_count, p.status):
-                rows.append((sid, p.data.decode(), p.last_hash))
+                rows.append((sid, p.context.decode(), p.last_hash))
                 if len(rows) >= size:
                     yield rows
                     rows = []
@@ -220,9 +257,9 @@ class MemorySink:
         for sid in session_ids:
             p = state.sessions.get(sid)
             if p is not None:
-                ctx = decode_context(p.data)
+                ctx = decode_context(p.context)
                 state.attach(ctx)
-                out[sid] = (ctx, context_size(ctx, p.data))
+                out[sid] = (ctx, context_size(ctx, p.context))
         return out
 
     # -- durability: every commit is durable at once ---------------------------------------------
@@ -256,7 +293,7 @@ class MemorySink:
         self._check_failure(batch)
         with self.store.lock:
             new = self.store._copy()
-            _apply(new, batch, {})
+            _apply(new, batch, {}, self.by_reference)
             _notices(new, batch)
             self._checkpoint(new, batch)
             self.store._swap(new)
@@ -269,10 +306,10 @@ class MemorySink:
         try:
             for chunk in chunks:
                 self._check_failure(chunk)
-                _apply(new, chunk, self._touched)
+                _apply(new, chunk, self._touched, self.by_reference)
             final = finish(_Tail(new, self._touched))
             self._check_failure(final)
-            _apply(new, final, self._touched)
+            _apply(new, final, self._touched, self.by_reference)
             _notices(new, final)
             with self.store.lock:
                 self._checkpoint(new, final)
@@ -284,7 +321,7 @@ class MemorySink:
     def write_part(self, batch: Batch) -> None:
         assert self._open is not None, "write_part outside commit_chunked"
         self._check_failure(batch)
-        _apply(self._open, batch, self._touched)
+        _apply(self._open, batch, self._touched, self.by_reference)
 
     def close(self) -> None:
         """Nothing to close; what a failed chunked commit built is already dropped."""
@@ -323,43 +360,34 @@ class MemorySink:
             self.epoch = batch.epoch
 
 
-def _apply(state: MemoryStore, batch: Batch, touched: dict[uuid.UUID, _Touched]) -> None:
+def _apply(
+    state: MemoryStore, batch: Batch, touched: dict[uuid.UUID, _Touched], by_reference: bool
+) -> None:
     for sid, count, status, run_status, leases in batch.touched:
         touched.setdefault(sid, _Touched(count, status, run_status, leases))
     for sid, (ctx, data, commit_lsn, head) in batch.sessions.items():
-        run = ctx.run
         w = ctx.window
         if w is not None and not w.omitted:
             state.windows.setdefault((sid, w.position), tuple(ctx.messages[: w.length]))
         for src in ctx.sources:  # the events' strings (what a reload reads back)
             if not src.omitted and src.index < len(ctx.messages):
                 state.strings.setdefault((sid, src.position), ctx.messages[src.index].content)
-        state.sessions[sid] = Projection(
-            bytes(data),
-            ctx.last_seq,
-            ctx.last_position,
-            ctx.event_count,
-            str(ctx.status),
-            None if run is None else str(run.status),
-            None if run is None else run.leases,
-            head,
-            commit_lsn,
-        )
+        state.sessions[sid] = Projection(*session_row(sid, ctx, bytes(data), commit_lsn, head))
     for sid, position, done in batch.memo:
-        if isinstance(done, CompletedTool):
-            key = (sid, "tool", done.call_id, done.observed_seq)
-        else:
-            key = (sid, "model", done.request_id, done.responded_seq)
-        state.memo.setdefault(key, copy.copy(done))
-        del position
+        row = memo_row(sid, position, done, by_reference)
+        state.memo.setdefault(_memo_key(row), row)  # ON CONFLICT DO NOTHING
+        result = done.result if isinstance(done, CompletedTool) else done.content
+        state.results.setdefault((sid, position), result)
     for snap in batch.snapshots:
-        at = (snap.session_id, snap.upto_position)
+        new = snapshot_row(snap)
+        at = (new.session_id, new.upto_position)
         old = state.snapshots.get(at)
-        stale = old is not None and (
-            old[0] != FORMAT_VERSION or old[1].reducer_version != snap.reducer_version
-        )
-        if old is None or stale:
-            state.snapshots[at] = (FORMAT_VERSION, snap)
+        # as SNAPSHOT_CONFLICT: a row this version cannot use is replaced, a usable one kept
+        if old is None or (old.format_version, old.reducer_version) != (
+            new.format_version,
+            new.reducer_version,
+        ):
+            state.snapshots[at] = new
     state.dead_letters.extend(batch.dead_letters)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 import psycopg
-from psycopg import generators
+from psycopg import generators, sql
 from psycopg.adapt import Transformer
 from psycopg.pq import DiagnosticField, ExecStatus, TransactionStatus
 from psycopg.pq.abc import PGconn, PGresult
@@ -35,22 +35,25 @@ from ledger_cdc.errors import (
     parse_lsn,
     translate,
 )
-from ledger_cdc.fold import (
-    FORMAT_VERSION,
-    PROJECTION_FORMAT,
-    PROJECTION_FORMATS,
-    CompletedModel,
-    CompletedTool,
-    SessionContext,
-    attach,
-    decode_context,
-    encode_memo_entry,
-    memo_key,
-)
+from ledger_cdc.fold import PROJECTION_FORMATS, SessionContext, attach, decode_context
 from ledger_cdc.names import SESSIONS_CHANNEL
 from ledger_cdc.sink.base import BOOTSTRAPPING
 from ledger_cdc.sink.batch import Batch, DeadLetter, SnapshotRow, context_size
 from ledger_cdc.sink.durable import DurableTracker
+from ledger_cdc.sink.shape import (
+    MEMO,
+    SESSIONS,
+    SNAPSHOTS,
+    AgentMemoRow,
+    AgentSessionRow,
+    AgentSnapshotRow,
+    Column,
+    Table,
+    memo_row,
+    run_columns,
+    session_row,
+    snapshot_row,
+)
 
 __all__ = [
     "BOOTSTRAPPING",
@@ -64,49 +67,59 @@ __all__ = [
 ]
 
 
-def run_columns(ctx: SessionContext) -> tuple[str | None, str | None, dt.datetime | None]:
-    """A projection's run_status, lease_worker and lease_until, as its context says."""
-    run = ctx.run
-    lease = None if run is None else run.lease
-    return (
-        None if run is None else str(run.status),
-        None if lease is None else lease.worker,
-        None if lease is None else lease.until,
-    )
-
-
-# Rows go in by COPY (one C-level call per row) into session-local staging tables, then one
-# statement per table moves them: far less client work than one INSERT per row.
-_STAGING = """
-CREATE TEMP TABLE IF NOT EXISTS stage_sessions (
-    session_id uuid, status text, last_seq bigint, last_position bigint, event_count bigint,
-    format_version int, context text, commit_lsn text, run_status text, lease_worker text,
-    lease_until timestamptz, last_hash bytea) ON COMMIT DELETE ROWS;
-CREATE TEMP TABLE IF NOT EXISTS stage_snapshots (
-    session_id uuid, upto_seq bigint, upto_position bigint, format_version int,
-    reducer_version text, content_hash bytea, data bytea, upto_hash bytea) ON COMMIT DELETE ROWS;
-CREATE TEMP TABLE IF NOT EXISTS stage_memo (
-    session_id uuid, kind text, call_id text, completed_seq bigint, completed_position bigint,
-    idempotency_key text, prompt_hash text, entry text) ON COMMIT DELETE ROWS;
+_STAGING_TOUCH = """
 CREATE TEMP TABLE IF NOT EXISTS stage_touch (
     session_id uuid, count_before bigint, status_before text, run_before text,
     leases_before int) ON COMMIT DELETE ROWS;
 CREATE TEMP TABLE IF NOT EXISTS stage_touched (
     session_id uuid PRIMARY KEY, count_before bigint, status_before text, run_before text,
     leases_before int) ON COMMIT DELETE ROWS;
-DO $$
-BEGIN
-    -- a staged context or snapshot over 2 kB is compressed on its way in, and decompressed by
-    -- the merge: lz4 where the server has it, as the tables they go to (sql/0004, 0005); the
-    -- default pglz cost the backend more than the merge itself
-    ALTER TABLE pg_temp.stage_sessions ALTER COLUMN context SET COMPRESSION lz4;
-    ALTER TABLE pg_temp.stage_snapshots ALTER COLUMN data SET COMPRESSION lz4;
-    ALTER TABLE pg_temp.stage_memo ALTER COLUMN entry SET COMPRESSION lz4;
-EXCEPTION WHEN feature_not_supported OR invalid_parameter_value THEN
-    NULL;  -- no lz4 here: the staging tables keep pglz
-END
-$$;
 """
+
+
+def _stage(table: Table) -> sql.Identifier:
+    """The staging table of a stored one (agent_sessions → stage_sessions)."""
+    return sql.Identifier("stage_" + table.short)
+
+
+def _names(table: Table) -> sql.Composable:
+    return sql.SQL(", ").join(map(sql.Identifier, table.names))
+
+
+def _staging(tables: Sequence[Table]) -> str:
+    """One staging table per stored one, its columns as COPY sends them (Column.staged); a JSON
+    column compressed as the stored one is."""
+    parts: list[sql.Composable] = []
+    alters: list[sql.Composable] = []
+    for t in tables:
+        columns = sql.SQL(", ").join(
+            sql.SQL("{} {}").format(sql.Identifier(c.name), sql.SQL(c.staged)) for c in t.columns
+        )
+        parts.append(
+            sql.SQL("CREATE TEMP TABLE IF NOT EXISTS {} ({}) ON COMMIT DELETE ROWS;\n").format(
+                _stage(t), columns
+            )
+        )
+        alters += [
+            sql.SQL("    ALTER TABLE pg_temp.{} ALTER COLUMN {} SET COMPRESSION lz4;\n").format(
+                _stage(t), sql.Identifier(c.name)
+            )
+            for c in t.columns
+            if c.json
+        ]
+    # a staged context, memo entry or snapshot over 2 kB is compressed on its way in, and
+    # decompressed by the merge: lz4 where the server has it, as the tables they go to; the
+    # default pglz costs the backend more than the merge itself
+    do = sql.SQL(
+        "DO $$\nBEGIN\n{}EXCEPTION WHEN feature_not_supported OR invalid_parameter_value THEN\n"
+        "    NULL;  -- no lz4 here: the staging tables keep pglz\nEND\n$$;\n"
+    ).format(sql.SQL("").join(alters))
+    return sql.SQL("").join([*parts, sql.SQL(_STAGING_TOUCH), do]).as_string()
+
+
+# Rows go in by COPY (one C-level call per row) into session-local staging tables, then one
+# statement per table moves them: far less client work than one INSERT per row.
+_STAGING = _staging((SESSIONS, SNAPSHOTS, MEMO))
 # A transaction too big for one batch (commit_chunked): the staging tables are emptied after each
 # chunk's merge; stage_touched keeps, per session, what it was before the transaction.
 _CLEAR_STAGES = "TRUNCATE stage_sessions, stage_snapshots, stage_memo, stage_touch"
@@ -138,18 +151,6 @@ _NOTIFY_TOUCHED = """
 SELECT count(pg_notify(%(ch)s, t.session_id::text || ':' || s.last_position))
 FROM stage_touched t JOIN agent_sessions s USING (session_id)
 """
-_COPY_MEMO = (
-    "COPY stage_memo (session_id, kind, call_id, completed_seq, completed_position, "
-    "idempotency_key, prompt_hash, entry) FROM STDIN"
-)
-_MERGE_MEMO = """
-INSERT INTO agent_memo (session_id, kind, call_id, completed_seq, completed_position,
-                        idempotency_key, prompt_hash, entry)
-SELECT session_id, kind, call_id, completed_seq, completed_position, idempotency_key,
-       prompt_hash, entry::jsonb
-FROM stage_memo
-ON CONFLICT DO NOTHING
-"""
 # Projections with what they reference: the messages of their window (NULL when the context
 # holds them itself) and the strings of the messages they took from events (fold.references).
 LOAD_PROJECTIONS = """
@@ -167,37 +168,6 @@ FROM agent_sessions s WHERE s.session_id = ANY($1::uuid[])
 """
 _BIGINT = 1 << 63
 _LARGE = 1024 * 1024  # a JSON value past this is staged by a statement of its own (binary)
-# Rows with a large value go by a binary COPY of their own, the value streamed from its bytes
-# (text COPY would copy it into a str and again to escape it): see _copy_binary.
-_COPY_SESSIONS_BINARY = (
-    "COPY stage_sessions (session_id, status, last_seq, last_position, event_count, "
-    "format_version, context, commit_lsn, run_status, lease_worker, lease_until, last_hash) "
-    "FROM STDIN (FORMAT binary)"
-)
-_SESSION_TYPES = (
-    "uuid",
-    "text",
-    "int8",
-    "int8",
-    "int8",
-    "int4",
-    "text",
-    "text",
-    "text",
-    "text",
-    "ts",
-    "bytea",
-)
-_COPY_MEMO_BINARY = (
-    "COPY stage_memo (session_id, kind, call_id, completed_seq, completed_position, "
-    "idempotency_key, prompt_hash, entry) FROM STDIN (FORMAT binary)"
-)
-_MEMO_TYPES = ("uuid", "text", "text", "int8", "int8", "text", "text", "text")
-_COPY_SNAPSHOTS_BINARY = (
-    "COPY stage_snapshots (session_id, upto_seq, upto_position, format_version, "
-    "reducer_version, content_hash, data, upto_hash) FROM STDIN (FORMAT binary)"
-)
-_SNAPSHOT_TYPES = ("uuid", "int8", "int8", "int4", "text", "bytea", "bytea", "bytea")
 _BINARY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
 _STREAM_CHUNK = 1 << 20
 
@@ -238,47 +208,91 @@ def _copy_binary(
         copy.write(head)
 
 
-_COPY_SESSIONS = (
-    "COPY stage_sessions (session_id, status, last_seq, last_position, event_count, "
-    "format_version, context, commit_lsn, run_status, lease_worker, lease_until, last_hash) "
-    "FROM STDIN"
+# The statements each stored shape's rows go by, derived from its declaration (sink.shape).
+_BINARY = {  # a staged type → how _copy_binary sends a value of it
+    "uuid": "uuid",
+    "bigint": "int8",
+    "integer": "int4",
+    "timestamp with time zone": "ts",
+    "text": "bytes",
+    "bytea": "bytes",
+}
+
+
+def _copy(table: Table, binary: bool = False) -> str:
+    return (
+        sql.SQL("COPY {} ({}) FROM STDIN{}")
+        .format(_stage(table), _names(table), sql.SQL(" (FORMAT binary)" if binary else ""))
+        .as_string()
+    )
+
+
+def _binary_kinds(table: Table) -> tuple[str, ...]:
+    return tuple(_BINARY[c.staged] for c in table.columns)
+
+
+def _from_bytes(table: Table) -> tuple[int, ...]:
+    """Where a row holds bytes that its staging table takes as text (a JSON value): the text
+    COPY must send them as a string (bytes it would send as bytea)."""
+    return tuple(i for i, c in enumerate(table.columns) if c.staged == "text" and c.json)
+
+
+def _insert(table: Table, *, stamped: str = "") -> sql.Composed:
+    """INSERT INTO the table SELECT its staged rows, each value cast to the table's type
+    (``stamped``: a column the server sets to now())."""
+    values: list[sql.Composable] = [
+        sql.Identifier(c.name)
+        if c.staged == c.pgtype
+        else sql.SQL("{}::{}").format(sql.Identifier(c.name), sql.SQL(c.pgtype))
+        for c in table.columns
+    ]
+    names: sql.Composable = _names(table)
+    if stamped:
+        names = sql.SQL("{}, {}").format(names, sql.Identifier(stamped))
+        values.append(sql.SQL("now()"))
+    return sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {}").format(
+        sql.Identifier(table.name), names, sql.SQL(", ").join(values), _stage(table)
+    )
+
+
+def _updates(table: Table) -> sql.Composed:
+    """SET every written column but the key to the row that conflicted."""
+    return sql.SQL(", ").join(
+        sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c.name))
+        for c in table.columns
+        if c.name not in table.key
+    )
+
+
+# Rows with a large value go by a binary COPY of their own, the value streamed from its bytes
+# (text COPY would copy it into a str and again to escape it): see _copy_binary.
+_COPY_SESSIONS, _COPY_SESSIONS_BINARY = _copy(SESSIONS), _copy(SESSIONS, binary=True)
+_COPY_MEMO, _COPY_MEMO_BINARY = _copy(MEMO), _copy(MEMO, binary=True)
+_COPY_SNAPSHOTS, _COPY_SNAPSHOTS_BINARY = _copy(SNAPSHOTS), _copy(SNAPSHOTS, binary=True)
+_SESSION_TYPES, _MEMO_TYPES, _SNAPSHOT_TYPES = map(_binary_kinds, (SESSIONS, MEMO, SNAPSHOTS))
+_SESSION_TEXT, _MEMO_TEXT, _SNAPSHOT_TEXT = map(_from_bytes, (SESSIONS, MEMO, SNAPSHOTS))
+_MERGE_SESSIONS = (
+    sql.SQL("{} ON CONFLICT ({}) DO UPDATE SET {}, updated_at = now()")
+    .format(
+        _insert(SESSIONS, stamped="updated_at"),
+        sql.SQL(", ").join(map(sql.Identifier, SESSIONS.key)),
+        _updates(SESSIONS),
+    )
+    .as_string()
 )
-_COPY_SNAPSHOTS = (
-    "COPY stage_snapshots (session_id, upto_seq, upto_position, format_version, "
-    "reducer_version, content_hash, data, upto_hash) FROM STDIN"
+_MERGE_MEMO = sql.SQL("{} ON CONFLICT DO NOTHING").format(_insert(MEMO)).as_string()
+SNAPSHOT_CONFLICT = (
+    sql.SQL(
+        "\nON CONFLICT ({}) DO UPDATE SET {}, context = NULL\n"
+        "-- a row at the same point that rebuild_context cannot use (another format or reducer\n"
+        "-- version, e.g. from before an upgrade) is replaced; a usable one is kept as it is\n"
+        "WHERE agent_snapshots.format_version IS DISTINCT FROM EXCLUDED.format_version\n"
+        "   OR agent_snapshots.reducer_version IS DISTINCT FROM EXCLUDED.reducer_version\n"
+    )
+    .format(sql.SQL(", ").join(map(sql.Identifier, SNAPSHOTS.key)), _updates(SNAPSHOTS))
+    .as_string()
 )
-_MERGE_SESSIONS = """
-INSERT INTO agent_sessions (session_id, status, last_seq, last_position, event_count,
-                            format_version, context, commit_lsn, run_status, lease_worker,
-                            lease_until, last_hash, updated_at)
-SELECT session_id, status, last_seq, last_position, event_count, format_version,
-       context::jsonb, commit_lsn::pg_lsn, run_status, lease_worker, lease_until, last_hash, now()
-FROM stage_sessions
-ON CONFLICT (session_id) DO UPDATE SET
-    status = EXCLUDED.status, last_seq = EXCLUDED.last_seq,
-    last_position = EXCLUDED.last_position, event_count = EXCLUDED.event_count,
-    format_version = EXCLUDED.format_version, context = EXCLUDED.context,
-    commit_lsn = EXCLUDED.commit_lsn, run_status = EXCLUDED.run_status,
-    lease_worker = EXCLUDED.lease_worker, lease_until = EXCLUDED.lease_until,
-    last_hash = EXCLUDED.last_hash, updated_at = now()
-"""
-_MERGE_SNAPSHOTS = """
-INSERT INTO agent_snapshots (session_id, upto_seq, upto_position, format_version,
-                             reducer_version, content_hash, data, upto_hash)
-SELECT session_id, upto_seq, upto_position, format_version, reducer_version, content_hash,
-       data, upto_hash FROM stage_snapshots
-"""
-SNAPSHOT_CONFLICT = """
-ON CONFLICT (session_id, upto_seq) DO UPDATE SET
-    upto_position = EXCLUDED.upto_position, format_version = EXCLUDED.format_version,
-    reducer_version = EXCLUDED.reducer_version, content_hash = EXCLUDED.content_hash,
-    data = EXCLUDED.data, context = NULL, upto_hash = EXCLUDED.upto_hash
--- a row at the same point that rebuild_context cannot use (another format or reducer version,
--- e.g. from before an upgrade) is replaced; a usable one is kept as it is
-WHERE agent_snapshots.format_version IS DISTINCT FROM EXCLUDED.format_version
-   OR agent_snapshots.reducer_version IS DISTINCT FROM EXCLUDED.reducer_version
-"""
-_MERGE_SNAPSHOTS += SNAPSHOT_CONFLICT
+_MERGE_SNAPSHOTS = _insert(SNAPSHOTS).as_string() + SNAPSHOT_CONFLICT
 # One statement each, never a pipeline (executemany): a consumer frozen mid-pipeline leaves a
 # backend that is neither idle (no Sync yet) nor timed out, holding the batch's row locks.
 _INSERT_DEAD = """
@@ -755,62 +769,42 @@ class PgSink:
         holding a large JSON value goes by a statement of its own with the value as a binary
         parameter: COPY's text form would copy and escape it twice more in memory."""
         if batch.sessions:
-            large: list[tuple[Any, ...]] = []
+            large: list[AgentSessionRow] = []
             with cur.copy(_COPY_SESSIONS) as copy:
                 for sid, (ctx, data, commit_lsn, head) in batch.sessions.items():
-                    row = (
-                        sid,
-                        ctx.status,
-                        ctx.last_seq,
-                        ctx.last_position,
-                        ctx.event_count,
-                        PROJECTION_FORMAT,
-                        data,
-                        format_lsn(commit_lsn),
-                        *run_columns(ctx),
-                        head,
-                    )
+                    row = session_row(sid, ctx, data, commit_lsn, head)
                     if len(data) > _LARGE:
                         large.append(row)
                     else:
-                        copy.write_row((*row[:6], data.decode(), *row[7:]))
-            for row in large:
-                _copy_binary(cur, _COPY_SESSIONS_BINARY, _SESSION_TYPES, row)
+                        copy.write_row(_as_text(row, _SESSION_TEXT))
+            for big in large:
+                _copy_binary(cur, _COPY_SESSIONS_BINARY, _SESSION_TYPES, big)
                 # staged: let go of the JSON now, before the next large value is built
-                ctx, _, commit_lsn, head = batch.sessions[row[0]]
-                batch.sessions[row[0]] = (ctx, b"", commit_lsn, head)
+                ctx, _, commit_lsn, head = batch.sessions[big[0]]
+                batch.sessions[big[0]] = (ctx, b"", commit_lsn, head)
             large.clear()
         if batch.memo:
-            big_memo: list[tuple[Any, ...]] = []
+            big_memo: list[AgentMemoRow] = []
             with cur.copy(_COPY_MEMO) as copy:
                 for sid, position, done in batch.memo:
-                    memo: tuple[Any, ...] = _memo_row(sid, position, done, self.by_reference)
-                    if len(memo[-1]) > _LARGE:
+                    memo = memo_row(sid, position, done, self.by_reference)
+                    if len(memo.entry) > _LARGE:
                         big_memo.append(memo)
                     else:
-                        copy.write_row((*memo[:-1], memo[-1].decode()))
-            for memo in big_memo:
-                _copy_binary(cur, _COPY_MEMO_BINARY, _MEMO_TYPES, memo)
+                        copy.write_row(_as_text(memo, _MEMO_TEXT))
+            for memo_big in big_memo:
+                _copy_binary(cur, _COPY_MEMO_BINARY, _MEMO_TYPES, memo_big)
         if batch.snapshots:
-            big_snaps: list[tuple[Any, ...]] = []
+            big_snaps: list[AgentSnapshotRow] = []
             with cur.copy(_COPY_SNAPSHOTS) as copy:
                 for snap in batch.snapshots:
-                    srow = (
-                        snap.session_id,
-                        snap.upto_seq,
-                        snap.upto_position,
-                        FORMAT_VERSION,
-                        snap.reducer_version,
-                        snap.content_hash,
-                        snap.context,
-                        snap.upto_hash,
-                    )
-                    if len(snap.context) > _LARGE:
+                    srow = snapshot_row(snap)
+                    if len(srow.data) > _LARGE:
                         big_snaps.append(srow)
                     else:
-                        copy.write_row(srow)
-            for srow in big_snaps:
-                _copy_binary(cur, _COPY_SNAPSHOTS_BINARY, _SNAPSHOT_TYPES, srow)
+                        copy.write_row(_as_text(srow, _SNAPSHOT_TEXT))
+            for srow_big in big_snaps:
+                _copy_binary(cur, _COPY_SNAPSHOTS_BINARY, _SNAPSHOT_TYPES, srow_big)
         if batch.touched:
             with cur.copy(_COPY_TOUCHED) as copy:
                 for touched in batch.touched:
@@ -899,28 +893,6 @@ class ChunkedTail:
             self.conn.execute(_NOTIFY_TOUCHED, {"ch": SESSIONS_CHANNEL})
 
 
-def _memo_row(
-    sid: uuid.UUID, position: int, done: CompletedTool | CompletedModel, by_reference: bool
-) -> tuple[Any, ...]:
-    """A row of agent_memo; its keys in their stored form (fold.memo_key: an index entry is
-    bounded, a payload's strings are not)."""
-    entry = encode_memo_entry(done, by_reference=by_reference)
-    key = None if done.idempotency_key is None else memo_key(done.idempotency_key)
-    if isinstance(done, CompletedTool):
-        return (sid, "tool", memo_key(done.call_id), done.observed_seq, position, key, None, entry)
-    prompt = None if done.prompt_hash is None else memo_key(done.prompt_hash)
-    return (
-        sid,
-        "model",
-        memo_key(done.request_id),
-        done.responded_seq,
-        position,
-        key,
-        prompt,
-        entry,
-    )
-
-
 def _dead_params(slot: str, dead: Sequence[DeadLetter]) -> Sequence[Any]:
     """The arrays of one INSERT … SELECT FROM unnest(…) of the dead letters."""
     return (
@@ -990,61 +962,69 @@ def _commit_time(us: int | None) -> dt.datetime | None:
         return None
 
 
-def _hex(value: bytes | None) -> str | None:
-    return None if value is None else value.hex()
+def _as_text(row: tuple[Any, ...], at: tuple[int, ...]) -> Sequence[Any]:
+    """A row for the text COPY: its JSON bytes at ``at`` as strings."""
+    if not at:
+        return row
+    values = list(row)
+    for i in at:
+        values[i] = values[i].decode()
+    return values
+
+
+_Form = tuple[tuple[str, ...], tuple[tuple[str, Callable[[Any], Any]], ...]]
+
+
+def _document_form(table: Table) -> _Form:
+    """How a row goes into ledger_apply_batch's document: an object keyed by column name, each
+    value as its record takes it (Column.in_document): JSON embedded as is, bytes as hex, or the
+    UTF-8 string they are."""
+
+    def form(c: Column) -> Callable[[Any], Any] | None:
+        if c.pgtype == "jsonb":
+            return msgspec.Raw
+        if c.pgtype == "bytea":
+            return bytes.decode if c.utf8 else bytes.hex
+        return None
+
+    forms = ((c.name, form(c)) for c in table.columns)
+    return table.names, tuple((name, f) for name, f in forms if f is not None)
+
+
+_SESSION_DOC, _MEMO_DOC, _SNAPSHOT_DOC = map(_document_form, (SESSIONS, MEMO, SNAPSHOTS))
+
+
+def _in_document(form: _Form, rows: Sequence[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    names, forms = form
+    out = []
+    for row in rows:
+        obj = dict(zip(names, row, strict=False))  # (both follow the declaration)
+        for name, f in forms:
+            value = obj[name]
+            if value is not None:
+                obj[name] = f(value)
+        out.append(obj)
+    return out
 
 
 def _batch_doc(batch: Batch, by_reference: bool, checkpoint: dict[str, Any]) -> bytes:
     """The JSON document ledger_apply_batch reads: stored contexts and memo entries embedded as
     the JSON they already are (msgspec.Raw: not encoded again)."""
-    sessions = []
-    for sid, (ctx, data, commit_lsn, head) in batch.sessions.items():
-        run_status, lease_worker, lease_until = run_columns(ctx)
-        sessions.append(
-            {
-                "session_id": sid,
-                "status": str(ctx.status),
-                "last_seq": ctx.last_seq,
-                "last_position": ctx.last_position,
-                "event_count": ctx.event_count,
-                "format_version": PROJECTION_FORMAT,
-                "context": msgspec.Raw(data),
-                "commit_lsn": format_lsn(commit_lsn),
-                "run_status": run_status,
-                "lease_worker": lease_worker,
-                "lease_until": lease_until,
-                "last_hash": _hex(head),
-            }
-        )
-    memo = []
-    for sid, position, done in batch.memo:
-        row = _memo_row(sid, position, done, by_reference)
-        keys = ("session_id", "kind", "call_id", "completed_seq", "completed_position")
-        entry = dict(zip(keys, row[:5], strict=True))
-        entry.update(idempotency_key=row[5], prompt_hash=row[6], entry=msgspec.Raw(row[7]))
-        memo.append(entry)
     doc: dict[str, Any] = {
         "checkpoint": {k: v for k, v in checkpoint.items() if k not in ("slot", "prev")}
     }
     # what the batch lacks is left out: ledger_apply_batch then runs no statement for it
-    if sessions:
-        doc["sessions"] = sessions
-    if memo:
-        doc["memo"] = memo
+    if batch.sessions:
+        doc[SESSIONS.short] = _in_document(
+            _SESSION_DOC,
+            [session_row(sid, *value) for sid, value in batch.sessions.items()],
+        )
+    if batch.memo:
+        doc[MEMO.short] = _in_document(
+            _MEMO_DOC, [memo_row(sid, at, done, by_reference) for sid, at, done in batch.memo]
+        )
     if batch.snapshots:
-        doc["snapshots"] = [
-            {
-                "session_id": n.session_id,
-                "upto_seq": n.upto_seq,
-                "upto_position": n.upto_position,
-                "format_version": FORMAT_VERSION,
-                "reducer_version": n.reducer_version,
-                "content_hash": n.content_hash.hex(),
-                "data": n.context.decode(),
-                "upto_hash": _hex(n.upto_hash),
-            }
-            for n in batch.snapshots
-        ]
+        doc[SNAPSHOTS.short] = _in_document(_SNAPSHOT_DOC, list(map(snapshot_row, batch.snapshots)))
     if batch.dead_letters:
         doc["dead"] = [
             {
