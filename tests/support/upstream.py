@@ -127,16 +127,21 @@ def sync(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def collect(mod: types.ModuleType, into: dict[str, Any], excluded: dict[str, str]) -> list[str]:
+def collect(
+    mod: types.ModuleType, into: dict[str, Any], excluded: dict[str, str], mark: Any = None
+) -> list[str]:
     """Put every test function of ``mod`` but the excluded ones in ``into`` (a test module's
     globals, where pytest collects them); returns their names. An exclusion that names no test
-    of the module fails: the list stays true to the version under test."""
+    of the module fails: the list stays true to the version under test. With ``mark`` (an
+    async plugin's, e.g. ``pytest.mark.anyio``) the async ones are marked to run under it;
+    without, each runs in a loop of its own."""
     names = [n for n in vars(mod) if n.startswith("test_") and callable(getattr(mod, n))]
     unknown = set(excluded) - set(names)
     assert not unknown, f"excluded tests {mod.__name__} does not have: {sorted(unknown)}"
     taken = [n for n in names if n not in excluded]
     for n in taken:
-        into[n] = sync(getattr(mod, n))
+        fn = getattr(mod, n)
+        into[n] = mark(fn) if mark is not None and inspect.iscoroutinefunction(fn) else sync(fn)
     return taken
 
 
