@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import json as jsonlib
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +54,151 @@ class SessionId(click.ParamType):  # type: ignore[type-arg]
 SESSION = SessionId()
 
 
+class SessionName(click.ParamType):  # type: ignore[type-arg]
+    """A session as the user knows it: its UUID, ``thread:ID`` (LangGraph), ``openai:ID``
+    (OpenAI Agents), ``pydantic:ID`` (Pydantic AI), or a bare name looked up in all three."""
+
+    name = "SESSION"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from ledger_cdc.client.frameworks import Named, parse_name
+
+        if isinstance(value, Named):
+            return value
+        text = str(value)
+        if not text.strip() or "\x00" in text:
+            self.fail(f"{value!r} names no session", param, ctx)
+        return parse_name(text)
+
+
+NAME = SessionName()
+
+_NAMES_HELP = (
+    "SESSION is a session id, or a name of its framework: thread:ID (LangGraph), openai:ID "
+    "(OpenAI Agents), pydantic:ID (Pydantic AI), or a bare name looked up in all three."
+)
+
+
+@dataclass(frozen=True)
+class Names:
+    """The sessions named by options (--thread, --openai-session, --pydantic-run) and the
+    LangGraph namespace (--checkpoint-ns) of a command."""
+
+    threads: tuple[str, ...] = ()
+    openai_sessions: tuple[str, ...] = ()
+    pydantic_runs: tuple[str, ...] = ()
+    checkpoint_ns: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.threads or self.openai_sessions or self.pydantic_runs)
+
+    def named(self, given: Any, count: int | None, *, ns_applies: bool = True) -> list[Any]:
+        """Every session named, in order: SESSION arguments (``given``: one, None or a tuple),
+        then the options'. ``count``: how many the command takes (None: one or more)."""
+        from ledger_cdc.client.frameworks import Named, parse_name
+
+        args = () if given is None else given if isinstance(given, tuple) else (given,)
+        named: list[Named] = list(args)
+        named += [parse_name(t, "thread") for t in self.threads]
+        named += [parse_name(t, "openai") for t in self.openai_sessions]
+        named += [parse_name(t, "pydantic") for t in self.pydantic_runs]
+        ns = self.checkpoint_ns
+        if ns is not None:
+            if not ns_applies:
+                raise click.UsageError(
+                    "--checkpoint-ns narrows what is shown of a thread; this command works on "
+                    "the thread's whole session"
+                )
+            if not any(n.kind in ("thread", "name") for n in named):
+                raise click.UsageError("--checkpoint-ns goes with a LangGraph thread (--thread ID)")
+            named = [
+                Named(n.kind, n.name, n.session_id, ns) if n.kind in ("thread", "name") else n
+                for n in named
+            ]
+        if count is not None and len(named) != count:
+            what = "one session" if count == 1 else f"{count} sessions"
+            raise click.UsageError(
+                f"give {what} (SESSION, --thread, --openai-session or --pydantic-run), got "
+                f"{len(named)}"
+            )
+        if not named:
+            raise click.UsageError("give a SESSION (or --thread, --openai-session, --pydantic-run)")
+        return named
+
+    def one(self, conn: psycopg.Connection[Any], given: Any, *, ns_applies: bool = True) -> Any:
+        """The one session a command takes, resolved (NoSuchSessionError if the ledger has no
+        such name)."""
+        from ledger_cdc.client.frameworks import resolve
+
+        (named,) = self.named(given, 1, ns_applies=ns_applies)
+        return resolve(conn, named)
+
+
+def names_options(fn: Any) -> Any:
+    """--thread, --checkpoint-ns, --openai-session and --pydantic-run, handed to the command as
+    one ``names`` argument (:class:`Names`)."""
+
+    @functools.wraps(fn)
+    def command(
+        *args: Any,
+        threads: tuple[str, ...],
+        checkpoint_ns: str | None,
+        openai_sessions: tuple[str, ...],
+        pydantic_runs: tuple[str, ...],
+        **kwargs: Any,
+    ) -> Any:
+        names = Names(threads, openai_sessions, pydantic_runs, checkpoint_ns)
+        return fn(*args, names=names, **kwargs)
+
+    for decorator in reversed(
+        [
+            option(
+                "--thread",
+                "threads",
+                multiple=True,
+                metavar="ID",
+                help="A LangGraph thread id (instead of SESSION).",
+            ),
+            option(
+                "--checkpoint-ns",
+                default=None,
+                metavar="NS",
+                help="With a LangGraph thread: only this checkpoint namespace (a subgraph's); "
+                "'' is the root graph.",
+            ),
+            option(
+                "--openai-session",
+                "openai_sessions",
+                multiple=True,
+                metavar="ID",
+                help="An OpenAI Agents session id (instead of SESSION).",
+            ),
+            option(
+                "--pydantic-run",
+                "pydantic_runs",
+                multiple=True,
+                metavar="ID",
+                help="A Pydantic AI run id, as its step store names it (instead of SESSION).",
+            ),
+        ]
+    ):
+        command = decorator(command)
+    return command
+
+
+def _resolve(conn: psycopg.Connection[Any], named: Any) -> Any:
+    from ledger_cdc.client.frameworks import resolve
+
+    return resolve(conn, named)
+
+
+def _heading(named: Any) -> str:
+    """The session as the user named it, and its id."""
+    if named.kind == "session":
+        return f"session {named.session_id}"
+    return f"{named} (session {named.session_id})"
+
+
 def _connect(dsn: str) -> psycopg.Connection[Any]:
     from ledger_cdc.connect import connect
 
@@ -82,26 +229,42 @@ def _json(value: Any) -> None:
 
 @cli.command()
 @dsn_option
-@click.argument("session", type=SESSION)
+@click.argument("session", type=NAME, required=False)
+@names_options
 @option("--upto-seq", type=int, default=None, help="Rebuild as of this global seq (time travel).")
 @option("--json", "as_json", is_flag=True, help="The whole context as JSON.")
 @click.pass_obj
 @handles_errors
-def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_json: bool) -> None:
+def replay(
+    state: State,
+    dsn: str,
+    session: Any,
+    names: Names,
+    upto_seq: int | None,
+    as_json: bool,
+) -> None:
     """Rebuild a session's context as a restarted worker would: the latest usable snapshot plus
     the tail of the log, folded by the consumer's reducers.
 
     Shows the tool calls in flight (to retry with their idempotency keys) and the memoised
     calls a restarted worker answers from the ledger instead of calling again (all of them:
-    those before the snapshot are read from agent_memo).
+    those before the snapshot are read from agent_memo). For a LangGraph thread, where the
+    graph is (interrupted at a node and waiting for what, failed at a node, running and what
+    runs next, or done); for an OpenAI Agents session its items, for a Pydantic AI run its
+    steps and snapshots.
+
+    SESSION is a session id, or a name of its framework: thread:ID (LangGraph), openai:ID
+    (OpenAI Agents), pydantic:ID (Pydantic AI), or a bare name looked up in all three.
     """
+    from ledger_cdc.admin.readable import framework_states
     from ledger_cdc.client.recovery import rebuild_context
 
     with _connect(dsn) as conn:
-        ctx = rebuild_context(conn, session, upto_seq, memo=True)
+        named = names.one(conn, session)
+        ctx = rebuild_context(conn, named.session_id, upto_seq, memo=True)
     if ctx.last_position == 0:
         raise NoSuchSessionError(
-            f"session {session} has no events"
+            f"{_heading(named)} has no events"
             + ("" if upto_seq is None else f" at or below seq {upto_seq}")
         )
     if as_json:
@@ -109,10 +272,20 @@ def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_
         return
     con = state.console
     colour = {"completed": "green", "failed": "red"}.get(ctx.status, "yellow")
+    title = "" if named.kind == "session" else f"{safe(str(named))}  "
     con.print(
-        f"session [bold]{ctx.session_id}[/]  status [{colour}]{safe(ctx.status)}[/]  "
+        f"{title}session [bold]{ctx.session_id}[/]  status [{colour}]{safe(ctx.status)}[/]  "
         f"{ctx.event_count} events up to seq {ctx.last_seq} (position {ctx.last_position})"
     )
+    fw = ctx.extra.get("agent_framework") or {}
+    for i, line in enumerate(framework_states(ctx.extra, named.checkpoint_ns or "")):
+        style = "bold" if i == 0 else ""
+        con.print(Text(printable(line), style=style))
+    ignored = ctx.ignored_events - int(fw.get("events", 0))
+    if ignored > 0 or ctx.quarantined:
+        con.print(
+            f"[dim]{ignored} event(s) of types no reducer folds; {ctx.quarantined} quarantined[/]"
+        )
     if ctx.task:
         con.print(f"task: {safe(ctx.task)}")
     if ctx.forked_from:
@@ -182,7 +355,8 @@ def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_
 
 @cli.command()
 @dsn_option
-@click.argument("sessions", type=SESSION, nargs=-1)
+@click.argument("sessions", type=NAME, nargs=-1)
+@names_options
 @option("--all", "all_sessions", is_flag=True, help="Every session in the ledger.")
 @option("--no-chain", is_flag=True, help="Skip the hash-chain walk.")
 @option(
@@ -206,7 +380,8 @@ def replay(state: State, dsn: str, session: uuid.UUID, upto_seq: int | None, as_
 def verify(
     state: State,
     dsn: str,
-    sessions: tuple[uuid.UUID, ...],
+    sessions: tuple[Any, ...],
+    names: Names,
     all_sessions: bool,
     no_chain: bool,
     archive_dir: Path | None,
@@ -224,11 +399,19 @@ def verify(
     deleted or put back by hand is told by the consumer: once a running consumer's checkpoint
     passes verify's snapshot, a projection still missing or behind is a difference; until then
     (no consumer running, or not past it within --consumer-wait) it is a note.
+
+    SESSION is a session id, or a name of its framework: thread:ID (LangGraph), openai:ID
+    (OpenAI Agents), pydantic:ID (Pydantic AI), or a bare name looked up in all three.
     """
     from ledger_cdc.admin.verify import verify as do_verify
 
-    if bool(sessions) == all_sessions:
+    given = bool(sessions or names)
+    if given == all_sessions:
         raise click.UsageError("give SESSION ids or --all (not both)")
+    if given:
+        named = names.named(sessions, None, ns_applies=False)
+        with _connect(dsn) as conn:
+            sessions = tuple(_resolve(conn, n).session_id for n in named)
     con = state.console
     if as_json or not con.is_terminal:
         report = do_verify(
@@ -313,9 +496,9 @@ def verify(
             f"{report.memo} memoised calls compared{chain}"
         )
     if report.unknown:
-        names = ", ".join(str(u) for u in report.unknown)
+        unknown = ", ".join(str(u) for u in report.unknown)
         raise NoSuchSessionError(
-            f"no such session: {names} (no events, projection or snapshot: check the id)"
+            f"no such session: {unknown} (no events, projection or snapshot: check the id)"
         )
     if not report.ok:
         sys.exit(EXIT_PROBLEM)
@@ -323,23 +506,52 @@ def verify(
 
 # -- inspect ------------------------------------------------------------------------------------
 
-_MARKS = {"in flight": "bold yellow", "retry": "magenta", "failed": "red"}
+_MARKS = {
+    "in flight": "bold yellow",
+    "retry": "magenta",
+    "failed": "red",
+    "interrupt": "bold cyan",
+    "quarantined": "red",
+}
 
 
 @cli.command()
 @dsn_option
-@click.argument("session", type=SESSION)
+@click.argument("session", type=NAME, required=False)
+@names_options
 @option("--last", type=click.IntRange(0), default=None, help="Only the last N events.")
+@option("--full", is_flag=True, help="Values whole (else cut to a line's worth).")
 @option("--json", "as_json", is_flag=True, help="The timeline as JSON lines.")
 @click.pass_obj
 @handles_errors
-def inspect(state: State, dsn: str, session: uuid.UUID, last: int | None, as_json: bool) -> None:
+def inspect(
+    state: State,
+    dsn: str,
+    session: Any,
+    names: Names,
+    last: int | None,
+    full: bool,
+    as_json: bool,
+) -> None:
     """A readable timeline of a session: seq, time, agent, type and a one-line summary of each
-    event; tool calls paired with their results; calls still in flight highlighted."""
-    from ledger_cdc.admin.timeline import timeline
+    event; tool calls paired with their results; calls still in flight highlighted.
+
+    Framework events are decoded: a LangGraph checkpoint shows its step, source (input, loop,
+    update, fork), the nodes that ran, the channels written (decoded as the saver's serializer
+    wrote them), what runs next and its parent; a write shows its node, its channel values,
+    interrupts with their values, errors, resume values and sends. OpenAI Agents items and
+    Pydantic AI steps are shown by role or kind with their content.
+
+    SESSION is a session id, or a name of its framework: thread:ID (LangGraph), openai:ID
+    (OpenAI Agents), pydantic:ID (Pydantic AI), or a bare name looked up in all three.
+    """
+    from ledger_cdc.admin.readable import SHORT, readable_timeline
 
     with _connect(dsn) as conn:
-        rows = timeline(_events(conn, session))
+        named = names.one(conn, session)
+        assert named.session_id is not None
+        events = _events(conn, named.session_id)
+    rows = readable_timeline(events, None if full else SHORT, named.checkpoint_ns)
     if last is not None:
         rows = rows[-last:] if last else []
     if as_json:
@@ -359,7 +571,7 @@ def inspect(state: State, dsn: str, session: uuid.UUID, last: int | None, as_jso
                 )
             )
         return
-    t = Table(title=f"session {session}")
+    t = Table(title=_heading(named))
     for col in ("seq", "pos", "time", "agent", "type", "summary", "pair"):
         t.add_column(col, overflow="fold" if col == "summary" else "ellipsis")
     for r in rows:
@@ -387,7 +599,7 @@ def inspect(state: State, dsn: str, session: uuid.UUID, last: int | None, as_jso
     if flying:
         state.console.print(
             f"[bold yellow]{flying} call(s) in flight[/]: "
-            f"`ledger-cdc replay {session}` shows their keys"
+            f"`ledger-cdc replay {named.session_id}` shows their keys"
         )
 
 
@@ -396,19 +608,51 @@ def inspect(state: State, dsn: str, session: uuid.UUID, last: int | None, as_jso
 
 @cli.command()
 @dsn_option
-@click.argument("session_a", type=SESSION)
-@click.argument("session_b", type=SESSION)
+@click.argument("sessions", type=NAME, nargs=-1)
+@names_options
+@option("--full", is_flag=True, help="Values whole (else cut to a line's worth).")
 @option("--json", "as_json", is_flag=True, help="Machine-readable result.")
 @click.pass_obj
 @handles_errors
-def diff(state: State, dsn: str, session_a: uuid.UUID, session_b: uuid.UUID, as_json: bool) -> None:
+def diff(
+    state: State,
+    dsn: str,
+    sessions: tuple[Any, ...],
+    names: Names,
+    full: bool,
+    as_json: bool,
+) -> None:
     """Align two runs of the same task and show the first step where they diverge (different
     prompt hash, tool arguments, model output, …) and what differs. Ids, keys and times are
-    not compared; a fork's marker and retries of a call are not steps. Exit 1 if they diverge."""
+    not compared; a fork's marker and retries of a call are not steps. Exit 1 if they diverge.
+
+    Two LangGraph threads are compared checkpoint by checkpoint along each one's latest line
+    (the nodes that ran, then each channel's value decoded as the saver's serializer wrote it,
+    ids and times left out): the first step and channel where they differ.
+
+    A and B (SESSION, twice) are session ids, or names of their framework: thread:ID
+    (LangGraph), openai:ID (OpenAI Agents), pydantic:ID (Pydantic AI), or bare names looked up
+    in all three; or --thread A --thread B.
+    """
+    from ledger_cdc.admin.readable import diff_threads, is_thread
     from ledger_cdc.admin.timeline import diff_runs, summarise
 
+    named = names.named(sessions, 2)
     with _connect(dsn) as conn:
-        res = diff_runs(_events(conn, session_a), _events(conn, session_b))
+        na, nb = (_resolve(conn, n) for n in named)
+        session_a, session_b = na.session_id, nb.session_id
+        events_a, events_b = _events(conn, session_a), _events(conn, session_b)
+    if is_thread(events_a) and is_thread(events_b):
+        _diff_threads(
+            state,
+            diff_threads(events_a, events_b, na.checkpoint_ns or ""),
+            na,
+            nb,
+            full,
+            as_json,
+        )
+        return
+    res = diff_runs(events_a, events_b)
     d = res.divergence
     if as_json:
         click.echo(
@@ -441,8 +685,8 @@ def diff(state: State, dsn: str, session_a: uuid.UUID, session_b: uuid.UUID, as_
         )
         t = Table(show_header=True)
         t.add_column("")
-        t.add_column(f"A {session_a}", overflow="fold")
-        t.add_column(f"B {session_b}", overflow="fold")
+        t.add_column(f"A {safe(na.label)}", overflow="fold")
+        t.add_column(f"B {safe(nb.label)}", overflow="fold")
         t.add_row(
             "seq / pos",
             "—" if d.a is None else f"{d.a.seq} / {d.a.position}",
@@ -465,12 +709,69 @@ def diff(state: State, dsn: str, session_a: uuid.UUID, session_b: uuid.UUID, as_
         sys.exit(EXIT_PROBLEM)
 
 
+def _diff_threads(state: State, d: Any, na: Any, nb: Any, full: bool, as_json: bool) -> None:
+    if as_json:
+        click.echo(
+            jsonlib.dumps(
+                {
+                    "steps_a": d.steps_a,
+                    "steps_b": d.steps_b,
+                    "common_steps": d.common,
+                    "diverged": d.step is not None or d.reason != "same",
+                    "step": d.step,
+                    "channel": d.channel,
+                    "reason": d.reason,
+                    "a": d.a,
+                    "b": d.b,
+                    "position_a": d.position_a,
+                    "position_b": d.position_b,
+                    "fields": [{"field": f, "a": a, "b": b} for f, a, b in d.fields],
+                },
+                indent=2,
+                default=str,
+            )
+        )
+    else:
+        con = state.console
+        if d.reason == "same":
+            con.print(f"[green]same[/]: both threads take the same {d.steps_a} steps")
+            return
+        con.print(
+            f"the threads agree for [bold]{d.common}[/] checkpoint(s); they diverge at step "
+            f"[bold]{d.step}[/]"
+            + ("" if d.channel is None else f", channel [bold]{safe(d.channel)}[/]")
+            + f": [bold red]{safe(d.reason)}[/]"
+        )
+        t = Table(show_header=True)
+        t.add_column("")
+        t.add_column(f"A {safe(na.label)}", overflow="fold")
+        t.add_column(f"B {safe(nb.label)}", overflow="fold")
+
+        def shown(v: Any) -> str:
+            text = v if isinstance(v, str) else jsonlib.dumps(v, ensure_ascii=False, default=str)
+            return safe(text if full or len(text) <= 300 else text[:299] + "…")
+
+        t.add_row(
+            "position",
+            "—" if d.position_a is None else str(d.position_a),
+            "—" if d.position_b is None else str(d.position_b),
+        )
+        if d.channel is not None:
+            t.add_row(Text(printable(d.channel), style="bold"), shown(d.a), shown(d.b))
+        for f, a, b in d.fields:
+            if f != d.channel:
+                t.add_row(Text(printable(f), style="dim"), shown(a), shown(b))
+        con.print(t)
+    sys.exit(EXIT_PROBLEM)
+
+
 # -- fork ---------------------------------------------------------------------------------------
 
 
 @cli.command()
 @dsn_option
-@click.argument("session", type=SESSION)
+@click.argument("session", type=NAME, required=False)
+@names_options
 @option("--upto-seq", type=int, required=True, help="Copy the events at or below this global seq.")
 @option("--new-session", type=SESSION, default=None, help="Id of the fork (default: a new UUID).")
 @option("--reason", default=None, help="Why the fork was made (recorded in its first event).")
@@ -479,7 +780,8 @@ def diff(state: State, dsn: str, session_a: uuid.UUID, session_b: uuid.UUID, as_
 def fork(
     state: State,
     dsn: str,
-    session: uuid.UUID,
+    session: Any,
+    names: Names,
     upto_seq: int,
     new_session: uuid.UUID | None,
     reason: str | None,
@@ -487,11 +789,17 @@ def fork(
     """Start a new session from any step of an existing one (time travel): it holds the same
     events up to --upto-seq after a first session.forked event recording its origin. Resume it
     with changed inputs; `ledger-cdc diff` against the origin then starts at the fork point.
-    Outbox rows are not copied."""
+    Outbox rows are not copied.
+
+    SESSION is a session id, or a name of its framework: thread:ID (LangGraph), openai:ID
+    (OpenAI Agents), pydantic:ID (Pydantic AI), or a bare name looked up in all three. (A fork
+    of a framework's session is a session of its own, named by its id: the framework does not
+    know it.)"""
     from ledger_cdc.client.recovery import fork as do_fork
 
     with _connect(dsn) as conn:
-        res = do_fork(conn, session, upto_seq, new_session_id=new_session, reason=reason)
+        sid = names.one(conn, session, ns_applies=False).session_id
+        res = do_fork(conn, sid, upto_seq, new_session_id=new_session, reason=reason)
     state.console.print(
         f"forked [bold]{res.session_id}[/] from {res.origin_session_id}: {res.events} events up "
         f"to seq {res.upto_seq} (position {res.upto_position})"
@@ -994,7 +1302,8 @@ def partitions_archive(state: State, dsn: str, older: str, to_dir: Path) -> None
 
 @cli.command()
 @dsn_option
-@click.argument("session", type=SESSION)
+@click.argument("session", type=NAME, required=False)
+@names_options
 @option(
     "--nats",
     "nats_url",
@@ -1015,7 +1324,8 @@ def partitions_archive(state: State, dsn: str, older: str, to_dir: Path) -> None
 def tail(
     state: State,
     dsn: str,
-    session: uuid.UUID,
+    session: Any,
+    names: Names,
     nats_url: str | None,
     after: int,
     count: int | None,
@@ -1023,12 +1333,21 @@ def tail(
 ) -> None:
     """Follow one session live, event by event, as the consumer commits it: from JetStream
     with --nats, else from PostgreSQL (woken by the consumer's notifications, no polling
-    loop). Replaces LISTEN/NOTIFY tails and `seq > last` pollers. Ctrl-C stops."""
+    loop). Replaces LISTEN/NOTIFY tails and `seq > last` pollers. Ctrl-C stops.
+
+    SESSION is a session id, or a name of its framework: thread:ID (LangGraph), openai:ID
+    (OpenAI Agents), pydantic:ID (Pydantic AI), or a bare name looked up in all three; framework
+    events are shown decoded, as inspect shows them."""
     import asyncio
 
-    from ledger_cdc.admin.timeline import summarise
+    from ledger_cdc.admin.readable import describe as summarise
     from ledger_cdc.client.tail import follow_jetstream, follow_postgres
     from ledger_cdc.events import Rejected
+
+    with _connect(dsn) as conn:
+        named = names.one(conn, session)
+    session = named.session_id
+    ns = named.checkpoint_ns
 
     async def run() -> None:
         if nats_url:
@@ -1041,6 +1360,8 @@ def tail(
             events = follow_postgres(dsn, session, after=after)
         n = 0
         async for ev in events:
+            if ns is not None and getattr(getattr(ev, "payload", None), "ns", ns) != ns:
+                continue
             if as_json:
                 click.echo(jsonlib.dumps(_tail_json(ev)), nl=True)
             else:

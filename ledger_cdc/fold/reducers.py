@@ -70,6 +70,12 @@ from ledger_cdc.fold.context import (
     SessionStatus,
     Signal,
 )
+from ledger_cdc.fold.frameworks import (
+    FRAMEWORK_EVENTS,
+    FRAMEWORK_PROJECTION,
+    FRAMEWORK_VERSION,
+    fold_framework,
+)
 
 __all__ = [
     "BUILTIN_REDUCERS",
@@ -452,7 +458,11 @@ def _why(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:300] + "…"
 
 
-BUILTIN = Reducers()
+# the agent frameworks' events (LangGraph, OpenAI Agents, Pydantic AI), folded as a projection:
+# a payload it cannot read is quarantined like any other
+BUILTIN = Reducers(
+    [Projection(FRAMEWORK_PROJECTION, fold_framework, FRAMEWORK_EVENTS, FRAMEWORK_VERSION)]
+)
 _default = BUILTIN
 
 
