@@ -116,7 +116,7 @@ def _writes_line(p: WritesPut, limit: int | None) -> tuple[str, str]:
                 else render(i, limit)
                 for i in items
             ]
-            bits.append("⏸ interrupt: " + "; ".join(shown))
+            bits.append("interrupt: " + "; ".join(shown))
         elif ch == "__error__":
             bits.append("✗ " + (_cut(v, limit) if isinstance(v, str) else render(v, limit)))
         elif ch == "__resume__":

@@ -2,7 +2,7 @@
 and what every command shares; ``app`` holds the core commands (init, demo, consume, lag,
 slot), ``tools`` the others (replay, inspect, verify, runs, outbox, partitions, …)."""
 
-from ledger_cdc.cli import app, tools  # noqa: F401  (each registers its commands on the group)
+from ledger_cdc.cli import app, tools, ui  # noqa: F401  (each registers its commands)
 from ledger_cdc.cli.base import cli, fail
 
 __all__ = ["cli", "main"]

@@ -181,7 +181,7 @@ def test_a_crashed_interrupted_and_resumed_graph_is_told_as_it_went() -> None:
     text = "\n".join(f"{r.agent_id} {r.mark} {r.summary}" for r in rows)
     assert "step 1 (loop) · ran triage" in text
     assert "langgraph/lookup failed lookup ✗ RuntimeError('db down')" in text
-    assert "interrupt approve ⏸ interrupt: {'question': 'Refund $40?'}" in text
+    assert "interrupt approve interrupt: {'question': 'Refund $40?'}" in text
     assert "(input) resume: 'yes'" in text
     assert "next approve" in text and "parent …" in text
     # each row's summary is cut to a line's worth, whole on request
