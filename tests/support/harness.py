@@ -185,3 +185,11 @@ def second_db(server: Server) -> Iterator[Database]:
 def db(server: Server) -> Iterator[Database]:
     """A fresh database with the ledger schema and publication (copied from a template)."""
     yield from _new_database(server, server.template)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that gets a cluster from this harness is marked ``server`` (whether or not
+    its module says so), so that ``-m "not server"`` selects the tests that need none."""
+    for item in items:
+        if "_servers" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.server)
