@@ -36,7 +36,7 @@ import logging
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -50,10 +50,13 @@ from langgraph.checkpoint.base import (
     Checkpoint,
     CheckpointMetadata,
     CheckpointTuple,
+    DeltaChannelHistory,
+    PendingWrite,
     get_checkpoint_id,
     get_checkpoint_metadata,
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
+from langgraph.checkpoint.serde.types import TASKS
 
 from ledger_cdc.client.steps import Step, Steps, run, run_async
 from ledger_cdc.client.writer import AsyncLedger, Ledger
@@ -71,6 +74,11 @@ from ledger_cdc.events import (
     WritesPut,
     decode_bounded,
     register_event_type,
+)
+from ledger_cdc.integrations.langgraph_store import (
+    _check_row_factory,
+    _migrate_async,
+    _PoolKwargs,
 )
 
 __all__ = ["LANGGRAPH_NAMESPACE", "AsyncLedgerSaver", "LedgerSaver", "thread_session"]
@@ -299,6 +307,42 @@ def _locked(method: _F) -> _F:
     return cast(_F, locked)
 
 
+def _ledgers(ledger: Any, aledger: Any) -> tuple[Ledger | None, AsyncLedger | None]:
+    """What a saver was given, as writers: a Ledger or AsyncLedger, or a psycopg connection or
+    pool of either kind (as langgraph-checkpoint-postgres's savers take them; autocommit, the
+    default row factory), in either argument."""
+    import psycopg
+    from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+    sync: Ledger | None = None
+    aio: AsyncLedger | None = None
+    for given in (ledger, aledger):
+        if given is None:
+            continue
+        if isinstance(given, (psycopg.Connection, psycopg.AsyncConnection)):
+            _check_row_factory(given)
+        elif isinstance(given, (ConnectionPool, AsyncConnectionPool)):
+            _check_row_factory(_PoolKwargs(given))
+        if isinstance(given, Ledger):
+            sync = given
+        elif isinstance(given, psycopg.Connection):
+            sync = Ledger(conn=given)
+        elif isinstance(given, ConnectionPool):
+            sync = Ledger(pool=given)
+        elif isinstance(given, AsyncLedger):
+            aio = given
+        elif isinstance(given, psycopg.AsyncConnection):
+            aio = AsyncLedger(given)
+        elif isinstance(given, AsyncConnectionPool):
+            aio = AsyncLedger(pool=given)
+        else:
+            raise ConfigError(
+                f"a saver takes a Ledger, an AsyncLedger, or a psycopg connection or pool, "
+                f"not {type(given).__name__}"
+            )
+    return sync, aio
+
+
 def _configurable(config: RunnableConfig | None) -> dict[str, Any]:
     return dict((config or {}).get("configurable") or {})
 
@@ -312,14 +356,13 @@ class LedgerSaver(BaseCheckpointSaver[str]):
 
     def __init__(
         self,
-        ledger: Ledger | None = None,
-        aledger: AsyncLedger | None = None,
+        ledger: Ledger | AsyncLedger | Any = None,
+        aledger: AsyncLedger | Any = None,
         *,
         serde: SerializerProtocol | None = None,
     ) -> None:
         super().__init__(serde=serde)
-        self.ledger = ledger
-        self.aledger = aledger
+        self.ledger, self.aledger = _ledgers(ledger, aledger)
         self._dsn: str | None = None
         self._opening: asyncio.Lock | None = None
         self._threads: OrderedDict[str, _Thread] = OrderedDict()  # folded threads, by use
@@ -513,6 +556,8 @@ class LedgerSaver(BaseCheckpointSaver[str]):
             if value is not _MISSING:
                 values[ch] = value
         checkpoint["channel_values"] = values
+        if checkpoint.get("v", 4) < 4 and cp.parent_id:
+            self._migrate_sends(t, ns, cp.parent_id, checkpoint)
         writes = t.writes.get((ns, cp.checkpoint_id), {})
         ordered = sorted(writes.items(), key=lambda kv: (kv[1][0], kv[0][0], kv[0][1]))
         pending = [
@@ -541,6 +586,68 @@ class LedgerSaver(BaseCheckpointSaver[str]):
             parent_config=parent,
             pending_writes=pending,
         )
+
+    def _migrate_sends(self, t: _Thread, ns: str, parent: str, checkpoint: Any) -> None:
+        """A checkpoint LangGraph wrote before format 4 kept its pending sends as its parent's
+        TASKS writes: they become its TASKS channel, as langgraph-checkpoint-postgres reads
+        them (in task path, task id, index order)."""
+        sends = sorted(
+            ((path, task_id, idx), value)
+            for (task_id, idx), (path, ch, value) in t.writes.get((ns, parent), {}).items()
+            if ch == TASKS
+        )
+        if not sends:
+            return
+        checkpoint["channel_values"][TASKS] = [self.serde.loads_typed(v.pair()) for _, v in sends]
+        versions = checkpoint.setdefault("channel_versions", {})
+        versions[TASKS] = max(versions.values()) if versions else self.get_next_version(None, None)
+
+    @_locked
+    def _delta_history(
+        self, t: _Thread, config: RunnableConfig, channels: Sequence[str]
+    ) -> dict[str, DeltaChannelHistory]:
+        """The writes to ``channels`` along the target's ancestors, oldest first, each channel
+        back to the nearest ancestor that stores a value for it (its ``seed``; a stored None is
+        no seed, as langgraph-checkpoint-postgres reads an inline None); one fold, no read per
+        ancestor."""
+        ns = str(_configurable(config).get("checkpoint_ns") or "")
+        wanted = get_checkpoint_id(config)
+        if wanted:
+            target = t.checkpoints.get((ns, str(wanted)))
+        else:
+            ids = [cid for (n, cid) in t.checkpoints if n == ns]
+            target = t.checkpoints[(ns, max(ids))] if ids else None
+        collected: dict[str, list[PendingWrite]] = {ch: [] for ch in channels}
+        seeds: dict[str, Any] = {}
+        remaining = set(channels)
+        cursor = None if target is None else target.parent_id
+        seen: set[str] = set()
+        while cursor is not None and remaining and cursor not in seen:
+            seen.add(cursor)
+            cp = t.checkpoints.get((ns, cursor))
+            if cp is None:
+                break
+            writes = t.writes.get((ns, cursor), {})
+            ordered = sorted(writes.items(), key=lambda kv: (kv[1][0], kv[0][0], kv[0][1]))
+            for (task_id, _), (_, ch, value) in reversed(ordered):
+                if ch in remaining:
+                    collected[ch].append((task_id, ch, self.serde.loads_typed(value.pair())))
+            versions = self.serde.loads_typed(cp.checkpoint.pair()).get("channel_versions") or {}
+            for ch in list(remaining):
+                if ch not in versions:
+                    continue
+                value = self._value(t, ns, ch, str(versions[ch]))
+                if value is not _MISSING and value is not None:
+                    seeds[ch] = value
+                    remaining.discard(ch)
+            cursor = cp.parent_id
+        out: dict[str, DeltaChannelHistory] = {}
+        for ch in channels:
+            entry: DeltaChannelHistory = {"writes": list(reversed(collected[ch]))}
+            if ch in seeds:
+                entry["seed"] = seeds[ch]
+            out[ch] = entry
+        return out
 
     def _value(self, t: _Thread, ns: str, channel: str, version: str) -> Any:
         """A channel's value at a version: a full value, or a base's value and what was appended
@@ -707,6 +814,27 @@ class LedgerSaver(BaseCheckpointSaver[str]):
         with self._sync_ledger().connection() as conn:
             t = run(conn, self._thread_read(thread_id))
         return self._get(t, config)
+
+    def get_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        if not channels:
+            return {}
+        thread_id = str(_configurable(config)["thread_id"])
+        with self._sync_ledger().connection() as conn:
+            t = run(conn, self._thread_read(thread_id))
+        return self._delta_history(t, config, channels)
+
+    async def aget_delta_channel_history(
+        self, *, config: RunnableConfig, channels: Sequence[str]
+    ) -> Mapping[str, DeltaChannelHistory]:
+        if not channels:
+            return {}
+        thread_id = str(_configurable(config)["thread_id"])
+        ledger = await self._async_ledger()
+        async with ledger.connection() as conn:
+            t = await run_async(conn, self._thread_read(thread_id))
+        return self._delta_history(t, config, channels)
 
     def list(
         self,
@@ -940,22 +1068,11 @@ class AsyncLedgerSaver(LedgerSaver):
             await saver.aclose()
 
     async def setup(self) -> None:  # type: ignore[override]
-        """Prepare the schema (the ledger's migrations, idempotent)."""
-
+        """Prepare the schema (the ledger's migrations, idempotent), whatever the saver was
+        made from (a DSN, a connection, a pool)."""
         ledger = await self._async_ledger()
-        dsn = ledger._dsn
-        if dsn is None:
-            raise ConfigError("setup() needs a saver made from a DSN (from_conn_string)")
-        await asyncio.to_thread(_migrate, dsn)
-
-
-def _migrate(dsn: str) -> None:
-
-    from ledger_cdc.admin.schema import migrate
-    from ledger_cdc.connect import open_session
-
-    with open_session(dsn, autocommit=True) as conn:
-        migrate(conn)
+        async with ledger.connection() as conn:
+            await _migrate_async(conn, ledger)
 
 
 def _copied(t: _Thread, target: str, whole: Callable[[str, Blob], Blob]) -> list[tuple[str, Any]]:

@@ -85,6 +85,10 @@ def load(tests: Path, module: str, conftest: dict[str, Any]) -> types.ModuleType
     if embed is not None:
         stand_in.CharacterEmbeddings = embed.CharacterEmbeddings  # type: ignore[attr-defined]
     stand_in.__dict__.update(conftest)
+    # their async tests carry pytest-asyncio's mark, which this suite does not register (it
+    # runs them under anyio's plugin instead): known to the mark generator, the strict-markers
+    # check lets them load
+    pytest.mark._markers.add("asyncio")
     saved = {k: sys.modules.get(k) for k in ("tests.conftest", "tests.embed_test_utils")}
     sys.modules["tests.conftest"] = stand_in
     if embed is not None:
@@ -128,21 +132,29 @@ def sync(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def collect(
-    mod: types.ModuleType, into: dict[str, Any], excluded: dict[str, str], mark: Any = None
+    mod: types.ModuleType,
+    into: dict[str, Any],
+    excluded: dict[str, str],
+    mark: Any = None,
+    prefix: str = "",
 ) -> list[str]:
     """Put every test function of ``mod`` but the excluded ones in ``into`` (a test module's
     globals, where pytest collects them); returns their names. An exclusion that names no test
     of the module fails: the list stays true to the version under test. With ``mark`` (an
     async plugin's, e.g. ``pytest.mark.anyio``) the async ones are marked to run under it;
-    without, each runs in a loop of its own."""
+    without, each runs in a loop of its own. ``prefix`` renames them (``test_`` → ``prefix``),
+    for two modules whose tests share names."""
     names = [n for n in vars(mod) if n.startswith("test_") and callable(getattr(mod, n))]
     unknown = set(excluded) - set(names)
     assert not unknown, f"excluded tests {mod.__name__} does not have: {sorted(unknown)}"
     taken = [n for n in names if n not in excluded]
+    out = []
     for n in taken:
         fn = getattr(mod, n)
-        into[n] = mark(fn) if mark is not None and inspect.iscoroutinefunction(fn) else sync(fn)
-    return taken
+        name = prefix + n.removeprefix("test_") if prefix else n
+        into[name] = mark(fn) if mark is not None and inspect.iscoroutinefunction(fn) else sync(fn)
+        out.append(name)
+    return out
 
 
 def replace(mod: types.ModuleType, **helpers: Any) -> None:
