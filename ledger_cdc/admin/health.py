@@ -7,7 +7,8 @@ the server invalidates it instead. For each slot this reads what the server repo
 (``ledger_checkpoints``), and the WAL generation rate sampled over a short interval, and derives
 the figure an operator needs: the time left before invalidation at the current rate.
 
-Statuses and exit codes: 0 healthy, 1 warning, 2 critical, 3 slot missing or lost. An unbounded
+Statuses: 0 healthy, 1 warning, 2 critical, 3 slot missing or lost (``lag`` exits 2 for a lost
+slot: its exit code is a monitoring plugin's, where 3 means it could not tell). An unbounded
 ``max_slot_wal_keep_size`` (-1) is a warning by itself: then a stalled slot can fill the disk.
 Works with the consumer role (no superuser): everything read here is readable by any role.
 """
@@ -21,7 +22,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ledger_cdc.admin.schema import publication_table
+from ledger_cdc.admin.schema import publication_table, slot_misfit
 from ledger_cdc.errors import format_lsn, parse_lsn
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "SlotHealth",
     "Thresholds",
     "check_slots",
+    "has_ledger",
 ]
 
 HEALTHY, WARNING, CRITICAL, LOST = 0, 1, 2, 3
@@ -166,18 +168,38 @@ def _unfolded(
     return (0.0 if found[0] is None else max(0.0, float(found[0]))), int(found[1])
 
 
+def has_ledger(conn: psycopg.Connection[Any]) -> bool:
+    """Whether the connection's database holds a ledger (as its search path finds it)."""
+    row = conn.execute(
+        "SELECT to_regclass('agent_events') IS NOT NULL OR to_regclass('ledger_migrations') "
+        "IS NOT NULL"
+    ).fetchone()
+    return bool(row and row[0])
+
+
 def check_slots(
     conn: psycopg.Connection[Any],
     slot: str | None = None,
     *,
     thresholds: Thresholds | None = None,
     sample_seconds: float = 1.0,
+    this_database: bool = False,
 ) -> list[SlotHealth]:
-    """Health of every logical slot (or of ``slot``, reported as missing if it does not exist)."""
+    """Health of every logical slot (or of ``slot``, reported as missing if it does not exist).
+    ``this_database``: only the slots of the connection's database; a ``slot`` that is not a
+    pgoutput slot of it is reported lost, with what it is (:func:`slot_misfit`)."""
     th = thresholds or Thresholds()
     version = conn.info.server_version
     reason = "invalidation_reason" if version >= 170000 else "NULL::text"
     where = "AND slot_name = %s" if slot else ""
+    if this_database and slot:
+        misfit = slot_misfit(conn, slot)
+        if misfit is not None:
+            h = SlotHealth(slot=slot, exists=True, status=LOST, status_name=STATUS_NAMES[LOST])
+            h.reasons.append(misfit)
+            return [h]
+    elif this_database:
+        where = "AND database = current_database()"
     rate = inserts = None
     if sample_seconds > 0:
         watch = RateWatch()

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ledger_cdc.cli.base import (
     DSN,
+    CheckCommand,
     F,
     Finite,
     Interval,
@@ -696,7 +697,17 @@ def _human_seconds(s: float | None) -> str:
     return f"{s / 3600:.1f} h"
 
 
-@cli.command()
+@cli.command(
+    cls=CheckCommand,
+    exit_codes={
+        0: "OK: every slot healthy",
+        1: "warning: a slot past a warning threshold, or max_slot_wal_keep_size unbounded",
+        2: "critical: a slot past a critical threshold, lost (invalidated), missing, or not a "
+        "pgoutput slot of this database; no logical slot in this database at all",
+        3: "unknown: a usage error (a bad option, an invalid --slot name), the database "
+        "unreachable or holding no ledger, any other error",
+    },
+)
 @dsn_option
 @option(
     "--slot",
@@ -781,18 +792,20 @@ def lag(
 ) -> None:
     """Slot health: WAL retained, lag, keep-size share and the time left before invalidation.
 
-    \b
-    Exit code: 0 healthy, 1 warning, 2 critical, 3 slot missing or lost
-    (with several slots: the worst). Needs no superuser: the consumer role is enough.
+    The slots of the --dsn database only (or the --slot named). The exit code follows the
+    monitoring-plugin convention (Nagios, Icinga, Sensu): the worst slot's state, a lost or
+    missing slot counting as critical; 3 when it cannot tell. (--json's `status` keeps 3 for a
+    lost slot, as the ledger_cdc_slot_status metric does.) Needs no superuser: the consumer
+    role is enough.
     """
     import json as jsonlib
 
     import psycopg
 
-    from ledger_cdc.admin.health import Thresholds, check_slots
+    from ledger_cdc.admin.health import CRITICAL, Thresholds, check_slots, has_ledger
     from ledger_cdc.admin.schema import validate_slot_name
     from ledger_cdc.connect import connect
-    from ledger_cdc.errors import DatabaseUnavailable, describe
+    from ledger_cdc.errors import DatabaseUnavailable, SchemaError, describe
 
     if slot is not None:
         validate_slot_name(slot)
@@ -815,7 +828,15 @@ def lag(
             try:
                 if conn.closed:
                     conn = connect(dsn, autocommit=True, lift=True)
-                slots = check_slots(conn, slot, thresholds=th, sample_seconds=sample_seconds)
+                if not has_ledger(conn):
+                    # (another database's slots are not this one's health)
+                    raise SchemaError(
+                        f"database {conn.info.dbname!r} holds no ledger (no agent_events on "
+                        "the search path): nothing to judge; give the ledger database's DSN"
+                    )
+                slots = check_slots(
+                    conn, slot, thresholds=th, sample_seconds=sample_seconds, this_database=True
+                )
             except (psycopg.OperationalError, DatabaseUnavailable) as e:
                 if not watch:
                     raise
@@ -830,7 +851,14 @@ def lag(
                 if watch:
                     state.console.clear()
                 _print_lag(state.console, slots)
-            code = max((h.status for h in slots), default=0)
+            # a lost slot (status 3) is critical; none at all too: no consumer streams the ledger
+            code = min(CRITICAL, max((h.status for h in slots), default=CRITICAL))
+            if not slots:
+                state.err.print(
+                    f"no logical replication slot in database {safe(conn.info.dbname)}: no "
+                    "consumer streams this ledger (`ledger-cdc consume --create-slot` makes one)",
+                    soft_wrap=True,
+                )
             if not watch:
                 sys.exit(code)
             time.sleep(interval)

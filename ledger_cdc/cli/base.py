@@ -1,14 +1,16 @@
 """What every command shares: the ``ledger-cdc`` group, exit codes, the error handler, the
 options that every command spells alike, tables.
 
-Exit codes (every command):
+Exit codes (every command but ``lag`` and ``doctor``; each command's ``--help`` ends with its own):
   0  success
-  1  the command ran and found a problem it reports (e.g. differences, unhealthy slot)
+  1  the command ran and found a problem it reports (e.g. differences)
   2  usage error (bad option or argument)
   3  the replication slot is missing, invalidated, or not a pgoutput slot of this database
-     (lag, consume)
+     (consume, slot drop)
   4  configuration or connection error (bad DSN, bad name, missing binaries)
   5  any other ledger-cdc error
+``lag`` and ``doctor`` are checks (:class:`CheckCommand`): 0 OK, 1 warning, 2 critical, 3
+unknown, whatever made them unable to tell (a usage error, a connection refused) included.
 An error is printed as one red line on stderr, with a hint where there is one.
 """
 
@@ -39,6 +41,21 @@ EXIT_PROBLEM = 1
 EXIT_SLOT = 3
 EXIT_CONFIG = 4
 EXIT_ERROR = 5
+EXIT_UNKNOWN = 3  # a check's (lag, doctor): it could not tell
+# ctx.meta key: the exit code every error of the command takes (a check's errors are UNKNOWN)
+_ERROR_EXIT = "ledger_cdc.error_exit"
+
+EXIT_CODES = {
+    0: "success",
+    1: "the command found a problem it reports",
+    2: "usage error (bad option or argument)",
+    3: "the slot is missing, invalidated or not this database's pgoutput slot (a command "
+    "that uses one)",
+    4: "configuration or connection error (DSN, credentials, privileges, schema; the server "
+    "unreachable)",
+    5: "any other error",
+}
+"""What every command's exit codes mean, unless its help says otherwise."""
 
 
 @dataclass
@@ -63,13 +80,15 @@ def fail(e: BaseException) -> None:
     if isinstance(e, LedgerError):
         text = redact(" ".join(str(e).split()) or type(e).__name__, dsn)
         code = e.exit_code
+        if ctx is not None and _ERROR_EXIT in ctx.meta:
+            code = ctx.meta[_ERROR_EXIT]
     else:
         logging.getLogger("ledger_cdc").debug("internal error", exc_info=e)
         text = (
             f"internal error: {type(e).__name__}: {describe(e, dsn)} (a bug: please report it; "
             "LEDGER_CDC_DEBUG=1 shows the traceback)"
         )
-        code = EXIT_ERROR
+        code = EXIT_ERROR if ctx is None else ctx.meta.get(_ERROR_EXIT, EXIT_ERROR)
     err = Console(stderr=True, highlight=False)
     err.print(f"[bold red]error:[/] {safe(text)}", soft_wrap=True, markup=True)
     if os.environ.get("LEDGER_CDC_DEBUG"):
@@ -195,6 +214,67 @@ class Interval(Finite):
         return f"0 or {self.least:g}<=x<={DAY}"
 
 
+class LedgerCommand(click.Command):
+    """A command whose help ends with its exit codes: ``exit_codes`` (code → meaning), or else
+    :data:`EXIT_CODES`."""
+
+    def __init__(self, *args: Any, exit_codes: dict[int, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.exit_codes = EXIT_CODES if exit_codes is None else exit_codes
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_epilog(ctx, formatter)
+        with formatter.section("Exit codes"):
+            formatter.write_dl([(str(code), what) for code, what in self.exit_codes.items()])
+
+
+class _UnknownUsage(click.UsageError):
+    exit_code = EXIT_UNKNOWN
+
+
+class _Unknown(click.ClickException):
+    exit_code = EXIT_UNKNOWN
+
+
+class CheckCommand(LedgerCommand):
+    """A check (``lag``, ``doctor``), whose exit status is a monitoring plugin's state (Nagios,
+    Icinga, Sensu and the scripts written like them): 0 OK, 1 warning, 2 critical, 3 unknown.
+    Whatever keeps it from telling ends it with 3: a usage error (click's code, 2, would read
+    as critical), a connection refused, any error (exit 4 or 5 elsewhere). The check's own
+    verdict is its ``sys.exit(0..2)``."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as e:  # (parsing: a missing --dsn, a bad value)
+            raise _UnknownUsage(e.format_message(), e.ctx) from e
+
+    def invoke(self, ctx: click.Context) -> Any:
+        ctx.meta[_ERROR_EXIT] = EXIT_UNKNOWN  # read by fail()
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:  # (raised by the command: --warn-x above --crit-x)
+            raise _UnknownUsage(e.format_message(), e.ctx) from e
+        except click.ClickException as e:
+            if e.exit_code == EXIT_UNKNOWN:
+                raise
+            raise _Unknown(e.format_message()) from e
+
+
+class LedgerGroup(click.Group):
+    """The group: its commands are :class:`LedgerCommand` (exit codes in their help), its
+    subgroups of its own kind."""
+
+    command_class = LedgerCommand
+    group_class = type
+
+
 option = partial(click.option, show_envvar=True)
 """``click.option`` whose help shows its environment variable: the shared options have fixed
 names (``LEDGER_CDC_DSN`` serves every command), the others get click's automatic ones
@@ -228,11 +308,12 @@ dsn_option = option(
 
 
 @click.group(
+    cls=LedgerGroup,
     context_settings={
         "help_option_names": ["-h", "--help"],
         "max_content_width": 100,
         "auto_envvar_prefix": "LEDGER_CDC",
-    }
+    },
 )
 @click.version_option(__version__, "-V", "--version", prog_name="ledger-cdc")
 @click.pass_context

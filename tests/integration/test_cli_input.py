@@ -1,6 +1,7 @@
 """Hostile and careless input at the command line: text from the ledger prints as itself (no
 rich markup, no terminal escape sequence), and an option value no command can use is a usage
-error naming the option (exit 2), never a traceback, a busy loop or a wrong answer."""
+error naming the option (exit 2; 3 for lag, a check), never a traceback, a busy loop or a
+wrong answer."""
 
 from __future__ import annotations
 
@@ -59,9 +60,6 @@ def test_an_error_holding_markup_is_one_plain_line() -> None:
         (["consume", "--heartbeat-interval", "nan"], "finite"),
         (["consume", "--heartbeat-interval", "inf"], "--heartbeat-interval"),
         (["consume", "--health-interval", "-inf"], "--health-interval"),
-        (["lag", "--crit-share", "nan"], "finite"),
-        (["lag", "--warn-share", "0.9", "--crit-share", "0.5"], "a warning comes first"),
-        (["lag", "--warn-seconds", "600"], "a warning comes first"),
         (["dispatch", "--poll-interval", "nan"], "finite"),
         (["dispatch", "--claim-seconds", "nan"], "finite"),
         (["dispatch", "--backoff", "-1"], "--backoff"),
@@ -92,8 +90,6 @@ def test_an_error_holding_markup_is_one_plain_line() -> None:
         (["consume", "--heartbeat-interval", "0.001"], "neither 0 (off) nor from 0.1"),
         (["consume", "--vacuum-interval", "1e-9"], "neither 0 (off) nor from 0.1"),
         (["consume", "--max-delay-ms", "99999999999999999999"], "--max-delay-ms"),
-        (["lag", "--sample-seconds", "1e10"], "--sample-seconds"),
-        (["lag", "--watch", "--interval", "1e10"], "--interval"),
         (["verify", "--all", "--consumer-wait", "1e10"], "--consumer-wait"),
         (["dispatch", "--poll-interval", "1e10"], "--poll-interval"),
         (["dispatch", "--backoff-cap", "1e10"], "--backoff-cap"),
@@ -106,6 +102,37 @@ def test_an_option_no_command_can_use_is_a_usage_error(args: list[str], says: st
     r = run_cli(*args, "--dsn", "host=127.0.0.1 port=1 connect_timeout=1")
     assert_clean_exit(r, 2)
     assert says in r.output, r.output
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--crit-share", "nan"], "finite"),
+        (["--warn-share", "0.9", "--crit-share", "0.5"], "a warning comes first"),
+        (["--warn-seconds", "600"], "a warning comes first"),
+        (["--sample-seconds", "1e10"], "--sample-seconds"),
+        (["--watch", "--interval", "1e10"], "--interval"),
+        (["--no-such-option"], "No such option"),
+        (["--slot", "Bad Name"], "invalid slot name"),
+        (["--slot", "x" * 64], "invalid slot name"),
+    ],
+)
+def test_lag_cannot_tell_from_a_bad_option_exit_3(args: list[str], says: str) -> None:
+    """lag's exit code is a monitoring plugin's: a usage error, or a --slot no slot can be
+    named, is 3 (unknown), never 2 (critical)."""
+    r = run_cli("lag", *args, "--dsn", "host=127.0.0.1 port=1 connect_timeout=1")
+    assert_clean_exit(r, 3)
+    assert says in r.output, r.output
+
+
+def test_lag_without_a_dsn_or_a_server_is_unknown() -> None:
+    r = run_cli("lag", env={"LEDGER_CDC_DSN": None})
+    assert_clean_exit(r, 3)
+    assert "--dsn" in r.output
+    r = run_cli("lag", "--dsn", "host=127.0.0.1 port=1 connect_timeout=1", "--sample-seconds", "0")
+    assert_clean_exit(r, 3)
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.output
 
 
 @pytest.mark.server
@@ -161,7 +188,7 @@ def test_an_empty_or_nul_dsn_is_a_usage_error(dsn: str) -> None:
     for args in (["lag"], ["consume"], ["consume", "--dsn", "host=127.0.0.1 port=1"]):
         option = "--target-dsn" if "--dsn" in args else "--dsn"
         r = run_cli(*args, option, dsn)
-        assert_clean_exit(r, 2)
+        assert_clean_exit(r, 3 if args == ["lag"] else 2)  # (lag's usage errors: unknown)
         assert option in r.output, r.output
 
 

@@ -1,6 +1,7 @@
 """Slot health and recovery on real servers: `lag` through warning → critical → lost with its exit
-codes, a stalled consumer whose slot the server invalidates resyncing by itself, the bootstrap of a
-ledger with history under concurrent writers, and slot management."""
+codes (a monitoring plugin's: 3 only when it cannot tell), a stalled consumer whose slot the
+server invalidates resyncing by itself, the bootstrap of a ledger with history under concurrent
+writers, and slot management."""
 
 from __future__ import annotations
 
@@ -27,8 +28,10 @@ from tests.support.cdc import (
     ConsumerProcess,
     InThread,
     Writers,
+    assert_clean_exit,
     assert_projections_equal_refold,
     assert_verify_exact,
+    run_cli,
     until,
     wait_caught_up,
 )
@@ -146,7 +149,9 @@ def test_stalled_consumer_warning_critical_lost_then_resync(
     dsn = pg.dsn()
     reader = pg.dsn(user="lag_reader")  # the consumer role: no superuser
     code, out = lag(reader, "--slot", "agent_slot")
-    assert code == 3 and out[0]["exists"] is False and "does not exist" in out[0]["reasons"][0]
+    # a missing slot is critical (2): lag's 3 is for what it cannot tell
+    assert code == 2 and out[0]["exists"] is False and "does not exist" in out[0]["reasons"][0]
+    assert out[0]["status"] == 3 and out[0]["status_name"] == "lost"
 
     log = tmp_path / "consumer.log"
     proc = ConsumerProcess(
@@ -205,9 +210,10 @@ def test_stalled_consumer_warning_critical_lost_then_resync(
                 conn.execute("SELECT pg_switch_wal()")
                 conn.execute("CHECKPOINT")
             code, out = lag(reader, "--slot", "agent_slot")
-            if code == 3:
+            if out[0]["status"] == 3:
                 break
-        assert code == 3 and out[0]["wal_status"] == "lost", out
+        # lost: critical for the exit code (a monitoring plugin's), 3 in --json as in the metric
+        assert code == 2 and out[0]["status"] == 3 and out[0]["wal_status"] == "lost", out
         assert any("invalidated" in r for r in out[0]["reasons"])
 
         os.kill(proc.proc.pid, signal.SIGCONT)
@@ -256,7 +262,7 @@ def test_on_slot_lost_exit(small_wal: EmbeddedPostgres, tmp_path: Path) -> None:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute("SELECT pg_switch_wal()")
                 conn.execute("CHECKPOINT")
-            if lag(dsn, "--slot", "exit_slot")[0] == 3:
+            if lag(dsn, "--slot", "exit_slot")[1][0]["status"] == 3:
                 break
         os.kill(proc.proc.pid, signal.SIGCONT)
         assert proc.proc.wait(60) == 3
@@ -474,9 +480,9 @@ def test_consume_refuses_a_slot_that_is_not_a_pgoutput_slot_and_leaves_it(
         assert out.returncode == 3, out.stderr
         assert says in out.stderr and "not a pgoutput logical slot" in out.stderr, out.stderr
         assert "Traceback" not in out.stderr and "resynchronising" not in out.stderr
-        if kind[0] == "physical":  # `lag` names what it is, rather than "does not exist"
-            code, health = lag(db.dsn, "--slot", name)
-            assert code == 3 and health[0]["reasons"] == ["a physical slot, not a logical one"]
+        # `lag` names what it is, rather than "does not exist": critical
+        code, health = lag(db.dsn, "--slot", name)
+        assert code == 2 and says in health[0]["reasons"][0], health
         with db.connect() as conn:
             assert (
                 conn.execute(
@@ -502,6 +508,27 @@ def test_consume_refuses_the_slot_of_another_database(
     out = _consume_once(second_db.dsn)
     assert out.returncode == 3, out.stderr
     assert f"belongs to database '{db.name}', not '{second_db.name}'" in out.stderr, out.stderr
+    # lag too: another database's slot is not this ledger's, named or not
+    code, health = lag(second_db.dsn, "--slot", "agent_slot")
+    assert code == 2 and f"belongs to database '{db.name}'" in health[0]["reasons"][0], health
+    r = run_cli("lag", "--dsn", second_db.dsn, "--json", "--sample-seconds", "0")
+    assert_clean_exit(r, 2)
+    assert json.loads(r.stdout) == [] and "no logical replication slot" in r.stderr, r.output
+    code, health = lag(db.dsn)
+    assert code == 0 and [h["slot"] for h in health] == ["agent_slot"], health
+
+
+def test_lag_on_a_database_without_a_ledger_is_unknown(db: Database, empty_db: Database) -> None:
+    """Asked about a database that holds no ledger, lag cannot tell (3), in one line; it used
+    to report another database's slot as healthy (exit 0)."""
+    with db.connect() as conn:
+        create_slot(conn, "agent_slot")
+    for extra in ((), ("--json",), ("--slot", "agent_slot")):
+        r = run_cli("lag", "--dsn", empty_db.dsn, "--sample-seconds", "0", *extra)
+        assert_clean_exit(r, 3)
+        assert r.stdout == "", r.stdout
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "holds no ledger" in lines[0], r.stderr
 
 
 @pytest.mark.parametrize(
