@@ -4,8 +4,9 @@ Driver errors (psycopg, psycopg2) are translated once, where they cross into thi
 (:func:`translate`), with ``raise ... from e`` so the original stays attached: a connection
 or server error is *retryable* (server down, restarting, connection cut, too many clients) or
 *permanent* (bad DSN, authentication, missing database, schema, publication, privilege or
-``wal_level``: something to fix before trying again). Each message says what went wrong, where,
-and what to do about it, and never holds a password.
+``wal_level``: something to fix before trying again). Which one is told by the error's
+SQLSTATE, never by its message, which the server writes in its own language. Each message says
+what went wrong, where, and what to do about it, and never holds a password.
 
     LedgerError                     exit 5
     ├── ConfigError                 exit 4  bad option, name, DSN; a permanent server-side cause
@@ -39,8 +40,10 @@ and what to do about it, and never holds a password.
 from __future__ import annotations
 
 import re
+import sys
 import urllib.parse
 import uuid
+from typing import Any
 
 from ledger_cdc import lsn as _lsn
 from ledger_cdc.lsn import format_lsn
@@ -286,44 +289,28 @@ def _excerpt(data: bytes, offset: int | None, width: int = 16) -> str:
 
 
 # -- driver errors, translated once ---------------------------------------------------------------
+#
+# A server error is told by its SQLSTATE (psycopg 3's ``sqlstate``, psycopg2's ``pgcode``) and,
+# where one SQLSTATE has several fixes, by the server routine that raised it
+# (``diag.source_function``, a C function name): never by its message, which the server writes
+# in its lc_messages, in any language. A failed connection attempt carries no SQLSTATE at all
+# (libpq folds the server's reply into its message), so libpq is asked again instead: see
+# _startup_verdict.
 
-# libpq and server messages that no retry will cure (matched lower-case). Connection failures
-# carry no SQLSTATE in either driver, so the message is what there is to go on.
-_PERMANENT = (
-    "password authentication failed",
-    "authentication failed",
-    "no pg_hba.conf entry",
-    "password must be",
-    "does not exist",  # role, database, publication, slot, relation, column
-    "invalid connection option",
-    "invalid integer value",
-    "invalid port",
-    'missing "=" after',
-    "invalid uri",
-    "invalid dsn",
-    "invalid percent-encoded",
-    "unterminated quoted string",
-    "invalid sslmode",
-    "invalid value for parameter",
-    "could not translate host name",
-    "failed to resolve host",
-    "in uri",
-    "connection info string",
-    "must be superuser or replication role",
-    "must be superuser or have replication",
-    "permission denied",
-    "logical decoding requires",
-    "wal_level",
-    "is not a valid",
-    "requires a value",
-    "definition of service",  # service=… not in the service file
-    "service file",
-    "bad value for",
-    "server does not support ssl",  # sslmode=require against a server without SSL
-    "cannot execute sql commands in wal sender",  # replication=true in the DSN
-    "not supported in a replication connection",  # replication=database in the DSN
+_PERMANENT_STATES = (
+    "28",  # invalid_authorization_specification, invalid_password
+    "3D",  # invalid_catalog_name: no such database
+    "3F",  # invalid_schema_name
+    "42",  # syntax_error_or_access_rule_violation: privileges, undefined objects
+    "54",  # program_limit_exceeded
+    "55000",  # object_not_in_prerequisite_state: wal_level, max_replication_slots
+    "0A000",  # feature_not_supported
+    "22023",  # invalid_parameter_value
 )
-_PERMANENT_STATES = ("28", "3D", "3F", "42", "54", "55000", "0A000", "22023")
+# undefined_table, undefined_column, invalid_schema_name, undefined_function
+_SCHEMA_STATES = ("42P01", "42703", "3F000", "42883")
+# feature_not_supported, protocol_violation: what a replication connection answers to SQL
+_REPLICATION_STATES = ("0A000", "08P01")
 _PASSWORD_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 _PASSWORD_URL = re.compile(r"(://[^:/@\s]*:)([^@\s]*)(@)")
 _DSN_PASSWORD_URL = re.compile(r"(://[^:/@]*:)([^@]*)(@)")
@@ -359,88 +346,242 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def is_permanent(e: BaseException) -> bool:
-    """Whether a driver error needs a fix rather than a retry."""
-    state = getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)
-    if isinstance(state, str) and state.startswith(_PERMANENT_STATES):
-        return True
-    if type(e).__name__ == "ProgrammingError":  # both drivers: a DSN that does not parse
-        return True
-    text = str(e).lower()
-    if "database system is" in text or "too many" in text or "terminating connection" in text:
-        return False
-    return any(p in text for p in _PERMANENT)
+_Verdict = tuple[type[LedgerError], str | None]
 
-
+_DSN_HINT = "fix the DSN: postgresql://user@host:port/database or key=value pairs"
+_REFUSED_HINT = "fix the DSN: libpq does not take it as given"
 _NO_REPLICATION = (
     "give the DSN without replication=… (ledger-cdc opens a replication connection where it "
     "needs one)"
 )
-_HINTS = (
-    ("password authentication failed", "check the user and password in the DSN"),
-    ("no pg_hba.conf entry", "allow this host/user in the server's pg_hba.conf"),
-    (
-        "permission denied to create temporary tables",
-        "GRANT TEMPORARY ON DATABASE … TO the role (`ledger-cdc init` grants it to "
-        "ledger_consumer)",
-    ),
-    ("permission denied", "log in as a role with the privileges (see the README's roles)"),
-    ('database "', "create the database, or fix its name in the DSN"),
-    ('role "', "create the role, or fix the user name in the DSN"),
-    ("wal_level", "set wal_level = logical (ALTER SYSTEM SET wal_level = logical) and restart"),
-    ("logical decoding requires", "set wal_level = logical and restart the server"),
-    ("replication role", "give the role REPLICATION (ALTER ROLE … REPLICATION)"),
-    ("must be superuser or have replication", "give the role REPLICATION"),
-    ("invalid integer value", "fix the port in the DSN"),
-    ("invalid port", "fix the port in the DSN"),
-    ("invalid connection option", "fix the DSN: see libpq's connection parameters"),
-    ("invalid uri", "fix the DSN: postgresql://user@host:port/database"),
-    ("invalid dsn", "fix the DSN: postgresql://user@host:port/database or key=value pairs"),
-    ('missing "="', "fix the DSN: postgresql://user@host:port/database or key=value pairs"),
-    ("could not translate host name", "fix the host name in the DSN"),
-    ("failed to resolve host", "fix the host name in the DSN"),
-    ("in uri", "fix the DSN: postgresql://user@host:port/database"),
-    ("server does not support ssl", "lower sslmode in the DSN, or turn ssl on in the server"),
-    ("replication connection", _NO_REPLICATION),
-    ("in wal sender", _NO_REPLICATION),
+_SCHEMA_HINT = (
+    "the ledger schema is missing or older than this version: run `ledger-cdc init --dsn …` "
+    "against this database"
 )
+_SEARCH_PATH_HINT = (
+    ", or, if it ran, put the ledger's schema on this role's search_path (SHOW search_path; "
+    "ALTER ROLE … SET search_path)"
+)
+_STATE_HINTS = {
+    "28P01": "check the user and password in the DSN",
+    "28000": (
+        "check the user name in the DSN: the role must exist and may LOGIN, and the server's "
+        "pg_hba.conf must let it connect from this host"
+    ),
+    "3D000": "create the database, or fix its name in the DSN",
+    "42501": "log in as a role with the privileges (see the README's roles)",
+    "57014": (
+        "cancelled by a statement_timeout of the database, the role or the DSN's options, which "
+        "options='-c statement_timeout=0' in the DSN lifts for this connection, or by "
+        "pg_cancel_backend"
+    ),
+    "57P03": "the server is starting, stopping or recovering",  # cannot_connect_now
+    # retried, it may pass (a failover)
+    "25006": (
+        "the database takes no writes: a hot standby, or default_transaction_read_only is on; "
+        "give the primary's DSN"
+    ),
+}
+# (SQLSTATE, the server routine that raised it): C function names, alike in every language
+_ROUTINE_HINTS = {
+    ("42501", "InitTempTableNamespace"): (
+        "GRANT TEMPORARY ON DATABASE … TO the role (`ledger-cdc init` grants it to ledger_consumer)"
+    ),
+    ("42501", "CheckSlotPermissions"): "give the role REPLICATION (ALTER ROLE … REPLICATION)",
+    ("55000", "CheckLogicalDecodingRequirements"): (
+        "set wal_level = logical (ALTER SYSTEM SET wal_level = logical) and restart the server"
+    ),
+    ("55000", "CheckSlotRequirements"): (
+        "set wal_level = logical and max_replication_slots above 0 (ALTER SYSTEM SET …), then "
+        "restart the server"
+    ),
+}
+# libpq's whole-number parameters, which it checks only when it connects
+_NUMBER_OPTIONS = (
+    "connect_timeout",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+)
+_SSL_REQUIRED = ("require", "verify-ca", "verify-full")
+_PROBE_TIMEOUT = 10  # seconds: at most this for each second try of a failed connection
+
+
+def is_permanent(e: BaseException, dsn: str | None = None) -> bool:
+    """Whether a driver error needs a fix rather than a retry (:func:`translate` says which
+    fix)."""
+    kind, _ = _classify(e, dsn)
+    return issubclass(kind, ConfigError)
 
 
 def translate(e: BaseException, *, dsn: str | None = None, doing: str = "") -> LedgerError:
     """A driver error as the LedgerError it stands for: permanent → :class:`ConfigError`
     (:class:`SchemaError` for a missing table or column), else :class:`DatabaseUnavailable`.
-    One line, with a hint, without the password."""
+    One line, with a hint, without the password.
+
+    Told by SQLSTATE, never by the message (see the section's comment); a failed connection
+    attempt, which has none, costs one or two more attempts to tell (_startup_verdict)."""
     if isinstance(e, LedgerError):
         return e
     line = redact(first_line(e), dsn)
     where = f"{doing}: " if doing else ""
+    kind, hint = _classify(e, dsn)
+    if kind is SchemaError:
+        return SchemaError(f"{where}{line} — {hint}")
+    return kind(f"{where}{line}" + (f" ({hint})" if hint else ""))
+
+
+def _classify(e: BaseException, dsn: str | None) -> _Verdict:
     state = getattr(e, "sqlstate", None) or getattr(e, "pgcode", None)
-    if state in ("42P01", "42703", "3F000", "42883"):
-        return SchemaError(
-            f"{where}{line} — the ledger schema is missing or older than this version: "
-            "run `ledger-cdc init --dsn …` against this database"
-            + (
-                ", or, if it ran, put the ledger's schema on this role's search_path (SHOW "
-                "search_path; ALTER ROLE … SET search_path)"
-                if state == "42P01"
-                else ""
-            )
+    if isinstance(state, str) and state:
+        return _by_state(e, state, dsn)
+    if any(c.__name__ == "ProgrammingError" for c in type(e).__mro__):
+        # both drivers (no SQLSTATE): a DSN that does not parse, or a call the driver refuses
+        return ConfigError, _DSN_HINT if dsn is not None and _parse(dsn) is None else None
+    pgconn = getattr(e, "pgconn", None)  # psycopg sets it on a connection attempt's failure
+    if pgconn is None:
+        params = _parse(dsn) if dsn is not None else None
+        bad = _bad_number(params) if params is not None else None
+        return (ConfigError, bad) if bad is not None else (DatabaseUnavailable, None)
+    params = _attempt_params(pgconn)
+    if not params:  # libpq refused the parameters before it took any (an unknown service=)
+        return ConfigError, _REFUSED_HINT
+    bad = _bad_number(params)
+    if bad is not None:
+        return ConfigError, bad
+    return _startup_verdict(pgconn, params)
+
+
+def _by_state(e: BaseException, state: str, dsn: str | None) -> _Verdict:
+    if state in _REPLICATION_STATES and dsn is not None and _asks_replication(dsn):
+        return ConfigError, _NO_REPLICATION
+    if state in _SCHEMA_STATES:
+        return SchemaError, _SCHEMA_HINT + (_SEARCH_PATH_HINT if state == "42P01" else "")
+    routine = getattr(getattr(e, "diag", None), "source_function", None)
+    hint = _ROUTINE_HINTS.get((state, routine or "")) or _STATE_HINTS.get(state)
+    if state.startswith(_PERMANENT_STATES):
+        return ConfigError, hint
+    return DatabaseUnavailable, hint
+
+
+def _psycopg() -> Any:
+    """psycopg, loaded by whoever made the connection whose error is translated, or None.
+    This module loads no driver: the layers below the drivers (pgoutput, fold) raise its
+    errors too, and import it without one."""
+    return sys.modules.get("psycopg")
+
+
+def _parse(dsn: str) -> dict[str, str] | None:
+    """The DSN's parameters (libpq's parser), or None if it does not parse (with no driver
+    loaded, nothing is known of it: no parameters)."""
+    pg = _psycopg()
+    if pg is None:
+        return {}
+    try:
+        parsed = pg.conninfo.conninfo_to_dict(dsn)
+    except pg.Error:
+        return None
+    return {str(k): str(v) for k, v in parsed.items() if v is not None}
+
+
+def _asks_replication(dsn: str) -> bool:
+    params = _parse(dsn) or {}
+    return params.get("replication", "").lower() not in ("", "0", "off", "false", "no")
+
+
+def _attempt_params(pgconn: Any) -> dict[str, str]:
+    """The parameters of the connection attempt that failed, as libpq took them: defaults and
+    environment filled in, the one host of a list that was tried last."""
+    return {
+        o.keyword.decode(): o.val.decode("utf-8", "replace")
+        for o in getattr(pgconn, "info", None) or ()
+        if o.val is not None
+    }
+
+
+def _bad_number(params: dict[str, str]) -> str | None:
+    """The hint for a port or other whole-number parameter that libpq would refuse."""
+    ports = params.get("port", "")
+    for port in ports.split(","):
+        port = port.strip()
+        if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+            return "fix the port in the DSN: a number from 1 to 65535"
+    for name in _NUMBER_OPTIONS:
+        value = params.get(name, "").strip()
+        if value and not value.lstrip("-").isdigit():
+            return f"fix {name} in the DSN: a whole number"
+    return None
+
+
+def _startup_verdict(pgconn: Any, params: dict[str, str]) -> _Verdict:
+    """A failed connection attempt told apart by asking libpq again, as structured answers:
+    ``PQping`` (nothing answered; the server answered with some SQLSTATE; it refuses
+    connections for now, 57P03; the parameters are invalid) and, if the server answered,
+    whether a plain connection is then made, and whether the server had asked for a password.
+
+    These answers cannot tell a refusal that passes from one that does not: a server out of
+    connection slots (53300) refuses a new session as one refusing the role, the database or
+    the host does, and is taken as permanent too, unless the second try gets in."""
+    pg = _psycopg()
+    if pg is None:
+        return DatabaseUnavailable, None
+    pq, make_conninfo = pg.pq, pg.conninfo.make_conninfo
+    probe = {**params, "connect_timeout": str(_PROBE_TIMEOUT)}
+    timeout = params.get("connect_timeout", "").strip()
+    if timeout.isdigit() and 0 < int(timeout) < _PROBE_TIMEOUT:
+        probe["connect_timeout"] = timeout
+    try:
+        ping = _ping(make_conninfo("", **probe))
+        if ping == pq.Ping.NO_ATTEMPT:
+            return ConfigError, _REFUSED_HINT
+        if ping == pq.Ping.REJECT:  # the server answered 57P03
+            return DatabaseUnavailable, _STATE_HINTS["57P03"]
+        if ping == pq.Ping.NO_RESPONSE:
+            mode = params.get("sslmode", "")
+            if mode in _SSL_REQUIRED:
+                plain = {**probe, "sslmode": "disable"}
+                plain.pop("sslnegotiation", None)  # direct SSL needs sslmode=require
+                if _ping(make_conninfo("", **plain)) != pq.Ping.NO_RESPONSE:
+                    return ConfigError, (
+                        f"the server answers, but not over SSL as sslmode={mode} demands: lower "
+                        "sslmode in the DSN, turn ssl on in the server, or fix its certificate"
+                    )
+            return DatabaseUnavailable, None
+        # the server answered: refused, or the failure has passed (a session attribute
+        # such as target_session_attrs=read-write is the server's state, not a fix to make)
+        if _connects(make_conninfo("", **{**probe, "target_session_attrs": "any"})):
+            return DatabaseUnavailable, None
+    except (pg.Error, UnicodeError):  # parameters libpq took but cannot be written back
+        return DatabaseUnavailable, None
+    if getattr(pgconn, "needs_password", False):
+        return ConfigError, (
+            "the server asks this user for a password and none was given: put it in the DSN, "
+            "in PGPASSWORD or in ~/.pgpass"
         )
-    if is_permanent(e):
-        low = line.lower()
-        hint = next((h for pat, h in _HINTS if pat in low), None)
-        return ConfigError(f"{where}{line}" + (f" ({hint})" if hint else ""))
-    if state == "57014" and "statement timeout" in line.lower():
-        line += (
-            " (a statement_timeout of the database, the role or the DSN's options; lift it "
-            "for this connection with options='-c statement_timeout=0' in the DSN)"
-        )
-    elif state == "25006":  # read_only_sql_transaction: retried, it may pass (a failover)
-        line += (
-            " (the database takes no writes: a hot standby, or default_transaction_read_only "
-            "is on; give the primary's DSN)"
-        )
-    return DatabaseUnavailable(f"{where}{line}")
+    if getattr(pgconn, "used_password", False):
+        return ConfigError, _STATE_HINTS["28P01"] + ", then the database name"
+    return ConfigError, (
+        "check the user and the database name in the DSN: the role must exist and may LOGIN, "
+        "the database must exist, and the server's pg_hba.conf must let this user connect "
+        "from this host"
+    )
+
+
+def _ping(conninfo: str) -> int:
+    """libpq's ``PQping`` of ``conninfo`` (a :class:`psycopg.pq.Ping`)."""
+    return int(_psycopg().pq.PGconn.ping(conninfo.encode()))
+
+
+def _connects(conninfo: str) -> bool:
+    """Whether a connection to ``conninfo`` is made now (closed again at once)."""
+    pq = _psycopg().pq
+    conn = pq.PGconn.connect(conninfo.encode())
+    try:
+        return bool(conn.status == pq.ConnStatus.OK)
+    finally:
+        conn.finish()
 
 
 def describe(e: BaseException, dsn: str | None = None) -> str:

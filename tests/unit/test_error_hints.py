@@ -5,25 +5,44 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from psycopg.pq import DiagnosticField
 
 from ledger_cdc.errors import ConfigError, translate
+
+
+def report(sqlstate: str, message: str, routine: str | None = None) -> dict[int, bytes | None]:
+    """A server's error report as psycopg keeps it: among its fields the routine that raised
+    it (a C function name, which no locale translates)."""
+    return {
+        DiagnosticField.SEVERITY_NONLOCALIZED: b"ERROR",
+        DiagnosticField.SQLSTATE: sqlstate.encode(),
+        DiagnosticField.MESSAGE_PRIMARY: message.encode(),
+        DiagnosticField.SOURCE_FUNCTION: routine.encode() if routine else None,
+    }
+
+
+def server_error(sqlstate: str, message: str, routine: str | None = None) -> psycopg.Error:
+    """The error psycopg raises for a server's report: its class by SQLSTATE."""
+    return psycopg.errors.lookup(sqlstate)(message, info=report(sqlstate, message, routine))
 
 
 @pytest.mark.parametrize(
     ("error", "hint"),
     [
         (
-            psycopg.errors.InsufficientPrivilege(
-                'permission denied to create temporary tables in database "ledger"'
+            server_error(
+                "42501",
+                'permission denied to create temporary tables in database "ledger"',
+                "InitTempTableNamespace",
             ),
             "GRANT TEMPORARY ON DATABASE",
         ),
         (
-            psycopg.errors.InsufficientPrivilege('permission denied for database "ledger"'),
+            server_error("42501", 'permission denied for database "ledger"', "aclcheck_error"),
             "log in as a role with the privileges",
         ),
         (
-            psycopg.errors.InvalidCatalogName('database "ledgr" does not exist'),
+            server_error("3D000", 'database "ledgr" does not exist'),
             "create the database, or fix its name",
         ),
     ],
