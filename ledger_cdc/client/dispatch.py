@@ -74,7 +74,7 @@ __all__ = [
     "parse_target",
 ]
 
-log = logging.getLogger("ledger_cdc.dispatch")
+log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "ledger_cdc.targets"
 """Entry-point group of Python targets: ``name = "package.module:callable"``."""

@@ -85,7 +85,7 @@ __all__ = [
     "row_event",
 ]
 
-log = logging.getLogger("ledger_cdc.replay")
+log = logging.getLogger(__name__)
 
 # -- rebuild_context ----------------------------------------------------------------------------
 

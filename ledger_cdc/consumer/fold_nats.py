@@ -56,7 +56,7 @@ from ledger_cdc.stream.route import Held, Item
 
 __all__ = ["FoldConfig", "FoldWorker", "parse_partition"]
 
-log = logging.getLogger("ledger_cdc.fold")
+log = logging.getLogger(__name__)
 
 # a message read: (stream sequence, its event — None when another partition's —, commit LSN,
 # bytes)

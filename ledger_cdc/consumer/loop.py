@@ -84,7 +84,7 @@ from ledger_cdc.stream.transport import (
 
 __all__ = ["Consumer", "ConsumerConfig", "Metrics", "count_unfolded"]
 
-log = logging.getLogger("ledger_cdc.consumer")
+log = logging.getLogger(__name__)
 
 _PG_EPOCH = 946684800.0  # 2000-01-01 in Unix seconds
 

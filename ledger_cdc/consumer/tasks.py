@@ -31,7 +31,7 @@ from ledger_cdc.names import HEARTBEAT_PREFIX, LEDGER_TABLE
 
 __all__ = ["Periodic", "SlotGuard", "heartbeat", "lease_watch", "partition_keeper", "vacuum"]
 
-log = logging.getLogger("ledger_cdc.consumer")
+log = logging.getLogger(__name__)
 
 Step = Callable[[psycopg.Connection[Any]], bool | None]
 """One run of a task on its connection; returns False when the task has nothing more to do."""

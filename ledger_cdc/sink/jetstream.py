@@ -251,7 +251,7 @@ _FAST_DISABLED = 10205  # err_code: batch publish is disabled on the stream
 _LSN_HEADER_B = _LSN_HEADER.encode()
 _OMITTED = "Ledger-Omitted"  # header: the body was left out, its size in bytes
 _OMITTED_HEADER_B = _OMITTED.encode()
-log = logging.getLogger("ledger_cdc.jetstream")
+log = logging.getLogger(__name__)
 
 
 _wire = msgspec.json.Decoder(WireEvent)

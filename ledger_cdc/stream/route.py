@@ -60,7 +60,7 @@ __all__ = [
     "session_of",
 ]
 
-log = logging.getLogger("ledger_cdc.consumer")
+log = logging.getLogger(__name__)
 
 _BUILTIN_TYPES = psycopg.adapters.types
 

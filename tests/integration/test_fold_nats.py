@@ -248,12 +248,12 @@ def test_messages_that_no_ledger_row_could_be_are_skipped_not_retried(
         pub.close()
         log = tmp_path / "fold.log"
         handler = logging.FileHandler(log)
-        logging.getLogger("ledger_cdc.fold").addHandler(handler)
+        logging.getLogger("ledger_cdc.consumer.fold_nats").addHandler(handler)
         try:
             worker = FoldWorker(FoldConfig(url=srv.url, dsn=db.dsn, reconnect_cap=0.5))
             _fold_until(worker, lambda: _event_count(db.dsn, sid) == 3)
         finally:
-            logging.getLogger("ledger_cdc.fold").removeHandler(handler)
+            logging.getLogger("ledger_cdc.consumer.fold_nats").removeHandler(handler)
         text = log.read_text()
         assert "reconnecting" not in text, text
         # (- 1 + the two deep)
