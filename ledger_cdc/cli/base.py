@@ -293,7 +293,41 @@ class Dsn(click.ParamType):  # type: ignore[type-arg]
             self.fail("is empty: give host, port and database (libpq would take its defaults)")
         if "\x00" in text:
             self.fail("holds a NUL character")
+        if param is not None and ctx is not None and not ctx.resilient_parsing:
+            _warn_password_on_command_line(text, param, ctx)
         return text
+
+
+def _warn_password_on_command_line(dsn: str, param: click.Parameter, ctx: click.Context) -> None:
+    """One line on stderr when a DSN given on the command line holds a password: every user of
+    the machine reads a process's arguments (``ps``, ``/proc/*/cmdline``); the environment and
+    a passfile are the process owner's alone. Not an error: the command goes on."""
+    from click.core import ParameterSource
+
+    if ctx.get_parameter_source(param.name or "") is not ParameterSource.COMMANDLINE:
+        return
+    if "password" not in dsn.lower() and "@" not in dsn:
+        return  # (no password can be in it: libpq is not asked)
+    from psycopg import Error
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        if not conninfo_to_dict(dsn).get("password"):
+            return
+    except Error:
+        return  # a DSN that does not parse: the connection says why
+    envvar = param.envvar if isinstance(param, click.Option) else None
+    if isinstance(envvar, (list, tuple)):
+        envvar = envvar[0] if envvar else None
+    if not envvar and ctx.auto_envvar_prefix and param.name:
+        envvar = f"{ctx.auto_envvar_prefix}_{param.name.upper()}"
+    flag = param.opts[0] if param.opts else param.name
+    click.echo(
+        f"warning: the password in {flag} can be read by every user of this machine in the "
+        f"process list (ps): give the DSN in {envvar or 'the environment'} instead, or the "
+        "password in a passfile (~/.pgpass, PGPASSFILE, or passfile=… in the DSN)",
+        err=True,
+    )
 
 
 DSN = Dsn()

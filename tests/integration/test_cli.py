@@ -1,4 +1,5 @@
-"""The command line as a user meets it: help, version, init, errors and exit codes."""
+"""The command line as a user meets it: help, version, init, errors and exit codes (each
+command's in its help), a password given on the command line."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
 from ledger_cdc import __version__
 from ledger_cdc.cli import cli
-from tests.support.cdc import until
+from tests.support.cdc import assert_clean_exit, run_cli, until
 from tests.support.harness import Database
 
 
@@ -123,3 +125,68 @@ def test_a_demo_ended_by_a_signal_takes_its_cluster_with_it(
             return s.connect_ex(("127.0.0.1", port[0])) != 0
 
     until(closed, timeout=30)  # its server stopped, not left running
+
+
+def _commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    found: list[tuple[str, ...]] = []
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            found.extend(_commands(cmd, (*prefix, name)))
+        else:
+            found.append((*prefix, name))
+    return found
+
+
+def test_every_command_documents_its_exit_codes() -> None:
+    """Each command's --help ends with its exit codes; lag's are a monitoring plugin's."""
+    commands = _commands(cli)
+    assert ("lag",) in commands and ("slot", "drop") in commands
+    for path in commands:
+        # (a group with options of its own, outbox, needs its --dsn before a subcommand)
+        r = CliRunner().invoke(cli, [*path, "--help"], env={"LEDGER_CDC_DSN": "host=127.0.0.1"})
+        assert r.exit_code == 0, (path, r.output)
+        tail = r.output.split("Exit codes:")[-1]
+        assert "Exit codes:" in r.output and re.search(r"^\s+0\s+\S", tail, re.M), (path, r.output)
+    r = CliRunner().invoke(cli, ["lag", "--help"])
+    codes = " ".join(r.output.split("Exit codes:")[-1].split())
+    assert "2 critical" in codes and "3 unknown: a usage error" in codes, codes
+
+
+SECRET = "S3cretPW"
+
+
+def _warnings(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("warning:")]
+
+
+def test_a_password_on_the_command_line_is_warned_of(tmp_path: Path) -> None:
+    """A DSN given on the command line with its password shows it to every user (ps): one line
+    on stderr says so and where to put it instead; the command goes on. Not for a DSN from the
+    environment, nor for one whose password is in a passfile."""
+    url = f"postgresql://u:{SECRET}@127.0.0.1:1/x?connect_timeout=1"
+    r = run_cli("lag", "--dsn", url, "--sample-seconds", "0")
+    assert_clean_exit(r, 3)  # (the server is not there: the command went on to try)
+    (warning,) = _warnings(r.stderr)
+    assert "--dsn" in warning and "ps" in warning and "LEDGER_CDC_DSN" in warning, warning
+    assert "passfile" in warning and SECRET not in r.output
+    # key=value, in --target-dsn, whose variable is its own (and --dsn without one is quiet)
+    kv = f"host=127.0.0.1 port=1 password='{SECRET}'"
+    r = run_cli(
+        "consume", "--dsn", "host=127.0.0.1 port=1", "--target-dsn", kv, "--batch-size", "0"
+    )
+    assert_clean_exit(r, 2)  # (--batch-size 0 stops it before any connection)
+    (warning,) = _warnings(r.stderr)
+    assert "--target-dsn" in warning and "LEDGER_CDC_TARGET_DSN" in warning, warning
+    assert SECRET not in r.output
+    # from the environment, or with the password in a passfile: no warning
+    r = run_cli("lag", "--sample-seconds", "0", env={"LEDGER_CDC_DSN": url})
+    assert_clean_exit(r, 3)
+    assert _warnings(r.stderr) == [], r.stderr
+    passfile = tmp_path / "pgpass"
+    passfile.write_text(f"127.0.0.1:1:*:u:{SECRET}\n")
+    passfile.chmod(0o600)
+    r = run_cli(
+        "lag", "--dsn", f"host=127.0.0.1 port=1 user=u passfile={passfile} connect_timeout=1"
+    )
+    assert_clean_exit(r, 3)
+    assert _warnings(r.stderr) == [], r.stderr
