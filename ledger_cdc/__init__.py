@@ -12,7 +12,6 @@ import importlib as _importlib
 import importlib.util as _importlib_util
 import typing as _typing
 
-from ledger_cdc import _compat
 from ledger_cdc._version import __version__
 
 if _typing.TYPE_CHECKING:
@@ -113,8 +112,6 @@ def __getattr__(name: str) -> object:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
-
-_compat.install()  # the flat layout's module paths (ledger_cdc.replay, …) stay importable
 
 __all__ = [
     "AppendError",

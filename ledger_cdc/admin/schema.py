@@ -519,7 +519,7 @@ def init(
     """Apply the migrations, create the publication and, if ``slot`` is given, the slot.
 
     ``partition_by`` (day, week, month) creates a new ledger partitioned by ``created_at``, with
-    the current and ``partitions_ahead`` next partitions (see :mod:`ledger_cdc.partitions`)."""
+    the current and ``partitions_ahead`` next partitions (:mod:`ledger_cdc.admin.partitions`)."""
     from ledger_cdc.admin import partitions
 
     validate_publication_name(publication)

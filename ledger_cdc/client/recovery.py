@@ -550,8 +550,9 @@ def _retry_request(ctx: SessionContext, call_id: str) -> tuple[ToolInvoked, str]
     if pending is None:
         raise LedgerError(
             f"tool call {call_id!r} of session {ctx.session_id} is not in flight; if it "
-            "completed, answer it with ledger_cdc.replay.memoised_tool(conn, ctx, call_id) "
-            "instead of calling it again"
+            "completed, answer it with "
+            "ledger_cdc.client.recovery.memoised_tool(conn, ctx, call_id) instead of calling it "
+            "again"
         )
     payload = ToolInvoked(
         pending.call_id, pending.tool, pending.arguments, idempotency_key=pending.idempotency_key

@@ -267,7 +267,8 @@ class SessionContext(msgspec.Struct):
         completion), if there is one.
 
         Raises :class:`MemoNotLoadedError` when the answer may be in ``agent_memo`` instead
-        (``memo_position > 0``): use ``ledger_cdc.replay.memoised_tool(conn, ctx, …)`` then."""
+        (``memo_position > 0``): use
+        ``ledger_cdc.client.recovery.memoised_tool(conn, ctx, …)`` then."""
         found: CompletedTool | None = None
         if call_id is not None:
             found = self.completed_tools.get(call_id)
@@ -315,5 +316,5 @@ class SessionContext(msgspec.Struct):
             f"session {self.session_id}: {kind} call {what!r} is not among the calls completed "
             f"after position {self.memo_position}, and this context does not hold the ones "
             f"before (they are in agent_memo): look it up with "
-            f"ledger_cdc.replay.{fn}(conn, ctx, ...), or rebuild with memo=True"
+            f"ledger_cdc.client.recovery.{fn}(conn, ctx, ...), or rebuild with memo=True"
         )

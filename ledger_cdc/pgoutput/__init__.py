@@ -68,13 +68,3 @@ __all__ = [
     "UnchangedToast",
     "Update",
 ]
-
-
-def __getattr__(name: str) -> object:
-    # RowLoader loads values with psycopg, so it lives in ``stream.values``; this layer imports no
-    # I/O library. Kept reachable here for code written against the flat layout.
-    if name == "RowLoader":
-        import importlib
-
-        return importlib.import_module("ledger_cdc.stream.values").RowLoader
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

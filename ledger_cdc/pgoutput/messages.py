@@ -4,7 +4,7 @@ Messages that may appear inside a streamed transaction (Relation, Type, Insert, 
 Truncate, Message) carry that transaction's ``xid`` in the same type, ``None`` outside a stream.
 Tuple values stay raw here: ``bytes`` for a text-format column, :class:`Binary` for a
 binary-format one, ``None`` for NULL and :data:`UNCHANGED` for an unchanged TOASTed value (which the
-server does not send). Converting them to Python values is :mod:`ledger_cdc.pgoutput.values`' job.
+server does not send). Converting them to Python values is :mod:`ledger_cdc.stream.values`' job.
 """
 
 from __future__ import annotations
