@@ -636,3 +636,16 @@ def parse_lsn(text: str) -> int:
         return _lsn.parse_lsn(text)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+# -- getting a connection -------------------------------------------------------------------------
+
+
+class PoolExhaustedError(DatabaseUnavailable):
+    """No connection came from a writer's pool (``Ledger``, ``AsyncLedger``) within its wait:
+    every one of its connections was in use the whole time, or the server refused the new ones
+    the pool tried to open (the last refusal is named: a server out of connection slots says
+    "too many clients"). Names the pool's size and its wait."""
+
+
+__all__ += ["PoolExhaustedError"]

@@ -19,11 +19,17 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import errors as pg_errors
-from psycopg_pool import AsyncConnectionPool, ConnectionPool
+from psycopg_pool import (
+    AsyncConnectionPool,
+    ConnectionPool,
+    PoolClosed,
+    PoolTimeout,
+    TooManyRequests,
+)
 
 from ledger_cdc.client.read import pending_runs
 from ledger_cdc.client.steps import Step, Steps, run, run_async
@@ -35,6 +41,8 @@ from ledger_cdc.errors import (
     IdempotencyConflictError,
     InvalidEventError,
     LedgerError,
+    PoolExhaustedError,
+    describe,
     translate,
 )
 from ledger_cdc.events import (
@@ -45,6 +53,9 @@ from ledger_cdc.events import (
     refuse_nul,
     too_deep,
 )
+
+if TYPE_CHECKING:
+    from typing import Self  # (3.11: the annotations alone name it)
 
 __all__ = [
     "INDEXED_MAX_BYTES",
@@ -488,6 +499,86 @@ def _probe(dsn: str) -> None:
     connect(dsn).close()
 
 
+# -- getting a connection from the pool ----------------------------------------------------------
+#
+# A pool opens its connections in worker threads (tasks), which log each failure; the caller
+# waiting for one sees only psycopg_pool's PoolTimeout after the pool's wait. Every way of not
+# getting one is a LedgerError here, naming the pool's size, its wait and the last refusal the
+# pool met (the server's own words: "too many clients" for one out of connection slots).
+
+
+class _Refusals:
+    """The last error a pool met opening a connection (None once one opened again)."""
+
+    def __init__(self) -> None:
+        self.last: BaseException | None = None
+
+
+def _watched(refusals: _Refusals) -> type[psycopg.Connection[Any]]:
+    """A connection class for a pool that records in ``refusals`` how its connects end."""
+
+    class Watched(psycopg.Connection[Any]):
+        @classmethod
+        def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
+            try:
+                conn = super().connect(conninfo, **kwargs)
+            except psycopg.Error as e:
+                refusals.last = e
+                raise
+            refusals.last = None
+            return conn
+
+    return Watched
+
+
+def _watched_async(refusals: _Refusals) -> type[psycopg.AsyncConnection[Any]]:
+    """:func:`_watched` for an async pool."""
+
+    class Watched(psycopg.AsyncConnection[Any]):
+        @classmethod
+        async def connect(cls, conninfo: str = "", **kwargs: Any) -> Self:
+            try:
+                conn = await super().connect(conninfo, **kwargs)
+            except psycopg.Error as e:
+                refusals.last = e
+                raise
+            refusals.last = None
+            return conn
+
+    return Watched
+
+
+def _no_connection(
+    pool: ConnectionPool[Any] | AsyncConnectionPool[Any],
+    e: Exception,
+    refusals: _Refusals | None,
+    dsn: str | None,
+) -> LedgerError:
+    """The LedgerError for psycopg_pool's way of giving no connection (``e``)."""
+    if isinstance(e, PoolClosed):
+        return LedgerError(f"the writer's pool {pool.name!r} is closed: make a new Ledger")
+    what = (
+        f"no connection from the writer's pool {pool.name!r} within {pool.timeout:g} s "
+        f"(pool_size={pool.max_size}"
+    )
+    if isinstance(e, TooManyRequests):
+        return PoolExhaustedError(
+            f"{what}, {pool.max_waiting} callers already waiting: max_waiting reached): "
+            "raise pool_size, or append from fewer threads at once"
+        )
+    refused = refusals.last if refusals is not None else None
+    if refused is not None:
+        return PoolExhaustedError(
+            f"{what}; opening another failed: {describe(refused, dsn)}): the server takes no "
+            "more connections from this pool; share one Ledger per process (a pool serves "
+            "every thread), lower pool_size, or raise the server's max_connections"
+        )
+    return PoolExhaustedError(
+        f"{what}, every one in use for the whole wait): raise pool_size (or pool_timeout), or "
+        "hold connections for less time (Ledger.transaction, Ledger.connection)"
+    )
+
+
 class Ledger:
     """The writer; safe to share between threads.
 
@@ -506,22 +597,31 @@ class Ledger:
         conn: psycopg.Connection[Any] | None = None,
         pool: ConnectionPool[Any] | None = None,
         pool_size: int = 4,
+        pool_timeout: float = 30.0,
         limits: Limits = DEFAULT_LIMITS,
     ) -> None:
+        """``pool_timeout``: seconds a call waits for a connection of the pool before it
+        raises :class:`~ledger_cdc.errors.PoolExhaustedError` (a DSN's pool; yours has its
+        own ``timeout``)."""
         kind = _one_of(dsn=dsn, conn=conn, pool=pool)
         self.limits = limits
         self._conn = conn
         self._lock = threading.RLock()
         self._own = kind == "dsn"
         self._pool = pool
+        self._dsn = dsn
+        self._refusals: _Refusals | None = None
         if dsn is not None:
             _probe(dsn)
+            self._refusals = _Refusals()
             self._pool = ConnectionPool(
                 dsn,
                 min_size=1,
                 max_size=pool_size,
+                timeout=pool_timeout,
                 kwargs={"autocommit": True},
                 configure=session_setup,
+                connection_class=_watched(self._refusals),
                 open=True,
                 name="ledger-cdc",
             )
@@ -529,10 +629,18 @@ class Ledger:
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
         """A connection of this writer's for the length of the block (taken from the pool, or
-        the one connection, held under the lock)."""
+        the one connection, held under the lock). None within the pool's wait:
+        :class:`~ledger_cdc.errors.PoolExhaustedError`."""
         if self._pool is not None:
-            with self._pool.connection() as conn:
-                yield conn
+            given = False
+            try:
+                with self._pool.connection() as conn:
+                    given = True
+                    yield conn
+            except (PoolTimeout, TooManyRequests, PoolClosed) as e:
+                if given:  # (raised by the block, from another pool)
+                    raise
+                raise _no_connection(self._pool, e, self._refusals, self._dsn) from e
         else:
             assert self._conn is not None
             with self._lock:
@@ -615,30 +723,51 @@ class AsyncLedger:
         self._own = own
         self._dsn = dsn
         self._lock: asyncio.Lock | None = None
+        self._refusals: _Refusals | None = None  # (set by connect: its pool's refusals)
 
     @classmethod
     async def connect(
-        cls, dsn: str, *, pool_size: int = 4, limits: Limits = DEFAULT_LIMITS
+        cls,
+        dsn: str,
+        *,
+        pool_size: int = 4,
+        pool_timeout: float = 30.0,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> AsyncLedger:
+        """``pool_timeout``: seconds a call waits for a connection of the pool before it
+        raises :class:`~ledger_cdc.errors.PoolExhaustedError`."""
         await asyncio.to_thread(_probe, dsn)
+        refusals = _Refusals()
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
             dsn,
             min_size=1,
             max_size=pool_size,
+            timeout=pool_timeout,
             kwargs={"autocommit": True},
             configure=session_setup_async,
+            connection_class=_watched_async(refusals),
             open=False,
             name="ledger-cdc",
         )
         await pool.open()
-        return cls(pool=pool, own=True, dsn=dsn, limits=limits)
+        ledger = cls(pool=pool, own=True, dsn=dsn, limits=limits)
+        ledger._refusals = refusals
+        return ledger
 
     @asynccontextmanager
     async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        """A connection of this writer's for the length of the block."""
+        """A connection of this writer's for the length of the block. None within the pool's
+        wait: :class:`~ledger_cdc.errors.PoolExhaustedError`."""
         if self._pool is not None:
-            async with self._pool.connection() as conn:
-                yield conn
+            given = False
+            try:
+                async with self._pool.connection() as conn:
+                    given = True
+                    yield conn
+            except (PoolTimeout, TooManyRequests, PoolClosed) as e:
+                if given:
+                    raise
+                raise _no_connection(self._pool, e, self._refusals, self._dsn) from e
         else:
             assert self._conn is not None
             if self._lock is None:
