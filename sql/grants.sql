@@ -90,6 +90,17 @@ BEGIN
 END
 $$;
 
+-- The consumer vacuums the projections it rewrites (VACUUM needs the owner, or MAINTAIN on
+-- PostgreSQL 17+).
+DO $$
+BEGIN
+    IF current_setting('server_version_num')::INT >= 170000 THEN
+        EXECUTE 'GRANT MAINTAIN ON agent_sessions, agent_snapshots, agent_memo, '
+                'ledger_checkpoints, ledger_dead_letters TO ledger_consumer';
+    END IF;
+END
+$$;
+
 -- The consumer stages a large batch in temporary tables (a hardened database takes TEMPORARY
 -- from PUBLIC; a database's grants are not copied with it as a template).
 DO $$

@@ -21,6 +21,7 @@ from psycopg import sql
 from ledger_cdc.admin.partitions import ensure, list_partitions
 from ledger_cdc.admin.schema import init
 from ledger_cdc.client.writer import Ledger
+from tests.support.cdc import until
 from tests.support.harness import Database
 
 pytestmark = pytest.mark.server
@@ -248,3 +249,25 @@ def test_temporary_tables_of_every_role_steer_nothing(
             ).fetchone()
             assert ns == "public"
             assert ensure(conn, 0) == []  # today's partition was there already
+
+
+def test_the_consumer_may_vacuum_its_projections_on_17_and_later(
+    empty_db: Database, members: Members
+) -> None:
+    """VACUUM needs the owner, or MAINTAIN (PostgreSQL 17+), which init grants the consumer on
+    the tables it rewrites."""
+    if empty_db.server.major < 17:
+        pytest.skip("MAINTAIN is PostgreSQL 17+: before it, only the owner vacuums")
+    init(empty_db.dsn)
+
+    def vacuumed() -> object:
+        with empty_db.connect() as conn:
+            row = conn.execute(
+                "SELECT vacuum_count FROM pg_stat_user_tables WHERE relname = 'agent_sessions'"
+            ).fetchone()
+        return None if row is None else row[0]
+
+    before = vacuumed()
+    with psycopg.connect(empty_db.dsn_as(members.consumer), autocommit=True) as conn:
+        conn.execute("VACUUM agent_sessions")
+    until(lambda: vacuumed() != before, 30)
