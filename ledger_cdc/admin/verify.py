@@ -6,14 +6,24 @@ from its first event with the consumer's reducers and compares the fold, at the 
 stored object claims, with every stored snapshot and with the projection, field by field, and
 the memo table (``agent_memo``) with the calls the refold completed, call by call. It also
 recomputes each session's hash chain and reports the first event that no longer matches — an
-edited row (the append-only guard bypassed) or a broken link. Everything is read in one
-REPEATABLE READ snapshot, so a consumer writing meanwhile cannot cause false differences. A
-projection missing or behind its log in that snapshot is judged afterwards, by the slot: see
-:func:`_judge_behind`.
+edited row (the append-only guard bypassed) or a broken link.
+
+The ledger (``agent_events``; the archives' records, snapshots and kept events; the
+replication slots) is read from ``dsn``; the stored objects (``agent_sessions``,
+``agent_snapshots``, ``agent_memo``, ``ledger_checkpoints``, ``ledger_relays``) from the same
+database, or from ``target_dsn`` when the consumer writes them into another one (``consume
+--target-dsn``). Each is read in one REPEATABLE READ snapshot, the projections' taken first:
+whatever they folded was committed before the ledger's snapshot, so a consumer writing
+meanwhile cannot cause false differences. A stored object past the ledger's head, or of a
+session without events, is ahead of the ledger (a failover lost what it folded, or a restore):
+a difference. A projection missing or behind its log in that snapshot is judged afterwards, by
+the slots (:func:`_judge_behind`); one that no consumer can vouch for is a difference too: "not
+judged" is never a pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 import uuid
@@ -30,10 +40,10 @@ from ledger_cdc.admin.health import publication_filter
 from ledger_cdc.admin.partitions import archived_heads, check_archive
 from ledger_cdc.admin.timeline import field_differences
 from ledger_cdc.client.read import COLUMNS, row_event
-from ledger_cdc.client.recovery import attach_steps, load_memo, snapshot_context
+from ledger_cdc.client.recovery import _merge_memo, attach_steps, load_memo, snapshot_context
 from ledger_cdc.client.steps import run
 from ledger_cdc.connect import connect
-from ledger_cdc.errors import WindowMissingError
+from ledger_cdc.errors import SchemaError, WindowMissingError
 from ledger_cdc.fold import (
     PROJECTION_FORMAT,
     PROJECTION_FORMATS,
@@ -45,6 +55,7 @@ from ledger_cdc.fold import (
     encode_stored,
     fold_one,
     reducer_version,
+    references,
 )
 from ledger_cdc.sink.base import BOOTSTRAPPING
 from ledger_cdc.sink.postgres import run_columns
@@ -57,7 +68,7 @@ class Difference:
     """One disagreement between the log and what is stored (or within the log itself)."""
 
     session_id: uuid.UUID | None  # None: rows without a session, in a ledger altered by hand
-    kind: str  # projection | snapshot | memo | chain | orphan | archive
+    kind: str  # projection | snapshot | memo | chain | orphan | archive | behind
     seq: int | None  # the seq of the stored object (or of the event) that differs
     position: int | None
     field: str | None  # dotted path in the context, e.g. pending_tools.call-3.attempts
@@ -104,12 +115,68 @@ _PROJECTION = (
 _COLUMNS = ("status", "last_position", "event_count", "run_status", "lease_worker", "lease_until")
 
 
-def _attach(conn: psycopg.Connection[Any], ctx: SessionContext) -> None:
-    run(conn, attach_steps(ctx))  # what rebuild_context does with a snapshot
+# agent_memo rows as they are stored, each with whether it holds its call whole (a row of the
+# ledger's database may leave a tool's result or a model's content in the completing event)
+_MEMO_STORED = (
+    b"SELECT kind, entry::text, CASE kind WHEN 'tool' THEN entry ? 'result' "
+    b"ELSE entry ? 'content' END FROM (SELECT DISTINCT ON (kind, call_id) kind, "
+    b"completed_position, entry FROM agent_memo WHERE session_id = %s "
+    b"AND completed_position <= %s ORDER BY kind, call_id, completed_position DESC) AS m "
+    b"ORDER BY completed_position"
+)
+_ELSEWHERE = (
+    "in a database that is not the ledger's (--target-dsn), where no reader can read it back: "
+    "the consumer copies it there"
+)
+
+
+@dataclass(frozen=True)
+class _Store:
+    """Where the stored objects are read. In the ledger's database, what they reference of its
+    events (a context window, long messages, a call's result or content) is read back by SQL,
+    as rebuild_context reads it. In another database (``target_dsn``) the consumer copies all of
+    it (sink.postgres ``by_reference`` off): nothing there is read back, and a reference found
+    there is a difference, for the SQL that would follow it reads the events of the database it
+    runs in."""
+
+    conn: psycopg.Connection[Any]
+    by_reference: bool
+
+    def attach(self, ctx: SessionContext) -> None:
+        """Make a stored context whole (WindowMissingError: what it references is not there)."""
+        if self.by_reference:
+            run(self.conn, attach_steps(ctx))  # what rebuild_context does with a snapshot
+            return
+        window, positions = references(ctx)
+        if window is not None or positions:
+            what = [] if window is None else [f"the window of the event at position {window}"]
+            what += [f"the message of the event at position {p}" for p in positions]
+            raise WindowMissingError(
+                f"session {ctx.session_id}: the stored context references {', '.join(what)} "
+                + _ELSEWHERE
+            )
+
+    def memo(self, ctx: SessionContext) -> SessionContext:
+        """Load the calls ``ctx`` leaves in agent_memo into it, as load_memo does
+        (WindowMissingError: a row leaves what it cannot; msgspec.DecodeError: unreadable)."""
+        if self.by_reference:
+            return load_memo(self.conn, ctx)
+        if not ctx.memo_position:
+            return ctx
+        sid = ctx.session_id
+        rows = self.conn.execute(_MEMO_STORED, (sid, ctx.memo_position)).fetchall()
+        for kind, _, whole in rows:
+            if not whole:
+                part = "result" if kind == "tool" else "content"
+                raise WindowMissingError(
+                    f"session {sid}: an agent_memo row of a {kind} call leaves its {part} in "
+                    "the ledger's event " + _ELSEWHERE
+                )
+        return _merge_memo(ctx, [(kind, text) for kind, text, _ in rows])
 
 
 def _check_projection(
-    conn: psycopg.Connection[Any],
+    store: _Store,
     report: VerifyReport,
     ctx: SessionContext,
     position: int,
@@ -117,7 +184,7 @@ def _check_projection(
 ) -> None:
     """The session's projection (at ``position``) against the refold ``ctx``."""
     sid = ctx.session_id
-    row = conn.execute(_PROJECTION, (sid,)).fetchone()
+    row = store.conn.execute(_PROJECTION, (sid,)).fetchone()
     if row is None:
         return
     report.projections += 1
@@ -148,11 +215,11 @@ def _check_projection(
         differs(None, None, None, f"projection is unreadable: {e}")
         return
     whole = row[1] != PROJECTION_FORMAT  # format 1 holds every completed call
-    _compare_stored(conn, report, "projection", ctx, stored, seq, position, limit, whole=whole)
+    _compare_stored(store, report, "projection", ctx, stored, seq, position, limit, whole=whole)
 
 
 def _compare_stored(
-    conn: psycopg.Connection[Any],
+    store: _Store,
     report: VerifyReport,
     kind: str,
     ctx: SessionContext,
@@ -168,7 +235,7 @@ def _compare_stored(
     (``whole``) holds every completed call; the others none (they are checked in agent_memo)."""
     sid = ctx.session_id
     try:
-        _attach(conn, stored)
+        store.attach(stored)
     except WindowMissingError as e:
         report.differences.append(
             Difference(sid, kind, seq, position, "window", None, None, str(e))
@@ -272,28 +339,35 @@ def _chain(
 
 
 # The second witness: the hash of the event at each projection's and snapshot's position as the
-# consumer streamed it, against the table's hash there now.
-_WITNESS = """
-SELECT 'projection', s.session_id, s.last_seq, s.last_position, s.last_hash, e.hash
-FROM agent_sessions s JOIN agent_events e
-  ON e.session_id = s.session_id AND e.position = s.last_position
-WHERE s.last_hash IS NOT NULL AND s.last_hash <> e.hash {where_s}
-UNION ALL
-SELECT 'snapshot', n.session_id, n.upto_seq, n.upto_position, n.upto_hash, e.hash
-FROM agent_snapshots n JOIN agent_events e
-  ON e.session_id = n.session_id AND e.position = n.upto_position
-WHERE n.upto_hash IS NOT NULL AND n.upto_hash <> e.hash {where_n}
+# consumer streamed it (read from wherever they are stored), against the table's hash there now.
+_WITNESS = b"""
+SELECT w.what, w.session_id, w.seq, w.position, w.streamed, e.hash
+FROM unnest(%s::text[], %s::uuid[], %s::int8[], %s::int8[], %s::bytea[])
+     AS w(what, session_id, seq, position, streamed)
+JOIN agent_events e ON e.session_id = w.session_id AND e.position = w.position
+WHERE e.hash <> w.streamed
 ORDER BY 2, 4
 """
+_Witnessed = tuple[str, uuid.UUID, int, int, bytes]  # (what, session, seq, position, hash)
 
 
 def _witness(
-    conn: psycopg.Connection[Any], report: VerifyReport, ids: list[uuid.UUID] | None
+    ledger: psycopg.Connection[Any],
+    report: VerifyReport,
+    witnessed: list[_Witnessed],
+    elsewhere: bool,
 ) -> None:
-    where_s = "AND s.session_id = ANY(%(ids)s)" if ids is not None else ""
-    where_n = "AND n.session_id = ANY(%(ids)s)" if ids is not None else ""
-    query = _WITNESS.format(where_s=where_s, where_n=where_n).encode()
-    for what, sid, seq, pos, streamed, table in conn.execute(query, {"ids": ids}):
+    if not witnessed:
+        return
+    columns = [list(c) for c in zip(*witnessed, strict=True)]
+    for what, sid, seq, pos, streamed, table in ledger.execute(_WITNESS, columns):
+        detail = (
+            f"the consumer streamed hash {bytes(streamed).hex()[:16]}… for position {pos} "
+            f"(recorded with its {what}); the table now holds {bytes(table).hex()[:16]}…: "
+            "the event was changed after it was streamed"
+        )
+        if elsewhere:
+            detail += ", or the projections were folded from a history the ledger no longer has"
         report.differences.append(
             Difference(
                 sid,
@@ -303,17 +377,90 @@ def _witness(
                 "hash",
                 bytes(table).hex(),
                 bytes(streamed).hex(),
-                f"the consumer streamed hash {bytes(streamed).hex()[:16]}… for position {pos} "
-                f"(recorded with its {what}); the table now holds {bytes(table).hex()[:16]}…: "
-                "the event was changed after it was streamed",
+                detail,
             )
         )
+
+
+@dataclass
+class _Stored:
+    """What is stored, in the store's snapshot: each projection's position, each session's
+    snapshot positions, and the hashes the consumer streamed with them (the second witness)."""
+
+    projected: dict[uuid.UUID, int] = field(default_factory=dict)
+    snapped: dict[uuid.UUID, list[int]] = field(default_factory=dict)
+    witnessed: list[_Witnessed] = field(default_factory=list)
+
+
+def _read_stored(conn: psycopg.Connection[Any], ids: list[uuid.UUID] | None) -> _Stored:
+    where = sql.SQL("WHERE session_id = ANY(%s)" if ids is not None else "")
+    params: tuple[Any, ...] = (ids,) if ids is not None else ()
+    out = _Stored()
+    for sid, seq, pos, digest in conn.execute(
+        sql.SQL(
+            "SELECT session_id, last_seq, last_position, last_hash FROM agent_sessions {}"
+        ).format(where),
+        params,
+    ):
+        out.projected[sid] = int(pos)
+        if digest is not None:
+            out.witnessed.append(("projection", sid, int(seq), int(pos), bytes(digest)))
+    for sid, seq, pos, digest in conn.execute(
+        sql.SQL(
+            "SELECT session_id, upto_seq, upto_position, upto_hash FROM agent_snapshots {} "
+            "ORDER BY session_id, upto_position"
+        ).format(where),
+        params,
+    ):
+        out.snapped.setdefault(sid, []).append(int(pos))
+        if digest is not None:
+            out.witnessed.append(("snapshot", sid, int(seq), int(pos), bytes(digest)))
+    return out
+
+
+# Two connections to one database (a --target-dsn that names the ledger's): the same server
+# (started at the same moment) and the same database
+_WHO = (
+    b"SELECT pg_postmaster_start_time(), oid, datname FROM pg_database "
+    b"WHERE datname = current_database()"
+)
+
+
+_PROJECTION_TABLES = (
+    b"SELECT to_regclass('agent_sessions') IS NOT NULL "
+    b"AND to_regclass('ledger_checkpoints') IS NOT NULL"
+)
+
+
+def _open_target(
+    ledger: psycopg.Connection[Any], target_dsn: str
+) -> psycopg.Connection[Any] | None:
+    """The projections' database, or None when it is the ledger's own."""
+    target = connect(target_dsn, doing="projection database")
+    try:
+        same = target.execute(_WHO).fetchone() == ledger.execute(_WHO).fetchone()
+        tables = target.execute(_PROJECTION_TABLES).fetchone()
+        target.rollback()
+        ledger.rollback()
+        if not same and not (tables and tables[0]):
+            raise SchemaError(
+                "projection database: it has no agent_sessions or ledger_checkpoints (is it the "
+                "database `consume --target-dsn` writes to? `ledger-cdc init` creates them)"
+            )
+    except BaseException:
+        target.close()
+        raise
+    if same:
+        target.close()
+        return None
+    return target
 
 
 def verify(
     dsn: str,
     sessions: Sequence[uuid.UUID] | None = None,
     *,
+    target_dsn: str | None = None,
     chain: bool = True,
     fields_per_object: int = 5,
     on_session: Callable[[uuid.UUID], None] | None = None,
@@ -323,47 +470,54 @@ def verify(
 ) -> VerifyReport:
     """Refold ``sessions`` (all if None) and compare; see the module docstring.
 
+    ``target_dsn``: the database the projections, snapshots, memo and checkpoints are in, when
+    it is not the ledger's (``consume --target-dsn``); the ledger is read from ``dsn``.
+
     ``consumer_wait``: how long to wait for a running consumer to apply past the snapshot
     before judging the sessions whose projection was missing or behind in it (0: judged by
-    what the slots confirm now; negative: not judged, only noted). ``on_wait(n)`` is told
-    when that wait starts, for ``n`` sessions."""
+    what the slots confirm now). A session no consumer can vouch for by then is a difference
+    of kind ``behind``: nothing tells a consumer behind from a projection lost. Negative: not
+    judged, only noted (for a ledger checked without its projections, e.g. the chain alone).
+    ``on_wait(n)`` is told when that wait starts, for ``n`` sessions."""
     ids = None if sessions is None else list(sessions)
     report = VerifyReport()
     version = reducer_version()
-    behind: dict[uuid.UUID, int] = {}
-    with connect(dsn) as conn:
-        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        conn.read_only = True
-        with conn.transaction():
-            # the first statement takes the snapshot: every transaction it sees committed
-            # before this WAL position
-            seen_at = conn.execute(
+    behind: dict[uuid.UUID, tuple[int, int | None]] = {}
+    with contextlib.ExitStack() as stack:
+        ledger = stack.enter_context(connect(dsn))
+        target = None
+        if target_dsn is not None:
+            target = _open_target(ledger, target_dsn)
+            if target is not None:
+                stack.enter_context(target)
+        store = _Store(ledger if target is None else target, by_reference=target is None)
+        for conn in {ledger, store.conn}:
+            conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            conn.read_only = True
+        with contextlib.ExitStack() as snapshots:
+            if target is not None:
+                # the projections' snapshot first: everything it holds was folded from events
+                # committed before the ledger's, which then cannot look behind them
+                snapshots.enter_context(target.transaction())
+                stored = _read_stored(target, ids)
+            snapshots.enter_context(ledger.transaction())
+            # the ledger's first statement takes its snapshot: every transaction it sees
+            # committed before this WAL position
+            seen_at = ledger.execute(
                 "SELECT CASE WHEN pg_is_in_recovery() THEN NULL ELSE pg_current_wal_lsn() END"
             ).fetchone()
-            where = "WHERE session_id = ANY(%s)" if ids is not None else ""
-            params: tuple[Any, ...] = (ids,) if ids is not None else ()
-            projected: dict[uuid.UUID, int] = {
-                sid: int(pos)
-                for sid, pos in conn.execute(
-                    f"SELECT session_id, last_position FROM agent_sessions {where}".encode(),  # noqa: S608
-                    params,
-                )
-            }
-            snapped: dict[uuid.UUID, list[int]] = {}
-            for sid, pos in conn.execute(
-                f"SELECT session_id, upto_position FROM agent_snapshots {where} "  # noqa: S608
-                "ORDER BY session_id, upto_position".encode(),
-                params,
-            ):
-                snapped.setdefault(sid, []).append(int(pos))
-            archived = archived_heads(conn)
+            if target is None:
+                stored = _read_stored(ledger, ids)
+            projected, snapped = stored.projected, stored.snapped
+            archived = archived_heads(ledger)
             seen: set[uuid.UUID] = set()
-            for sid, rows in _sessions(conn, ids):
+            for sid, rows in _sessions(ledger, ids):
                 seen.add(sid)
                 if on_session is not None:
                     on_session(sid)
                 _verify_session(
-                    conn,
+                    ledger,
+                    store,
                     report,
                     sid,
                     rows,
@@ -377,7 +531,8 @@ def verify(
             for sid in sorted((set(projected) | set(snapped)) - seen):
                 if sid in archived:  # its whole history left with an archive
                     _verify_archived(
-                        conn,
+                        ledger,
+                        store,
                         report,
                         sid,
                         archived[sid],
@@ -386,42 +541,16 @@ def verify(
                         fields_per_object,
                     )
                     continue
-                if sid in projected:
-                    report.differences.append(
-                        Difference(
-                            sid,
-                            "orphan",
-                            None,
-                            projected[sid],
-                            None,
-                            None,
-                            None,
-                            "projection of a session that has no events (and no archived history)",
-                        )
-                    )
-                if sid in snapped:
-                    report.differences.append(
-                        Difference(
-                            sid,
-                            "orphan",
-                            None,
-                            None,
-                            None,
-                            None,
-                            None,
-                            f"{len(snapped[sid])} snapshot(s) of a session that has no events "
-                            "(and no archived history)",
-                        )
-                    )
+                _orphan(report, sid, projected.get(sid), len(snapped.get(sid, [])))
             if ids is not None:
                 for sid in ids:
                     if sid not in seen and sid not in projected and sid not in snapped:
                         report.unknown.append(sid)
             if chain:
-                _chain(conn, report, ids, archived)
-                _witness(conn, report, ids)
+                _chain(ledger, report, ids, archived)
+                _witness(ledger, report, stored.witnessed, elsewhere=target is not None)
             if archive_dir is not None:
-                for problem in check_archive(conn, archive_dir):
+                for problem in check_archive(ledger, archive_dir):
                     report.differences.append(
                         Difference(
                             uuid.UUID(int=0), "archive", None, None, None, None, None, problem
@@ -429,93 +558,241 @@ def verify(
                     )
                 if archived:
                     report.notes.append(f"archives checked against their sha256 in {archive_dir}")
-        if behind and seen_at is not None and seen_at[0] is not None and consumer_wait >= 0:
-            _judge_behind(conn, report, behind, seen_at[0], consumer_wait, on_wait)
+        if behind and consumer_wait < 0:
+            report.notes.append(
+                f"{len(behind)} session(s) with a projection missing or behind the log not "
+                "judged (consumer_wait < 0: only noted)"
+            )
+        elif behind:
+            _judge_behind(
+                ledger,
+                store,
+                report,
+                behind,
+                None if seen_at is None else seen_at[0],
+                consumer_wait,
+                on_wait,
+            )
     return report
 
 
-# the slots that vouch for projections: not a relay's, nor one whose consumer is folding the
-# table into them (a bootstrap: its new slot starts past what the projections hold yet)
-_APPLIED = """
-SELECT c.publication, coalesce(s.confirmed_flush_lsn >= %s::pg_lsn, false), s.active
-FROM ledger_checkpoints c JOIN pg_replication_slots s ON s.slot_name = c.slot_name
-WHERE s.database = current_database() AND c.epoch <> %s
-  AND NOT EXISTS (SELECT FROM ledger_relays r WHERE r.slot_name = c.slot_name)
+def _orphan(report: VerifyReport, sid: uuid.UUID, projected: int | None, snapshots: int) -> None:
+    """Stored objects of a session the ledger has no event of (nor archived history)."""
+    if projected is not None:
+        report.differences.append(
+            Difference(
+                sid,
+                "orphan",
+                None,
+                projected,
+                "last_position",
+                0,
+                projected,
+                f"projection at position {projected} of a session that has no events (and no "
+                "archived history): ahead of the ledger (a failover or a restore lost what it "
+                "folded, or an edit)",
+            )
+        )
+    if snapshots:
+        report.differences.append(
+            Difference(
+                sid,
+                "orphan",
+                None,
+                None,
+                None,
+                None,
+                None,
+                f"{snapshots} snapshot(s) of a session that has no events (and no archived "
+                "history): ahead of the ledger",
+            )
+        )
+
+
+# The consumers' checkpoints, in the projections' database; a relay's slot (consume
+# --publish-only) confirms what it published, and a bootstrapping consumer's slot starts past
+# what the projections hold yet: neither vouches for them
+_CHECKPOINTS = b"""
+SELECT c.slot_name, c.publication, c.epoch = %s,
+       EXISTS (SELECT FROM ledger_relays r WHERE r.slot_name = c.slot_name)
+FROM ledger_checkpoints c ORDER BY c.slot_name
+"""
+# The ledger server's logical slots of the ledger's database
+_SLOTS = b"""
+SELECT slot_name, coalesce(confirmed_flush_lsn >= %s::pg_lsn, false), active
+FROM pg_replication_slots WHERE database = current_database() AND slot_type = 'logical'
 """
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """A consumer's checkpoint joined with its slot on the ledger's server."""
+
+    name: str
+    publication: str | None
+    bootstrapping: bool
+    relay: bool
+    exists: bool
+    passed: bool  # confirmed past the snapshot's WAL position
+    active: bool
+
+    @property
+    def vouches(self) -> bool:
+        return self.exists and not self.bootstrapping and not self.relay
+
+    def state(self, wait: float) -> str:
+        if self.relay:
+            return f"slot {self.name} is a relay's (--publish-only): it vouches for no projection"
+        if self.bootstrapping:
+            return f"slot {self.name} is bootstrapping (folding the ledger table)"
+        if not self.exists:
+            return f"slot {self.name} of the checkpoint is not on the ledger's server"
+        if self.passed:
+            return f"slot {self.name} passed the snapshot, but its publication does not carry it"
+        if self.active:
+            return f"the consumer of slot {self.name} had not applied past it within {wait:g}s"
+        return f"no consumer was streaming slot {self.name}"
+
+
+def _slots(
+    ledger: psycopg.Connection[Any], store: _Store, seen_at: str
+) -> tuple[list[_Slot], list[str]]:
+    """The checkpoints with their slots, joined here (the checkpoints may be in another
+    database than the slots), and the ledger's slots without a checkpoint in the store."""
+    with store.conn.transaction():
+        checkpoints = store.conn.execute(_CHECKPOINTS, (BOOTSTRAPPING,)).fetchall()
+    with ledger.transaction():
+        on_server = {
+            str(name): (bool(passed), bool(active))
+            for name, passed, active in ledger.execute(_SLOTS, (seen_at,))
+        }
+    joined = []
+    for name, publication, bootstrapping, relay in checkpoints:
+        passed, active = on_server.get(str(name), (False, False))
+        joined.append(
+            _Slot(
+                str(name),
+                publication,
+                bool(bootstrapping),
+                bool(relay),
+                str(name) in on_server,
+                passed,
+                active,
+            )
+        )
+    unknown = sorted(set(on_server) - {str(c[0]) for c in checkpoints})
+    return joined, unknown
+
+
 def _judge_behind(
-    conn: psycopg.Connection[Any],
+    ledger: psycopg.Connection[Any],
+    store: _Store,
     report: VerifyReport,
-    behind: dict[uuid.UUID, int],
-    seen_at: str,
+    behind: dict[uuid.UUID, tuple[int, int | None]],
+    seen_at: str | None,
     wait: float,
     on_wait: Callable[[int], None] | None = None,
 ) -> None:
     """Sessions whose projection was missing or behind their log in the snapshot: a consumer
     merely lagging, or a projection deleted or put back by hand? Once a consumer's slot is
     confirmed past the snapshot's WAL position (a consumer confirms only what its committed
-    projections cover; a relay's slot, which confirms what it published, does not count), every
-    session its publication carries must have its projection at least at the head the snapshot
-    saw; one that has not was deleted or rolled back. Sessions no consumer can vouch for (none
-    running, or not past it within ``wait`` s) stay notes."""
-    deadline = time.monotonic() + wait
-    try:
-        while True:
-            with conn.transaction():
-                slots = conn.execute(_APPLIED, (seen_at, BOOTSTRAPPING)).fetchall()
-            waiting = [r for r in slots if not r[1] and r[2]]
-            if not waiting or time.monotonic() >= deadline:
-                break
-            if on_wait is not None:
-                on_wait(len(behind))
-                on_wait = None
-            time.sleep(0.1)
-        judged: set[uuid.UUID] = set()
-        with conn.transaction():
-            for publication, passed, _ in slots:
-                if passed:
-                    judged.update(
-                        sid
-                        for (sid,) in conn.execute(
-                            sql.SQL(
-                                "SELECT DISTINCT session_id FROM agent_events "
-                                "WHERE session_id = ANY(%s) {}"
-                            ).format(publication_filter(conn, publication)),
-                            (list(behind),),
-                        )
-                    )
-            now = dict(
-                conn.execute(
-                    "SELECT session_id, last_position FROM agent_sessions "
-                    "WHERE session_id = ANY(%s)",
-                    (list(judged),),
-                ).fetchall()
-            )
-    except psycopg.errors.InsufficientPrivilege as e:
-        report.notes.append(f"projections missing or behind the log not judged: {e}")
-        return
-    if len(judged) < len(behind):
-        report.notes.append(
-            f"{len(behind) - len(judged)} session(s) with a projection missing or behind the log "
-            f"not judged: no running consumer had applied past the snapshot within {wait:g}s"
+    projections cover), every session its publication carries must have its projection at
+    least at the head the snapshot saw; one that has not was deleted or rolled back. The wait
+    lasts while a consumer's slot is not past the snapshot, streamed or not (its consumer may be
+    restarting). A session no consumer vouches for by then is a difference of kind ``behind``:
+    a consumer dead or stalled is no pass."""
+    why: str | None = None
+    judged: set[uuid.UUID] = set()
+    now: dict[uuid.UUID, int] = {}
+    slots: list[_Slot] = []
+    unknown: list[str] = []
+    if seen_at is None:
+        why = (
+            "the ledger's server is in recovery (a standby): its snapshot has no WAL position "
+            "to hold the consumers' slots against; verify the primary"
         )
-    for sid in sorted(judged):
-        head, at = behind[sid], now.get(sid)
-        if at is not None and int(at) >= head:
+    else:
+        deadline = time.monotonic() + wait
+        try:
+            while True:
+                slots, unknown = _slots(ledger, store, seen_at)
+                # (a slot no consumer streams now may be one restarting or reconnecting)
+                waiting = [s for s in slots if s.vouches and not s.passed]
+                if not waiting or time.monotonic() >= deadline:
+                    break
+                if on_wait is not None:
+                    on_wait(len(behind))
+                    on_wait = None
+                time.sleep(0.1)
+            with ledger.transaction():
+                for s in slots:
+                    if s.vouches and s.passed:
+                        judged.update(
+                            sid
+                            for (sid,) in ledger.execute(
+                                sql.SQL(
+                                    "SELECT DISTINCT session_id FROM agent_events "
+                                    "WHERE session_id = ANY(%s) {}"
+                                ).format(publication_filter(ledger, s.publication)),
+                                (list(behind),),
+                            )
+                        )
+            with store.conn.transaction():
+                now = {
+                    sid: int(pos)
+                    for sid, pos in store.conn.execute(
+                        "SELECT session_id, last_position FROM agent_sessions "
+                        "WHERE session_id = ANY(%s)",
+                        (list(judged),),
+                    )
+                }
+        except psycopg.errors.InsufficientPrivilege as e:
+            why = f"the slots or checkpoints cannot be read: {str(e).strip()}"
+            judged = set()
+    if why is None:
+        states = [s.state(wait) for s in slots]
+        if not slots:
+            states.append("no consumer's checkpoint in the projections' database")
+        if unknown and store.by_reference:
+            # a consumer of this ledger keeps its checkpoint (and projections) elsewhere
+            states.append(
+                f"slot(s) {', '.join(unknown)} of this ledger have no checkpoint in its "
+                "database: if a consumer keeps its projections in another one, give --target-dsn"
+            )
+        why = "; ".join(states)
+    for sid in sorted(behind):
+        (head, was), at = behind[sid], now.get(sid)
+        if sid in judged:
+            if at is not None and at >= head:
+                continue
+            report.differences.append(
+                Difference(
+                    sid,
+                    "projection",
+                    None,
+                    at,
+                    "last_position",
+                    head,
+                    at,
+                    f"the consumer applied past this session's events (to position {head}) but "
+                    + ("its projection is missing" if at is None else f"its projection is at {at}")
+                    + ": deleted or put back by hand",
+                )
+            )
             continue
         report.differences.append(
             Difference(
                 sid,
-                "projection",
+                "behind",
                 None,
-                None if at is None else int(at),
+                was,
                 "last_position",
                 head,
-                None if at is None else int(at),
-                f"the consumer applied past this session's events (to position {head}) but "
-                + ("its projection is missing" if at is None else f"its projection is at {at}")
-                + ": deleted or put back by hand",
+                was,
+                ("no projection" if was is None else f"projection at position {was}")
+                + f", the ledger's head at {head}: no consumer made progress past the snapshot "
+                f"within {wait:g}s ({why}); a consumer behind cannot be told from a projection "
+                "lost",
             )
         )
 
@@ -545,7 +822,8 @@ def _sessions(
 
 
 def _verify_session(
-    conn: psycopg.Connection[Any],
+    ledger: psycopg.Connection[Any],
+    store: _Store,
     report: VerifyReport,
     sid: uuid.UUID,
     rows: list[tuple[Any, ...]],
@@ -554,7 +832,7 @@ def _verify_session(
     version: str,
     limit: int,
     archived: tuple[int, bytes, str] | None = None,
-    behind: dict[uuid.UUID, int] | None = None,
+    behind: dict[uuid.UUID, tuple[int, int | None]] | None = None,
 ) -> None:
     report.sessions += 1
     report.events += len(rows)
@@ -567,7 +845,7 @@ def _verify_session(
     if archived is not None:
         # history up to `upto` left with an archive (checked against its manifest and by the
         # chain link): the refold starts from the first trusted snapshot at or after it
-        base = _archive_base(conn, sid, archived[0], version)
+        base = _archive_base(ledger, sid, archived[0], version)
         if base is None:
             report.differences.append(
                 Difference(
@@ -598,7 +876,7 @@ def _verify_session(
             quarantined += 1
         pos = row[2]  # (None, or not an integer, in a ledger altered by hand: never due)
         if pos in due:
-            _check_at(conn, report, ctx, pos, projection_at, version, limit)
+            _check_at(store, report, ctx, pos, projection_at, version, limit)
     for pos in sorted(p for p in due if p > head):
         what = "projection" if pos == projection_at else "snapshot"
         report.differences.append(
@@ -610,7 +888,8 @@ def _verify_session(
                 "last_position",
                 head,
                 pos,
-                f"stored {what} is at position {pos} but the log ends at {head}",
+                f"stored {what} is at position {pos} but the log ends at {head}: ahead of "
+                "the ledger (a failover or a restore lost what it folded, or an edit)",
             )
         )
     if quarantined:
@@ -626,11 +905,12 @@ def _verify_session(
             f"session {sid}: projection at position {projection_at} of {head} (consumer behind?)"
         )
     if behind is not None and (projection_at is None or projection_at < head):
-        behind[sid] = head
+        behind[sid] = (head, projection_at)
 
 
 def _verify_archived(
-    conn: psycopg.Connection[Any],
+    ledger: psycopg.Connection[Any],
+    store: _Store,
     report: VerifyReport,
     sid: uuid.UUID,
     archived: tuple[int, bytes, str],
@@ -641,7 +921,7 @@ def _verify_archived(
     """A session whose every event was archived: its archive snapshot must be usable (its
     bytes match their hash), and its projection, if at the same point, must equal it."""
     report.sessions += 1
-    base = _archive_base(conn, sid, archived[0], version)
+    base = _archive_base(ledger, sid, archived[0], version)
     if base is None:
         report.differences.append(
             Difference(
@@ -662,7 +942,7 @@ def _verify_archived(
         f"snapshot at position {base.last_position}"
     )
     if projection_at == base.last_position:
-        _check_projection(conn, report, base, base.last_position, limit)
+        _check_projection(store, report, base, base.last_position, limit)
     elif projection_at is not None:
         report.notes.append(
             f"session {sid}: projection at position {projection_at}, archive snapshot at "
@@ -673,7 +953,10 @@ def _verify_archived(
 def _archive_base(
     conn: psycopg.Connection[Any], sid: uuid.UUID, upto: int, version: str
 ) -> SessionContext | None:
-    """The first snapshot at or after the archived bound that rebuild_context would trust."""
+    """The first snapshot at or after the archived bound that rebuild_context would trust: in
+    the ledger's own database (``conn``), where the archive cuts its snapshots, their memo rows
+    with them (consumer.resync bootstraps from it too)."""
+    store = _Store(conn, by_reference=True)
     for row in conn.execute(
         "SELECT upto_seq, upto_position, content_hash, data, true FROM agent_snapshots "
         "WHERE session_id = %s AND upto_position >= %s AND format_version = ANY(%s) "
@@ -684,15 +967,15 @@ def _archive_base(
         ctx = snapshot_context(sid, row)
         if ctx is not None:
             try:
-                _attach(conn, ctx)
+                store.attach(ctx)
             except WindowMissingError:
                 continue
-            return load_memo(conn, ctx)  # the refold goes on with the whole memo
+            return store.memo(ctx)  # the refold goes on with the whole memo
     return None
 
 
 def _check_at(
-    conn: psycopg.Connection[Any],
+    store: _Store,
     report: VerifyReport,
     ctx: SessionContext,
     pos: int,
@@ -702,9 +985,9 @@ def _check_at(
 ) -> None:
     sid = ctx.session_id
     if pos == projection_at:
-        _check_projection(conn, report, ctx, pos, limit)
-        _check_memo(conn, report, ctx, pos, limit)
-    for seq, fmt, rv, digest, data, hashed in conn.execute(
+        _check_projection(store, report, ctx, pos, limit)
+        _check_memo(store, report, ctx, pos, limit)
+    for seq, fmt, rv, digest, data, hashed in store.conn.execute(
         "SELECT upto_seq, format_version, reducer_version, content_hash, "
         "coalesce(data, convert_to(context::text, 'UTF8')), data IS NOT NULL "
         "FROM agent_snapshots WHERE session_id = %s AND upto_position = %s",
@@ -743,7 +1026,7 @@ def _check_at(
             continue
         canonical = encode_context(stored)  # before its window is attached: what is stored
         found = len(report.differences)
-        _compare_stored(conn, report, "snapshot", ctx, stored, int(seq), pos, limit)
+        _compare_stored(store, report, "snapshot", ctx, stored, int(seq), pos, limit)
         if hashed and canonical != raw and len(report.differences) == found:
             report.differences.append(
                 Difference(
@@ -760,7 +1043,7 @@ def _check_at(
 
 
 def _check_memo(
-    conn: psycopg.Connection[Any],
+    store: _Store,
     report: VerifyReport,
     ctx: SessionContext,
     pos: int,
@@ -769,9 +1052,15 @@ def _check_memo(
     """agent_memo (the latest row of each call at or below the refold's position) against the calls
     the refold completed: a missing row would make a rebuilt worker call again."""
     sid = ctx.session_id
-    stored = load_memo(
-        conn, msgspec.structs.replace(SessionContext(sid), memo_position=ctx.last_position)
-    )
+    try:
+        stored = store.memo(
+            msgspec.structs.replace(SessionContext(sid), memo_position=ctx.last_position)
+        )
+    except (WindowMissingError, msgspec.DecodeError) as err:
+        unreadable = not isinstance(err, WindowMissingError)
+        detail = f"agent_memo is unreadable: {err}" if unreadable else str(err)
+        report.differences.append(Difference(sid, "memo", None, pos, None, None, None, detail))
+        return
     pairs: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         ("completed_tools", dict(ctx.completed_tools), dict(stored.completed_tools)),
         ("completed_models", dict(ctx.completed_models), dict(stored.completed_models)),

@@ -467,7 +467,8 @@ def test_fork_copies_the_prefix_and_diff_starts_at_the_fork_point(db: Database) 
             "SELECT count(*) FROM agent_outbox WHERE session_id = %s", (res.session_id,)
         ).fetchone()  # type: ignore[misc]
         assert n == 0
-    report = verify(db.dsn, [res.session_id])
+    # no consumer here: the chain alone, the fork's missing projection only noted
+    report = verify(db.dsn, [res.session_id], consumer_wait=-1)
     assert report.ok and report.chained_events == 6
     out = _cli(db, "diff", str(sid), str(res.session_id), "--json")
     assert out.returncode == 1
