@@ -648,4 +648,37 @@ class PoolExhaustedError(DatabaseUnavailable):
     "too many clients"). Names the pool's size and its wait."""
 
 
-__all__ += ["PoolExhaustedError"]
+# -- spilling to disk ----------------------------------------------------------------------------
+
+
+class SpillError(ConfigError):
+    """The directory the consumer spills to (what passes its memory limit: transactions buffered
+    to disk, a large transaction sorted by session) cannot take the file: full, missing, not a
+    directory, not writable. Names the path and what to do; nothing was confirmed past the
+    last committed batch, so the consumer started again goes on from there."""
+
+    def __init__(self, path: str | None, cause: OSError, doing: str) -> None:
+        import errno
+        import tempfile
+
+        self.path = path
+        where = path if path is not None else f"{tempfile.gettempdir()} (the default: TMPDIR)"
+        fix = {
+            errno.ENOSPC: "free space there, or give the consumer a spill directory on a disk "
+            "with room for the largest transaction (--spill-dir, LEDGER_CDC_SPILL_DIR), or "
+            "raise --memory-limit-mb",
+            errno.EDQUOT: "raise the user's disk quota there, or give the consumer another "
+            "spill directory (--spill-dir, LEDGER_CDC_SPILL_DIR)",
+            errno.ENOENT: "create it, or give the consumer a spill directory that exists "
+            "(--spill-dir, LEDGER_CDC_SPILL_DIR)",
+            errno.ENOTDIR: "it is not a directory: give the consumer a directory "
+            "(--spill-dir, LEDGER_CDC_SPILL_DIR)",
+        }.get(
+            cause.errno or 0,
+            "let the consumer's user write there, or give it a writable spill directory "
+            "(--spill-dir, LEDGER_CDC_SPILL_DIR)",
+        )
+        super().__init__(f"spill directory {where}: {cause.strerror or cause} ({doing}): {fix}")
+
+
+__all__ += ["PoolExhaustedError", "SpillError"]

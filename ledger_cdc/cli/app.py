@@ -387,6 +387,16 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     "RSS stays under the idle size + this + 32 MB.",
 )
 @option(
+    "--spill-dir",
+    default=None,
+    type=click.Path(path_type=str),
+    envvar=_env("SPILL_DIR"),
+    help="Directory for what passes --memory-limit-mb: transactions buffered to disk, a large "
+    "transaction sorted by session (default: the system's temporary directory, TMPDIR). Give "
+    "it room for the largest transaction; one that cannot take a file (full, missing, not "
+    "writable) stops the consumer with exit 4 naming it.",
+)
+@option(
     "--on-slot-lost",
     type=click.Choice(["resync", "exit"]),
     default="resync",
@@ -476,6 +486,7 @@ def consume(
     metrics_port: int | None,
     metrics_host: str,
     memory_limit_mb: int,
+    spill_dir: str | None,
     on_slot_lost: str,
     health_interval: float,
     log_format: str,
@@ -546,6 +557,7 @@ def consume(
             snapshot_every=snapshot_every,
             heartbeat_interval=heartbeat_interval or None,
             memory_limit=memory_limit_mb * 1024 * 1024,
+            spill_dir=spill_dir,
             on_slot_lost=on_slot_lost,
             health_interval=health_interval,
             progress=bootstrap_progress(state.console, log_format),

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ledger_cdc.admin.health import Thresholds
-from ledger_cdc.errors import DAY, check_ranges
+from ledger_cdc.errors import DAY, SpillError, check_ranges
 from ledger_cdc.fold import Reducers
 from ledger_cdc.names import DEFAULT_PUBLICATION, DEFAULT_SLOT, RUNS_CHANNEL
 
-__all__ = ["RANGES", "ConsumerConfig"]
+__all__ = ["RANGES", "ConsumerConfig", "check_spill_dir"]
 
 # setting → (least, most): what Consumer takes (ConsumerConfig.check; FoldConfig.check takes
 # the same for the settings it shares); NaN is in no range
@@ -52,6 +53,8 @@ class ConsumerConfig:
     # bytes for what grows with the data: buffered transactions (35 %), the session cache
     # (15 %), the batch in hand (15 %) and what sealing a batch adds for a moment
     memory_limit: int = 512 * 1024 * 1024
+    # where what passes memory_limit goes (buffered transactions, a large transaction sorted by
+    # session); None: the system's temporary directory (TMPDIR)
     spill_dir: str | None = None
     reconnect_base: float = 0.1
     reconnect_cap: float = 5.0
@@ -80,9 +83,26 @@ class ConsumerConfig:
 
     def check(self) -> None:
         """Raise ConfigError for a value out of range (a NaN, a wait too long for the
-        platform's clock, a batch of no events): ``Consumer`` checks its config before it
-        starts anything, so a bad value is said at once instead of killing a thread later."""
+        platform's clock, a batch of no events), or a spill directory that cannot take a file
+        (SpillError): ``Consumer`` checks its config before it starts anything, so a bad value
+        is said at once instead of killing a thread later."""
         ranges = dict(RANGES)
         if self.heartbeat_interval is not None:  # (None, or 0: no heartbeat)
             ranges["heartbeat_interval"] = (0.1, DAY)
         check_ranges("consumer settings", self, ranges, (*_OFF, "heartbeat_interval"))
+        if self.spill_dir is not None:
+            check_spill_dir(self.spill_dir)
+
+
+_PROBE = b"\0" * 65536
+
+
+def check_spill_dir(path: str) -> None:
+    """SpillError if ``path`` cannot take a spill file: a temporary file is made there and
+    64 kB written to it (root writes past any permission bits: only trying tells)."""
+    try:
+        with tempfile.TemporaryFile(prefix="ledger-cdc-probe-", dir=path) as f:
+            f.write(_PROBE)
+            f.flush()
+    except OSError as e:
+        raise SpillError(path, e, "checked at start") from e

@@ -15,6 +15,7 @@ big`): the sink writes each part inside one database transaction that ends with 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import pickle
@@ -27,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from ledger_cdc.errors import SpillError
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.fold import (
     REFERENCE_MIN,
@@ -285,9 +287,12 @@ def by_session(
     held: list[list[tuple[Item, int]]] = [[] for _ in range(_BUCKETS)]
 
     def spill(k: int) -> None:
-        if files[k] is None:
-            files[k] = tempfile.TemporaryFile(prefix="ledger-cdc-group-", dir=directory)  # noqa: SIM115
-        pickle.dump(held[k], files[k], protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            if files[k] is None:
+                files[k] = tempfile.TemporaryFile(prefix="ledger-cdc-group-", dir=directory)  # noqa: SIM115
+            pickle.dump(held[k], files[k], protocol=pickle.HIGHEST_PROTOCOL)
+        except OSError as e:  # (full, gone, not writable: said with its path, not a bug)
+            raise SpillError(directory, e, "sorting a large transaction by session") from e
         held[k] = []
 
     try:
@@ -300,7 +305,10 @@ def by_session(
         for k in range(_BUCKETS):
             f = files[k]
             if f is not None:
-                f.seek(0)
+                try:
+                    f.seek(0)  # (writes what is still buffered: the disk may be full now)
+                except OSError as e:
+                    raise SpillError(directory, e, "sorting a large transaction by session") from e
                 while True:
                     try:
                         chunk: list[tuple[Item, int]] = pickle.load(f)
@@ -312,7 +320,8 @@ def by_session(
     finally:
         for f in files:
             if f is not None:
-                f.close()
+                with contextlib.suppress(OSError):  # (a full disk refuses its last write)
+                    f.close()
 
 
 Loader = Callable[[list[uuid.UUID]], dict[uuid.UUID, tuple[SessionContext, int]]]
