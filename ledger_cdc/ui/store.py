@@ -157,7 +157,12 @@ class Store:
             head = int(head_row[0]) if head_row and head_row[0] is not None else 0
             if last:
                 after = max(head - PAGE, 0)
-            rows = conn.execute(_EVENTS, (sid, after or 0, head, PAGE)).fetchall()
+            start = after or 0
+            # positions are dense: the window is the page (found by index whatever the
+            # planner's statistics say); a hole (history archived) falls back to LIMIT
+            rows = conn.execute(_EVENTS, (sid, start, min(head, start + PAGE), PAGE)).fetchall()
+            if not rows and start < head:
+                rows = conn.execute(_EVENTS, (sid, start, head, PAGE)).fetchall()
             session = None
             pending: dict[str, Any] = {}
             if one is not None:
