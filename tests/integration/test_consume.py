@@ -575,7 +575,8 @@ def test_verify_tells_a_deleted_or_put_back_projection_from_a_lagging_one(
     """A projection deleted, or put back to an older (self-consistent) state, looks like a
     consumer behind. With a consumer running, verify waits until it has applied past its
     snapshot: a projection still missing or behind then is a difference. With none running and
-    events it has not applied, it stays a note (nothing can tell)."""
+    events it has not applied, nothing can tell which: each is a difference of kind "behind"
+    (not judged is no pass)."""
     a, b, c = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
     with db.connect() as conn:
         create_slot(conn, "agent_slot")
@@ -610,15 +611,19 @@ def test_verify_tells_a_deleted_or_put_back_projection_from_a_lagging_one(
         assert found[str(b)]["expected"] == 2 and found[str(b)]["actual"] == 1
     with Ledger(db.dsn) as ledger:  # an event no consumer has applied: nothing can tell now
         ledger.append(c, "x", "tool.observed", {"call_id": "c1", "result": 1})
-    r = run_cli("verify", "--all", "--json", "--dsn", db.dsn)
-    assert_clean_exit(r)
-    assert "3 session(s) with a projection missing or behind the log not judged" in r.stdout
+    r = run_cli("verify", "--all", "--json", "--dsn", db.dsn, "--consumer-wait", "0")
+    assert_clean_exit(r, 1)
+    found = {d["session_id"]: d for d in json.loads(r.stdout)["differences"]}
+    assert set(found) == {str(a), str(b), str(c)}, r.stdout
+    assert {d["kind"] for d in found.values()} == {"behind"}
+    assert "no consumer was streaming slot agent_slot" in found[str(c)]["detail"]
 
 
 def test_verify_does_not_take_a_relays_slot_for_the_projections(db: Database) -> None:
     """A relay (consume --publish-only) confirms what it published: its slot past verify's
-    snapshot says nothing of projections (written by fold workers, maybe elsewhere). Sessions
-    without one stay notes, not differences."""
+    snapshot says nothing of projections (written by fold workers, maybe elsewhere). A session
+    without one is not judged by it: a difference of kind "behind" naming the relay, not one of
+    a projection deleted by hand."""
     sid = uuid.uuid4()
     with InThread(db.dsn, fold=False), Ledger(db.dsn) as ledger:
         ledger.append(sid, "x", "tool.invoked", {"call_id": "c1", "tool": "t"})
@@ -637,8 +642,10 @@ def test_verify_does_not_take_a_relays_slot_for_the_projections(db: Database) ->
                 ("agent_slot",)
             ]
         r = run_cli("verify", "--all", "--json", "--dsn", db.dsn, "--consumer-wait", "0")
-    assert_clean_exit(r)
-    assert "1 session(s) with a projection missing or behind the log not judged" in r.stdout
+    assert_clean_exit(r, 1)
+    (found,) = json.loads(r.stdout)["differences"]
+    assert found["session_id"] == str(sid) and found["kind"] == "behind", found
+    assert "relay's" in found["detail"]
 
 
 def test_verify_does_not_take_a_bootstrapping_slot_for_the_projections(db: Database) -> None:
@@ -655,23 +662,23 @@ def test_verify_does_not_take_a_bootstrapping_slot_for_the_projections(db: Datab
             "VALUES ('agent_slot', pg_current_wal_lsn(), -1)"
         )
 
-        def verify_exit() -> int:
+        def verify_kinds() -> set[str]:
             # the slot past all WAL so far, as a consumer's confirmation would put it
             conn.execute("SELECT pg_replication_slot_advance('agent_slot', pg_current_wal_lsn())")
             r = run_cli("verify", "--all", "--json", "--dsn", db.dsn, "--consumer-wait", "0")
-            assert_clean_exit(r, 0, 1)
-            return r.exit_code
+            assert_clean_exit(r, 1)
+            return {d["kind"] for d in json.loads(r.stdout)["differences"]}
 
-        assert verify_exit() == 0
+        assert verify_kinds() == {"behind"}  # not judged: no pass, no projection lost either
         conn.execute("UPDATE ledger_checkpoints SET epoch = 0")
         # judged now (retried: WAL the server writes on its own may land before the snapshot)
-        until(lambda: verify_exit() == 1, timeout=30)
+        until(lambda: verify_kinds() == {"projection"}, timeout=30)
 
 
 def test_verify_waits_for_a_running_consumer_then_says_it_could_not_tell(db: Database) -> None:
     """A slot held by a consumer that never gets past verify's snapshot (here a replication
     connection that confirms nothing): verify says it is waiting, waits --consumer-wait, then
-    leaves the sessions as notes."""
+    names the sessions it could not judge as behind."""
     import psycopg2
     import psycopg2.extras
 
@@ -707,7 +714,9 @@ def test_verify_waits_for_a_running_consumer_then_says_it_could_not_tell(db: Dat
     finally:
         held.close()
     assert told == [1] and waited >= 1.0
-    assert report.ok and any("not judged" in n for n in report.notes), report.notes
+    (found,) = report.differences
+    assert (found.session_id, found.kind) == (sid, "behind"), found
+    assert "had not applied past it within 1s" in found.detail
 
 
 def test_the_consumer_vacuums_the_projections_it_rewrites(db: Database, tmp_path: Path) -> None:
