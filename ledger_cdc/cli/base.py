@@ -51,8 +51,8 @@ EXIT_CODES = {
     2: "usage error (bad option or argument)",
     3: "the slot is missing, invalidated or not this database's pgoutput slot (a command "
     "that uses one)",
-    4: "configuration or connection error (DSN, credentials, privileges, schema; the server "
-    "unreachable)",
+    4: "configuration or connection error (a bad DSN or name, credentials, privileges, "
+    "schema; the server unreachable)",
     5: "any other error",
 }
 """What every command's exit codes mean, unless its help says otherwise."""

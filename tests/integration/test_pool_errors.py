@@ -119,6 +119,10 @@ def test_a_server_out_of_connections_is_named(full_server: EmbeddedPostgres) -> 
         text = str(caught.value)
         assert "pool_size=2" in text and "within 1.5 s" in text, text
         assert "too many clients" in text and "max_connections" in text, text
+        # a new writer meanwhile: refused at once, a LedgerError in the server's words
+        with pytest.raises(LedgerError) as refused:
+            Ledger(dsn)
+        assert "too many clients" in str(refused.value), refused.value
         # the slots free again, the pool serves
         for c in others:
             c.close()
