@@ -32,6 +32,13 @@ from ledger_cdc.cli.base import (
 from ledger_cdc.errors import DAY, LedgerError
 
 # options that consume and fold share
+failover_option = option(
+    "--failover",
+    is_flag=True,
+    envvar=_env("FAILOVER"),
+    help="Make a slot this creates a failover slot (PostgreSQL 17+): a standby with "
+    "sync_replication_slots keeps it in step, so it survives the standby's promotion.",
+)
 target_dsn_option = option(
     "--target-dsn",
     default=None,
@@ -80,6 +87,7 @@ def stop_timeout_option(holds: str, then: str) -> Callable[[F], F]:
     help="Logical replication slot to create with --create-slot.",
 )
 @option("--create-slot", is_flag=True, help="Also create the pgoutput slot.")
+@failover_option
 @option(
     "--partition-by",
     type=click.Choice(["month", "week", "day"]),
@@ -103,6 +111,7 @@ def init(
     publication: str,
     slot: str,
     create_slot: bool,
+    failover: bool,
     partition_by: str | None,
     partitions_ahead: int,
     shards: int | None,
@@ -135,6 +144,7 @@ def init(
         partition_by=partition_by,
         partitions_ahead=partitions_ahead,
         shards=shards,
+        failover=failover,
     )
     applied = ", ".join(f"{v:04d}" for v in res.applied) or "none (already up to date)"
     state.console.print(f"schema versions applied: {applied}; functions and grants applied")
@@ -335,6 +345,7 @@ def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: boo
     envvar=_env("CREATE_SLOT"),
     help="Create the slot if it does not exist.",
 )
+@failover_option
 @option(
     "--batch-size",
     default=20000,
@@ -479,6 +490,7 @@ def consume(
     publication: str,
     target_dsn: str | None,
     create_slot: bool,
+    failover: bool,
     batch_size: int,
     max_delay_ms: int,
     snapshot_every: int,
@@ -552,6 +564,7 @@ def consume(
             publication=publication,
             target_dsn=target_dsn,
             create_slot=create_slot,
+            failover=failover,
             batch_size=batch_size,
             max_delay=max_delay_ms / 1000,
             snapshot_every=snapshot_every,
@@ -938,16 +951,39 @@ def slot() -> None:
 @dsn_option
 @click.argument("name", default="agent_slot")
 @option("--two-phase", is_flag=True, help="Decode prepared transactions at PREPARE (protocol 3).")
+@failover_option
 @click.pass_obj
 @handles_errors
-def slot_create(state: State, dsn: str, name: str, two_phase: bool) -> None:
+def slot_create(state: State, dsn: str, name: str, two_phase: bool, failover: bool) -> None:
     """Create a pgoutput slot NAME (default agent_slot); refuses a slot of another kind."""
     from ledger_cdc.admin.schema import create_slot
     from ledger_cdc.connect import connect
 
     with connect(dsn, autocommit=True) as conn:
-        made = create_slot(conn, name, two_phase=two_phase)
+        made = create_slot(conn, name, two_phase=two_phase, failover=failover)
     state.console.print(f"slot {name}: {'created' if made else 'exists (pgoutput)'}")
+
+
+@slot.command("failover")
+@dsn_option
+@click.argument("name", default="agent_slot")
+@option("--off", is_flag=True, help="Turn the failover property off instead.")
+@click.pass_obj
+@handles_errors
+def slot_failover(state: State, dsn: str, name: str, off: bool) -> None:
+    """Make the existing slot NAME (default agent_slot) a failover slot (PostgreSQL 17+), or
+    with --off an ordinary one. The slot must not be in use: stop its consumer first.
+
+    A failover slot survives a standby's promotion only when the standby has
+    sync_replication_slots = on, hot_standby_feedback = on, primary_slot_name and a dbname in
+    primary_conninfo, and the primary lists the standby's physical slot in
+    synchronized_standby_slots (`ledger-cdc doctor` checks them; `lag` shows whether the slot
+    is ready)."""
+    from ledger_cdc.admin.schema import set_failover
+
+    changed = set_failover(dsn, name, on=not off)
+    what = "an ordinary slot" if off else "a failover slot"
+    state.console.print(f"slot {name}: {'now' if changed else 'already'} {what}")
 
 
 @slot.command("drop")

@@ -119,3 +119,29 @@ def test_a_stall_by_synchronized_standby_slots_is_named_with_its_fix(
         )
         ready, stall = failover_state(conn, "agent_slot")  # named, but no standby connected
         assert not ready and stall is not None and "not connected" in stall
+
+
+def test_the_command_line_makes_and_turns_failover_slots(empty_db: Database) -> None:
+    from tests.support.cdc import assert_clean_exit, run_cli
+
+    name = _slot_name(empty_db, "cli")
+    r = run_cli("init", "--dsn", empty_db.dsn, "--create-slot", "--slot", name, "--failover")
+    if empty_db.server.major < 17:
+        assert_clean_exit(r, 4)
+        assert "PostgreSQL 17 or later" in r.output
+        return
+    assert_clean_exit(r)
+    try:
+        with empty_db.connect() as conn:
+            assert _failover(conn, name)
+        r = run_cli("slot", "failover", name, "--off", "--dsn", empty_db.dsn)
+        assert_clean_exit(r)
+        assert "now an ordinary slot" in r.output
+        r = run_cli("slot", "failover", name, "--dsn", empty_db.dsn)
+        assert_clean_exit(r)
+        assert "now a failover slot" in r.output
+        with empty_db.connect() as conn:
+            assert _failover(conn, name)
+    finally:
+        with empty_db.connect() as conn:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (name,))
