@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO, Generic, TypeVar
 
-from ledger_cdc.errors import DecodeError, format_lsn
+from ledger_cdc.errors import DecodeError, SpillError, format_lsn
 from ledger_cdc.pgoutput.messages import (
     Begin,
     BeginPrepare,
@@ -124,17 +124,23 @@ class _Buffer(Generic[T]):
     def spill_out(self, directory: str | None) -> int:
         """Move the in-memory items to the spill file; returns the bytes freed."""
         self._dir = directory
-        if self.spill is None:
-            # closed in close() / all_items(): it lives as long as its transaction
-            self.spill = tempfile.TemporaryFile(prefix="ledger-cdc-spill-", dir=directory)  # noqa: SIM115
-        self.spill.seek(0, 2)
-        pickle.dump(self.items, self.spill, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            if self.spill is None:
+                # closed in close() / all_items(): it lives as long as its transaction
+                self.spill = tempfile.TemporaryFile(prefix="ledger-cdc-spill-", dir=directory)  # noqa: SIM115
+            self.spill.seek(0, 2)
+            pickle.dump(self.items, self.spill, protocol=pickle.HIGHEST_PROTOCOL)
+        except OSError as e:  # (full, gone, not writable: said with its path, not a bug)
+            raise SpillError(directory, e, "buffering a transaction past the memory limit") from e
         freed, self.items, self.size = self.size, [], 0
         return freed
 
     def _read_spill(self) -> Iterator[tuple[int, T, int]]:
         assert self.spill is not None
-        self.spill.seek(0)
+        try:
+            self.spill.seek(0)  # (writes what is still buffered: the disk may be full now)
+        except OSError as e:
+            raise SpillError(self._dir, e, "buffering a transaction past the memory limit") from e
         while True:
             try:
                 chunk: list[tuple[int, T, int]] = pickle.load(self.spill)
