@@ -79,6 +79,9 @@ class SlotHealth:
     heartbeat_age_seconds: float | None = None
     inactive_seconds: float | None = None  # how long no consumer has streamed the slot
     invalidation_reason: str | None = None
+    failover: bool | None = None  # a failover slot (PostgreSQL 17+; None before)
+    failover_ready: bool | None = None  # one that a promoted standby would have
+    standby_stall: str | None = None  # synchronized_standby_slots holding decoding back
     wal_rate_bytes_per_s: float | None = None
     ledger_insert_rate: float | None = None  # agent_events rows per second over the sample
     seconds_to_invalidation: float | None = None
@@ -175,6 +178,45 @@ def has_ledger(conn: psycopg.Connection[Any]) -> bool:
         "IS NOT NULL"
     ).fetchone()
     return bool(row and row[0])
+
+
+_FAILOVER = """
+SELECT s.failover, current_setting('synchronized_standby_slots'),
+       (SELECT array_agg(name) FROM unnest(string_to_array(
+            replace(current_setting('synchronized_standby_slots'), ' ', ''), ',')) AS name
+        WHERE name <> '' AND NOT EXISTS (SELECT FROM pg_replication_slots p
+                                         WHERE p.slot_name = name AND p.slot_type = 'physical')),
+       (SELECT array_agg(name) FROM unnest(string_to_array(
+            replace(current_setting('synchronized_standby_slots'), ' ', ''), ',')) AS name
+        WHERE EXISTS (SELECT FROM pg_replication_slots p WHERE p.slot_name = name
+                      AND p.slot_type = 'physical' AND NOT p.active))
+FROM pg_replication_slots s WHERE s.slot_name = %s
+"""
+
+
+def failover_state(conn: psycopg.Connection[Any], slot: str) -> tuple[bool, str | None]:
+    """(whether ``slot`` is ready to survive a failover: a failover slot whose standbys in
+    ``synchronized_standby_slots`` have their physical slots in use, what stalls its logical
+    decoding or None). PostgreSQL 17+."""
+    row = conn.execute(_FAILOVER, (slot,)).fetchone()
+    if row is None:
+        return False, None
+    failover, named, missing, inactive = row
+    stall = None
+    if missing:
+        stall = (
+            f"synchronized_standby_slots names {', '.join(missing)}, which this server does not "
+            "have: logical decoding waits for it for ever (a promoted standby inherits the "
+            "setting from pg_basebackup); ALTER SYSTEM RESET synchronized_standby_slots; "
+            "SELECT pg_reload_conf(); on this server"
+        )
+    elif inactive:
+        stall = (
+            f"the standby of slot(s) {', '.join(inactive)} named in synchronized_standby_slots "
+            "is not connected: logical decoding waits until it is (start the standby, or remove "
+            "it from synchronized_standby_slots)"
+        )
+    return bool(failover) and bool(named.strip()) and not missing and not inactive, stall
 
 
 def check_slots(
@@ -289,6 +331,13 @@ def check_slots(
             h.inactive_seconds = inactive.get(name, h.checkpoint_age_seconds)
         if h.safe_wal_size is not None and rate:
             h.seconds_to_invalidation = max(0.0, h.safe_wal_size / rate)
+        if version >= 170000:
+            ready, stall = failover_state(conn, name)
+            h.failover_ready, h.standby_stall = ready, stall
+            row = conn.execute(
+                "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (name,)
+            ).fetchone()
+            h.failover = None if row is None else bool(row[0])
         _classify(h, th)
         out.append(h)
     return out
@@ -331,6 +380,10 @@ def _classify(h: SlotHealth, th: Thresholds) -> None:
     idle = h.inactive_seconds
     if h.exists and not h.active and idle is not None and idle >= th.warn_seconds:
         flag(WARNING, f"no consumer has streamed this slot for {idle:.0f} s")
+    if h.standby_stall is not None:
+        # a standby slot the server lacks holds decoding back for ever; one not connected, until
+        # its standby returns
+        flag(CRITICAL if "does not have" in h.standby_stall else WARNING, h.standby_stall)
     h.status_name = STATUS_NAMES[h.status]
 
 

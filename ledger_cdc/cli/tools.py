@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ledger_cdc.cli.base import (
+    DSN,
     EXIT_PROBLEM,
     Finite,
     State,
@@ -360,6 +361,14 @@ def replay(
 @option("--all", "all_sessions", is_flag=True, help="Every session in the ledger.")
 @option("--no-chain", is_flag=True, help="Skip the hash-chain walk.")
 @option(
+    "--target-dsn",
+    default=None,
+    type=DSN,
+    envvar=_env("TARGET_DSN"),
+    help="Database the projections, snapshots, memo and checkpoints are in, when the consumer "
+    "writes them into another one (consume --target-dsn); the ledger is read from --dsn.",
+)
+@option(
     "--archive-dir",
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     default=None,
@@ -369,10 +378,11 @@ def replay(
     "--consumer-wait",
     default=10.0,
     show_default=True,
-    type=Finite(0.0, 3600),
+    type=Finite(-1.0, 3600),
     help="Seconds to wait for a running consumer to apply past verify's snapshot, to tell a "
     "projection deleted or put back by hand from one not yet written (0: judge by what the "
-    "slots have confirmed already).",
+    "slots have confirmed already). A session no consumer vouches for by then is a "
+    "difference; -1: not judged, only noted.",
 )
 @option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @click.pass_obj
@@ -384,6 +394,7 @@ def verify(
     names: Names,
     all_sessions: bool,
     no_chain: bool,
+    target_dsn: str | None,
     archive_dir: Path | None,
     consumer_wait: float,
     as_json: bool,
@@ -396,9 +407,11 @@ def verify(
     history before an archived bound is verified by its chain link and manifest, not refolded.
 
     A projection behind the log is compared at its own position. Whether it lags or was
-    deleted or put back by hand is told by the consumer: once a running consumer's checkpoint
-    passes verify's snapshot, a projection still missing or behind is a difference; until then
-    (no consumer running, or not past it within --consumer-wait) it is a note.
+    deleted or put back by hand is told by the consumer: a projection still missing or
+    behind once a running consumer's checkpoint passes verify's snapshot, or one no consumer
+    vouches for within --consumer-wait (kind behind), is a difference, as is one ahead of the
+    ledger; with --consumer-wait -1 it is only noted. With --target-dsn the projections are
+    read from that database, the ledger from --dsn.
 
     SESSION is a session id, or a name of its framework: thread:ID (LangGraph), openai:ID
     (OpenAI Agents), pydantic:ID (Pydantic AI), or a bare name looked up in all three.
@@ -417,6 +430,7 @@ def verify(
         report = do_verify(
             dsn,
             None if all_sessions else list(sessions),
+            target_dsn=target_dsn,
             chain=not no_chain,
             archive_dir=archive_dir,
             consumer_wait=consumer_wait,
@@ -439,6 +453,7 @@ def verify(
             report = do_verify(
                 dsn,
                 None if all_sessions else list(sessions),
+                target_dsn=target_dsn,
                 chain=not no_chain,
                 archive_dir=archive_dir,
                 consumer_wait=consumer_wait,

@@ -188,44 +188,6 @@ def vacuum(written: Callable[[], int], every: float) -> Step:
 
 _WAL_STATUS = ("reserved", "extended", "unreserved", "lost")  # the gauge's 0 to 3
 
-_FAILOVER = """
-SELECT s.failover, current_setting('synchronized_standby_slots'),
-       (SELECT array_agg(name) FROM unnest(string_to_array(
-            replace(current_setting('synchronized_standby_slots'), ' ', ''), ',')) AS name
-        WHERE name <> '' AND NOT EXISTS (SELECT FROM pg_replication_slots p
-                                         WHERE p.slot_name = name AND p.slot_type = 'physical')),
-       (SELECT array_agg(name) FROM unnest(string_to_array(
-            replace(current_setting('synchronized_standby_slots'), ' ', ''), ',')) AS name
-        WHERE EXISTS (SELECT FROM pg_replication_slots p WHERE p.slot_name = name
-                      AND p.slot_type = 'physical' AND NOT p.active))
-FROM pg_replication_slots s WHERE s.slot_name = %s
-"""
-
-
-def failover_state(conn: psycopg.Connection[Any], slot: str) -> tuple[bool, str | None]:
-    """(whether ``slot`` is ready to survive a failover: a failover slot whose standbys in
-    ``synchronized_standby_slots`` have their physical slots in use, what stalls its logical
-    decoding or None). PostgreSQL 17+."""
-    row = conn.execute(_FAILOVER, (slot,)).fetchone()
-    if row is None:
-        return False, None
-    failover, named, missing, inactive = row
-    stall = None
-    if missing:
-        stall = (
-            f"synchronized_standby_slots names {', '.join(missing)}, which this server does not "
-            "have: logical decoding waits for it for ever (a promoted standby inherits the "
-            "setting from pg_basebackup); ALTER SYSTEM RESET synchronized_standby_slots; "
-            "SELECT pg_reload_conf(); on this server"
-        )
-    elif inactive:
-        stall = (
-            f"the standby of slot(s) {', '.join(inactive)} named in synchronized_standby_slots "
-            "is not connected: logical decoding waits until it is (start the standby, or remove "
-            "it from synchronized_standby_slots)"
-        )
-    return bool(failover) and bool(named.strip()) and not missing and not inactive, stall
-
 
 class SlotGuard:
     """Checks the slot: gauges, a warning before the keep-size bound, an error at the critical
@@ -248,8 +210,7 @@ class SlotGuard:
         self.publication = publication
         self.table = table
         self._unpublished: str | None = None
-        self._stall: str | None = None
-        self._stall_log = 0.0
+
         self._unpublished_log = 0.0
         self.lost = threading.Event()
         self._last_status = 0
@@ -287,23 +248,6 @@ class SlotGuard:
             self.lost.set()
         if self.publication is not None:
             self._check_publication(conn, self.publication, now)
-        self._check_failover(conn, now)
-
-    def _check_failover(self, conn: psycopg.Connection[Any], now: float) -> None:
-        """Whether the slot would survive a failover (PostgreSQL 17+), as a gauge, and a stall
-        of logical decoding by ``synchronized_standby_slots`` named in the log: the server
-        holds back what it sends until each named standby slot has the WAL, and a standby
-        promoted from a base backup inherits the setting with a slot it does not have."""
-        if conn.info.server_version < 170000:
-            return
-        ready, stall = failover_state(conn, self.slot)
-        self.metrics.extra["slot_failover_ready"] = float(ready)
-        if stall is not None and (stall != self._stall or now - self._stall_log > 60):
-            self._stall_log = now
-            log.error("slot %s: %s", self.slot, stall)
-        elif stall is None and self._stall is not None:
-            log.info("slot %s: synchronized_standby_slots no longer holds it back", self.slot)
-        self._stall = stall
 
     def _check_publication(self, conn: psycopg.Connection[Any], name: str, now: float) -> None:
         why = publication_problem(conn, name, self.table)
@@ -318,6 +262,12 @@ class SlotGuard:
     def _gauges(self, h: Any) -> None:
         x = self.metrics.extra
         x["slot_status"] = h.status
+        # whether a promoted standby would have the slot (17+; a stall by
+        # synchronized_standby_slots is among the status's reasons, logged with them)
+        if h.failover_ready is None:
+            x.pop("slot_failover_ready", None)
+        else:
+            x["slot_failover_ready"] = float(h.failover_ready)
         if h.wal_status in _WAL_STATUS:
             x["slot_wal_status"] = float(_WAL_STATUS.index(h.wal_status))
         else:

@@ -21,7 +21,6 @@ also in the promoted server's ledger; the last one is asynchronous by design.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -51,20 +50,6 @@ from tests.support.standby import FailoverWriters, PrimaryStandby
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 FOLDED_BEFORE = 2000  # events folded on the old primary before it is killed
-
-
-class KnownGap(AssertionError):
-    """The failure an xfail mark of this file expects (what issue 43 asks for and the code
-    lacks so far). The marks take only this one: any other failure of those tests (a
-    failover that did not go as planned) still fails them."""
-
-
-@contextlib.contextmanager
-def _known_gap() -> Iterator[None]:
-    try:
-        yield
-    except AssertionError as e:
-        raise KnownGap(str(e)) from e
 
 
 @pytest.fixture
@@ -296,11 +281,6 @@ def test_failover_slot_carries_the_consumer_over_a_promotion(
         assert "slot agent_slot created at" not in text, f"resynced:\n{_tail(log)}"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    raises=KnownGap,
-    reason="`lag` does not yet name a stall by synchronized_standby_slots",
-)
 def test_promoted_standby_keeping_synchronized_standby_slots_names_the_stall(
     tmp_path: Path,
 ) -> None:
@@ -338,10 +318,9 @@ def test_promoted_standby_keeping_synchronized_standby_slots_names_the_stall(
                 log,
                 timeout=20,
             )
-            with _known_gap():
-                lag = run_cli("lag", "--dsn", pair.dsn(), "--sample-seconds", "0")
-                assert "synchronized_standby_slots" in lag.output, lag.output
-                assert lag.exit_code != 0, lag.output
+            lag = run_cli("lag", "--dsn", pair.dsn(), "--sample-seconds", "0")
+            assert "synchronized_standby_slots" in lag.output, lag.output
+            assert lag.exit_code != 0, lag.output
             pair.reset_synchronized_standby_slots()
             _settle(pair, writers, pair.dsn(), consumer, log)
             _stop(consumer, log)
@@ -390,11 +369,6 @@ def test_promotion_without_failover_slot_resyncs_from_the_table(
 
 
 @pytest.mark.parametrize("target", [True], indirect=True, ids=["target-dsn"])
-@pytest.mark.xfail(
-    strict=False,
-    raises=KnownGap,
-    reason="projections ahead of the ledger are not yet detected",
-)
 def test_async_loss_with_target_dsn_refolds_from_the_new_ledger(
     tmp_path: Path, target: str
 ) -> None:
@@ -421,7 +395,6 @@ def test_async_loss_with_target_dsn_refolds_from_the_new_ledger(
             )
             _fail_over(pair, writers, consumer, log)
             assert _lost(pair.dsn(), writers) > 0, "the standby missed nothing: no loss to test"
-            with _known_gap():
-                _settle(pair, writers, target, consumer, log)
-                assert _assert_exact(pair, target) > kept
+            _settle(pair, writers, target, consumer, log)
+            assert _assert_exact(pair, target) > kept
             _stop(consumer, log)

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
+from ledger_cdc.admin.health import failover_state
 from ledger_cdc.admin.schema import create_slot, init, set_failover
 from ledger_cdc.client.writer import Ledger
-from ledger_cdc.consumer.tasks import failover_state
 from ledger_cdc.demo.embedded import EmbeddedPostgres, find_installations
 from ledger_cdc.errors import ConfigError
 from tests.support.cdc import InThread, until

@@ -42,6 +42,9 @@ pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.xdist_group("slo
 
 LAG_KEYS = {
     "slot",
+    "failover",  # (a failover slot, whether a promoted standby would have it, what stalls it:
+    "failover_ready",  # PostgreSQL 17+, null before)
+    "standby_stall",
     "exists",
     "plugin",
     "database",
