@@ -25,7 +25,8 @@ from ledger_cdc.integrations.langgraph_store import AsyncLedgerStore
 from tests.support import upstream
 from tests.support.harness import Database, Server, _new_database
 
-pytestmark = pytest.mark.server
+# LangGraph's own tests exercise the store and saver, not the server: run once, on the newest
+pytestmark = [pytest.mark.server, pytest.mark.one_server]
 
 _TESTS = upstream.sdist_tests("langgraph-checkpoint-postgres")
 _UP = upstream.load(

@@ -26,7 +26,8 @@ from ledger_cdc.integrations.langgraph import AsyncLedgerSaver, LedgerSaver
 from tests.support import upstream
 from tests.support.harness import Database, Server, _new_database
 
-pytestmark = pytest.mark.server
+# LangGraph's own tests exercise the store and saver, not the server: run once, on the newest
+pytestmark = [pytest.mark.server, pytest.mark.one_server]
 
 _TESTS = upstream.sdist_tests("langgraph-checkpoint-postgres")
 _URIS = {"DEFAULT_URI": "unused", "DEFAULT_POSTGRES_URI": "unused"}

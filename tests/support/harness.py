@@ -187,9 +187,27 @@ def db(server: Server) -> Iterator[Database]:
     yield from _new_database(server, server.template)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test that gets a cluster from this harness is marked ``server`` (whether or not
-    its module says so), so that ``-m "not server"`` selects the tests that need none."""
+    its module says so), so that ``-m "not server"`` selects the tests that need none. A test
+    marked ``one_server`` (what it tests does not depend on the server's version) runs on the
+    newest version only: its other versions are deselected."""
+    newest = f"pg{max(VERSIONS)}"
+    kept, dropped = [], []
     for item in items:
         if "_servers" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.server)
+        callspec = getattr(item, "callspec", None)
+        version = None if callspec is None else callspec.id.split("-")
+        if (
+            item.get_closest_marker("one_server") is not None
+            and version is not None
+            and any(v.startswith("pg") for v in version)
+            and newest not in version
+        ):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
