@@ -230,9 +230,9 @@ def _tail_query(
     """The events after a snapshot (at ``after_seq`` / ``after_position``) up to ``upto_seq``,
     by the session's seq range. ``position > after`` alone reads on to the end of the session,
     and ``seq <= upto`` alone from its start (what the planner picks once the statistics lag a
-    growing session: 2-4 ms at 10k events instead of 0.2). Within a session seq grows with
-    position (an append needs the previous position committed, and draws its seq after), so the
-    range is the tail; an append that raced that order shows as a gap or as a next event within
+    growing session, reading the whole session instead of its tail). Within a session seq grows
+    with position (an append needs the previous position committed, and draws its seq after), so
+    the range is the tail; an append that raced that order shows as a gap or as a next event within
     the bound (_NEXT), and the rebuild re-reads by position. ``position + 0``: the seq range
     is always the index used."""
     query = (

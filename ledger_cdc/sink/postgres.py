@@ -647,7 +647,7 @@ class PgSink:
         """One statement of the hot path, straight through libpq: prepared once per
         connection, then sent with its parameters as text, its result checked as psycopg
         checks one (an error is raised as psycopg raises it). A small batch's commit costs the
-        client half the CPU it costs through a cursor."""
+        client much less CPU than through a cursor."""
         conn = self.conn
         pgconn = conn.pgconn
         if self._raw_for is not pgconn:

@@ -50,8 +50,8 @@ T = TypeVar("T")
 
 
 def estimate(size: int) -> int:
-    """Bytes a decoded change of ``size`` wire bytes holds in memory (measured: 1.0–3.2× the
-    wire size, plus the event's own fields)."""
+    """Bytes a decoded change of ``size`` wire bytes holds in memory: about twice its wire size
+    (bench/memory.py measures it), plus the event's own fields."""
     return 2 * size + 512
 
 
