@@ -3,6 +3,7 @@ endpoint."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -112,6 +113,16 @@ def watch_stop(
     threading.Thread(target=watchdog, name="ledger-cdc-stop-watchdog", daemon=True).start()
 
 
+def loopback(host: str) -> bool:
+    """Whether ``host`` (as --metrics-host gives it) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: whatever it resolves to
+
+
 def run_consumer(
     consumer: Consumer,
     console: Console,
@@ -133,6 +144,13 @@ def run_consumer(
         check = HealthCheck(consumer.metrics, slot)
         server = serve(registry(collector), metrics_port, metrics_host, health=check)
         root.info("metrics on http://%s:%d/metrics, health on /healthz", metrics_host, server.port)
+        if not loopback(metrics_host):
+            root.warning(
+                "metrics and /healthz listen on %s: reachable from other machines, without "
+                "authentication (they say the slot's state, lag and counts, nothing of any "
+                "payload); keep the port behind the network's controls, or bind 127.0.0.1",
+                metrics_host,
+            )
     done = threading.Event()
 
     def report() -> None:
