@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from ledger_cdc.client.writer import Ledger
 from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
 from ledger_cdc.events import LedgerEvent
 from ledger_cdc.fold import SessionContext, decode_context, encode_snapshot, fold
+from tests.support.wait import until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -250,15 +250,6 @@ def wait_streaming(dsn: str, slot: str = "agent_slot", timeout: float = 60.0) ->
             ),
             timeout=timeout,
         )
-
-
-def until(pred: Callable[[], bool], timeout: float = 30.0, every: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 class InThread:

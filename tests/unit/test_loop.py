@@ -24,16 +24,14 @@ from ledger_cdc.fold import SessionContext, decode_context, encode_stored, fold_
 from ledger_cdc.sink.batch import Batch, frozen
 from ledger_cdc.sink.memory import MemorySink, MemoryStore
 from ledger_cdc.stream.route import Anomaly, LedgerStream
+from tests.support import wait
 from tests.support.fakestream import FakeSlot, Row, Wal, _Crash, logical, running
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
+    wait.until(cond, timeout, every=0.005)  # (the loop here runs in memory: look often)
 
 
 def reference(wal: Wal) -> tuple[dict[uuid.UUID, SessionContext], int]:
