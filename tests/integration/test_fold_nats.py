@@ -53,11 +53,10 @@ def _checkpoints(dsn: str) -> dict[str, int]:
         }
 
 
+@pytest.mark.one_server  # the same on every PostgreSQL: run once, on the newest
 def test_fold_workers_build_the_full_fold_exactly_once_through_kills(
     db: Database, tmp_path: Path
 ) -> None:
-    if db.server.major < 18:
-        pytest.skip("the stream's path is the same on every PostgreSQL: run once, on 18")
     srv = NatsServer(tmp_path / "js")
     relay = None
     workers: list[ConsumerProcess] = []
@@ -124,14 +123,13 @@ def test_fold_workers_build_the_full_fold_exactly_once_through_kills(
         srv.kill()
 
 
+@pytest.mark.one_server  # the same on every PostgreSQL: run once, on the newest
 def test_relay_and_fold_worker_go_on_after_the_nats_server_is_killed_and_restarted(
     db: Database, tmp_path: Path
 ) -> None:
     """The NATS server SIGKILLed under load and started again on its store: the relay
     republishes what was not acknowledged, the worker reconnects and reads on from its
     checkpoint; the projections end equal to a fold of the table, each event once."""
-    if db.server.major < 18:
-        pytest.skip("a NATS node lost is the same on every PostgreSQL: run once, on 18")
     srv = NatsServer(tmp_path / "js")
     procs: list[ConsumerProcess] = []
     try:
@@ -184,6 +182,7 @@ def _event_count(dsn: str, sid: uuid.UUID) -> int:
     return 0 if row is None else int(row[0])
 
 
+@pytest.mark.one_server  # the same on every PostgreSQL: run once, on the newest
 def test_messages_that_no_ledger_row_could_be_are_skipped_not_retried(
     db: Database, tmp_path: Path
 ) -> None:
@@ -192,8 +191,6 @@ def test_messages_that_no_ledger_row_could_be_are_skipped_not_retried(
     PostgreSQL's text and jsonb cannot hold) anywhere is no event: skipped with a warning. Each
     used to stop the worker in a loop that retried it for ever; the events after them must be
     folded."""
-    if db.server.major < 18:
-        pytest.skip("the stream's path is the same on every PostgreSQL: run once, on 18")
     srv = NatsServer(tmp_path / "js")
     try:
         wait_jetstream([srv.url])
@@ -263,14 +260,13 @@ def test_messages_that_no_ledger_row_could_be_are_skipped_not_retried(
         srv.kill()
 
 
+@pytest.mark.one_server  # the same on every PostgreSQL: run once, on the newest
 def test_a_payload_left_out_of_the_stream_is_read_from_the_ledger_not_the_target(
     db: Database, second_db: Database, tmp_path: Path
 ) -> None:
     """`fold --target-dsn`: projections go elsewhere, but a payload too big for the stream is
     read back from the ledger's database (it was read from the target, where it is not, and the
     event quarantined)."""
-    if db.server.major < 18:
-        pytest.skip("the stream's path is the same on every PostgreSQL: run once, on 18")
     srv = NatsServer(tmp_path / "js", config="max_payload: 8192\n")
     try:
         wait_jetstream([srv.url])
@@ -328,12 +324,11 @@ def test_fold_refuses_a_bad_partition_in_one_line(tmp_path: Path) -> None:
 def srv18(db: Database, tmp_path: Path) -> Iterator[NatsServer]:
     """A JetStream server, for a test of the stream's path (the same on every PostgreSQL: run
     on 18 only)."""
-    if db.server.major < 18:
-        pytest.skip("the stream's path is the same on every PostgreSQL: run once, on 18")
     with jetstream_server(tmp_path / "js") as srv:
         yield srv
 
 
+@pytest.mark.one_server  # the same on every PostgreSQL: run once, on the newest
 def test_rows_of_no_session_reach_the_fold_workers_dead_letters_each(
     db: Database, srv18: NatsServer
 ) -> None:
@@ -370,6 +365,7 @@ def test_rows_of_no_session_reach_the_fold_workers_dead_letters_each(
     assert sessions == [sid]
 
 
+@pytest.mark.one_server  # the same on every PostgreSQL: run once, on the newest
 def test_positions_the_stream_lacks_are_read_from_the_ledger_by_a_fold_worker(
     db: Database, srv18: NatsServer
 ) -> None:
@@ -394,6 +390,7 @@ def test_positions_the_stream_lacks_are_read_from_the_ledger_by_a_fold_worker(
     assert_projections_equal_refold(db.dsn)
 
 
+@pytest.mark.one_server  # the same on every PostgreSQL: run once, on the newest
 def test_a_row_the_relay_streamed_without_its_payload_is_published_whole(
     db: Database, srv18: NatsServer, tmp_path: Path
 ) -> None:

@@ -312,11 +312,10 @@ def test_a_shorter_replay_after_a_crash_does_not_hide_what_the_stream_holds(
         srv.kill()
 
 
+@pytest.mark.one_server  # the same on every PostgreSQL: run once, on the newest
 def test_consumer_restarted_after_several_windows_publishes_nothing_twice(
     db: Database, tmp_path: Path
 ) -> None:
-    if db.server.major != 18:
-        pytest.skip("the stream's guarantee is the same on every PostgreSQL: run once, on 18")
     srv = NatsServer(tmp_path / "js")
     consumer = None
     try:
@@ -342,9 +341,8 @@ def test_consumer_restarted_after_several_windows_publishes_nothing_twice(
         srv.kill()
 
 
+@pytest.mark.one_server  # the same on every PostgreSQL: run once, on the newest
 def test_three_node_cluster_loses_a_node_mid_run(db: Database, tmp_path: Path) -> None:
-    if db.server.major != 18:
-        pytest.skip("a NATS node lost is the same on every PostgreSQL: run once, on 18")
     nodes = cluster(tmp_path / "cluster", 3)
     consumer = None
     try:

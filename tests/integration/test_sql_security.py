@@ -251,13 +251,12 @@ def test_temporary_tables_of_every_role_steer_nothing(
             assert ensure(conn, 0) == []  # today's partition was there already
 
 
+@pytest.mark.min_server(17)  # (MAINTAIN is 17+: before it, only the owner vacuums)
 def test_the_consumer_may_vacuum_its_projections_on_17_and_later(
     empty_db: Database, members: Members
 ) -> None:
     """VACUUM needs the owner, or MAINTAIN (PostgreSQL 17+), which init grants the consumer on
     the tables it rewrites."""
-    if empty_db.server.major < 17:
-        pytest.skip("MAINTAIN is PostgreSQL 17+: before it, only the owner vacuums")
     init(empty_db.dsn)
 
     def vacuumed() -> object:

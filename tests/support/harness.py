@@ -191,19 +191,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Every test that gets a cluster from this harness is marked ``server`` (whether or not
     its module says so), so that ``-m "not server"`` selects the tests that need none. A test
     marked ``one_server`` (what it tests does not depend on the server's version) runs on the
-    newest version only: its other versions are deselected."""
+    newest version only, one marked ``min_server(N)`` on versions N and later: its other
+    versions are deselected (not set up to be skipped)."""
     newest = f"pg{max(VERSIONS)}"
     kept, dropped = [], []
     for item in items:
         if "_servers" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.server)
         callspec = getattr(item, "callspec", None)
-        version = None if callspec is None else callspec.id.split("-")
-        if (
-            item.get_closest_marker("one_server") is not None
-            and version is not None
-            and any(v.startswith("pg") for v in version)
-            and newest not in version
+        ids = [] if callspec is None else callspec.id.split("-")
+        major = next((int(v[2:]) for v in ids if v[:2] == "pg" and v[2:].isdigit()), None)
+        at_least = item.get_closest_marker("min_server")
+        if major is not None and (
+            (item.get_closest_marker("one_server") is not None and f"pg{major}" != newest)
+            or (at_least is not None and major < int(at_least.args[0]))
         ):
             dropped.append(item)
         else:
