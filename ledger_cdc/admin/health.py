@@ -81,6 +81,7 @@ class SlotHealth:
     invalidation_reason: str | None = None
     failover: bool | None = None  # a failover slot (PostgreSQL 17+; None before)
     failover_ready: bool | None = None  # one that a promoted standby would have
+    failover_standbys: list[str] | None = None  # the standbys that keep it (their slots)
     standby_stall: str | None = None  # synchronized_standby_slots holding decoding back
     wal_rate_bytes_per_s: float | None = None
     ledger_insert_rate: float | None = None  # agent_events rows per second over the sample
@@ -191,6 +192,15 @@ SELECT s.failover, current_setting('synchronized_standby_slots'),
         WHERE EXISTS (SELECT FROM pg_replication_slots p WHERE p.slot_name = name
                       AND p.slot_type = 'physical' AND NOT p.active))
 FROM pg_replication_slots s WHERE s.slot_name = %s
+"""
+
+
+_STANDBYS = """
+SELECT p.slot_name || coalesce(' (' || nullif(r.application_name, '') || ')', '')
+FROM pg_replication_slots p LEFT JOIN pg_stat_replication r ON r.pid = p.active_pid
+WHERE p.slot_type = 'physical' AND p.active AND p.slot_name = ANY(string_to_array(
+      replace(current_setting('synchronized_standby_slots'), ' ', ''), ','))
+ORDER BY 1
 """
 
 
@@ -338,6 +348,8 @@ def check_slots(
                 "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (name,)
             ).fetchone()
             h.failover = None if row is None else bool(row[0])
+            if h.failover:
+                h.failover_standbys = [str(r[0]) for r in conn.execute(_STANDBYS).fetchall()]
         _classify(h, th)
         out.append(h)
     return out

@@ -248,6 +248,15 @@ def _stop(consumer: ConsumerProcess, log: Path) -> None:
 # -- PostgreSQL 18, failover slot ---------------------------------------------------------------
 
 
+def _slot_report(dsn: str) -> dict[str, Any]:
+    """What `ledger-cdc lag --json` says of agent_slot."""
+    import json
+
+    r = run_cli("lag", "--dsn", dsn, "--slot", "agent_slot", "--json", "--sample-seconds", "0")
+    (report,) = json.loads(r.output)
+    return dict(report)
+
+
 @pytest.mark.parametrize("target", [False, True], indirect=True, ids=["same-db", "target-dsn"])
 def test_failover_slot_carries_the_consumer_over_a_promotion(
     tmp_path: Path, target: str | None
@@ -271,6 +280,9 @@ def test_failover_slot_carries_the_consumer_over_a_promotion(
                 log,
             )
             pair.wait_slot_synced("agent_slot")
+            ready = _slot_report(pair.primary_dsn())
+            assert ready["failover"] and ready["failover_ready"], ready
+            assert ready["failover_standbys"], ready  # (the standby that keeps it, named)
             at_promotion = _fail_over(pair, writers, consumer, log)
             _settle(pair, writers, projections, consumer, log)
             _stop(consumer, log)

@@ -44,6 +44,7 @@ LAG_KEYS = {
     "slot",
     "failover",  # (a failover slot, whether a promoted standby would have it, what stalls it:
     "failover_ready",  # PostgreSQL 17+, null before)
+    "failover_standbys",
     "standby_stall",
     "exists",
     "plugin",
