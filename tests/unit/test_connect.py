@@ -22,7 +22,7 @@ from ledger_cdc.client.tail import _omitted_event
 from ledger_cdc.connect import connect, connect_timeout
 from ledger_cdc.errors import DatabaseUnavailable, LedgerError
 from ledger_cdc.events import Rejected
-from ledger_cdc.integrations.langgraph import _migrate
+from ledger_cdc.integrations.langgraph import LedgerSaver
 from ledger_cdc.names import CONNECT_TIMEOUT
 from ledger_cdc.sink.jetstream import WireEvent
 from ledger_cdc.sink.postgres import PgSink
@@ -109,8 +109,8 @@ def test_the_other_connections_give_up_on_a_server_that_never_answers(
     assert isinstance(err, LedgerError), err
     err = _fails_within(lambda: asyncio.run(anext(pending_runs(dsn))), 8)
     assert isinstance(err, psycopg.OperationalError), err
-    err = _fails_within(lambda: _migrate(dsn), 8)
-    assert isinstance(err, psycopg.OperationalError), err
+    err = _fails_within(lambda: LedgerSaver.from_dsn(dsn).setup(), 8)
+    assert isinstance(err, (LedgerError, psycopg.OperationalError)), err
 
     w = WireEvent(
         1, uuid.uuid4(), 1, "a", "tool.observed", None, dt.datetime.now(dt.timezone.utc), omitted=9
