@@ -123,6 +123,13 @@ class DatabaseUnavailable(RetryableError):
     """The database cannot be reached right now (down, restarting, the connection was cut)."""
 
 
+class RefusedError(DatabaseUnavailable):
+    """The server refused the session before any password, with no reason a client can read
+    apart from the server's words: it is full (max_connections), or pg_hba.conf does not let
+    this user in, or the role does not exist. Tried again by what runs for long (it may pass);
+    at a consumer's start it stops it, as a fix is likelier than a full server."""
+
+
 class TransportError(RetryableError):
     """The replication connection failed in a way a reconnect can cure."""
 
@@ -553,6 +560,9 @@ def _startup_verdict(pgconn: Any, params: dict[str, str]) -> _Verdict:
         # such as target_session_attrs=read-write is the server's state, not a fix to make)
         if _connects(make_conninfo("", **{**probe, "target_session_attrs": "any"})):
             return DatabaseUnavailable, None
+        told = _database_verdict(make_conninfo, probe)
+        if told is not None:
+            return told
     except (pg.Error, UnicodeError):  # parameters libpq took but cannot be written back
         return DatabaseUnavailable, None
     if getattr(pgconn, "needs_password", False):
@@ -562,11 +572,72 @@ def _startup_verdict(pgconn: Any, params: dict[str, str]) -> _Verdict:
         )
     if getattr(pgconn, "used_password", False):
         return ConfigError, _STATE_HINTS["28P01"] + ", then the database name"
-    return ConfigError, (
-        "check the user and the database name in the DSN: the role must exist and may LOGIN, "
-        "the database must exist, and the server's pg_hba.conf must let this user connect "
-        "from this host"
+    # refused before any password, wherever this user asks: the server full (53300, which
+    # passes), the host or user not in pg_hba.conf, or (trust) a role that does not exist.
+    # Tried again, as what passes must not stop a consumer; the server's words say which.
+    return RefusedError, (
+        "the server refused this user before any password: it may be full (max_connections), "
+        "or pg_hba.conf may not let this user connect from this host, or the role may not "
+        "exist or may not LOGIN"
     )
+
+
+_DATABASE = (
+    b"SELECT d.datallowconn, d.datconnlimit, (SELECT count(*) FROM pg_stat_activity a "
+    b"WHERE a.datname = d.datname) FROM pg_database d WHERE d.datname = $1"
+)
+
+
+def _database_verdict(make_conninfo: Any, probe: dict[str, str]) -> _Verdict | None:
+    """When the same user gets into another database of the server, the refusal is this
+    database's, and the catalog says which: it does not exist (a fix), it takes no connections
+    for now or is at its connection limit (passes), or this user may not connect to it (a
+    fix). None when no other database lets the user in either."""
+    name = probe.get("dbname") or probe.get("user") or ""
+    for other in ("postgres", "template1"):
+        if other == name:
+            continue
+        row = _database_row(make_conninfo("", **{**probe, "dbname": other}), name)
+        if row is None:
+            continue
+        if isinstance(row, str):  # "missing"
+            return ConfigError, (
+                f"database {name!r} does not exist: create it, or fix its name in the DSN"
+            )
+        allow, limit, count = row
+        if not allow:
+            return DatabaseUnavailable, f"database {name!r} takes no connections for now"
+        if 0 <= limit <= count:
+            return DatabaseUnavailable, f"database {name!r} is at its connection limit"
+        return ConfigError, (
+            f"this user may not connect to database {name!r}: its CONNECT privilege, or "
+            "pg_hba.conf for this database"
+        )
+    return None
+
+
+def _database_row(conninfo: str, name: str) -> tuple[bool, int, int] | str | None:
+    """From a connection to ``conninfo`` (another database), database ``name``'s
+    (datallowconn, datconnlimit, sessions in it), "missing" if there is none, None if that
+    connection is refused too."""
+    pq = _psycopg().pq
+    conn = pq.PGconn.connect(conninfo.encode())
+    try:
+        if conn.status != pq.ConnStatus.OK:
+            return None
+        res = conn.exec_params(_DATABASE, [name.encode()])
+        if res.status != pq.ExecStatus.TUPLES_OK:
+            return None
+        if res.ntuples == 0:
+            return "missing"
+        limit, count = res.get_value(0, 1), res.get_value(0, 2)
+        return (
+            res.get_value(0, 0) == b"t",
+            int(limit) if limit is not None else -1,
+            int(count) if count is not None else 0,
+        )
+    finally:
+        conn.finish()
 
 
 def _ping(conninfo: str) -> int:
@@ -610,6 +681,7 @@ __all__ = [
     "NoSuchSessionError",
     "NotFoundError",
     "PostgresNotFoundError",
+    "RefusedError",
     "RetryableError",
     "RunNotReadyError",
     "SchemaError",

@@ -49,7 +49,7 @@ from ledger_cdc.consumer.tasks import (
     partition_keeper,
     vacuum,
 )
-from ledger_cdc.errors import ConfigError, FencedError, LedgerError, RetryableError
+from ledger_cdc.errors import ConfigError, FencedError, LedgerError, RefusedError, RetryableError
 from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.fold import (
     CompletedModel,
@@ -259,14 +259,20 @@ class Consumer:
         connecting = [(pub, pub.start_connect()) for pub in publishers]
         try:
             if not self._standalone:
+                first = True
                 while not self._stop.is_set():  # permanent problems stop here, within seconds
                     try:
                         self._schema = preflight(
                             cfg.dsn, cfg.publication, cfg.target_dsn, slot=cfg.slot
                         )
                         break
+                    except RefusedError as e:
+                        if first:  # (at the start, a fix is likelier than a full server)
+                            raise ConfigError(str(e)) from e
+                        self._back_off(str(e))
                     except RetryableError as e:
                         self._back_off(str(e))
+                    first = False
                 self._start_tasks()
                 self._connect_publishers(connecting)
             while not self._stop.is_set():

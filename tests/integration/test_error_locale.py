@@ -30,6 +30,7 @@ from ledger_cdc.errors import (
     ConfigError,
     DatabaseUnavailable,
     LedgerError,
+    RefusedError,
     SchemaError,
     first_line,
     redact,
@@ -243,9 +244,11 @@ STARTUP_PATHS: list[tuple[str, Callable[[EmbeddedPostgres], str], bool, type[Led
         ConfigError,
         "PGPASSWORD",
     ),
-    ("unknown database", lambda pg: pg.dsn("no_such_db"), True, ConfigError, "database name"),
-    ("unknown role", lambda pg: pg.dsn(user="no_such_role"), True, ConfigError, "role must exist"),
-    ("pg_hba.conf reject", lambda pg: pg.dsn(user="refused"), True, ConfigError, "pg_hba.conf"),
+    # the same user gets into another database: the catalog there tells why
+    ("unknown database", lambda pg: pg.dsn("no_such_db"), True, ConfigError, "does not exist"),
+    # refused before any password, everywhere: a fix or a full server, tried again (RefusedError)
+    ("unknown role", lambda pg: pg.dsn(user="no_such_role"), True, RefusedError, "role may not"),
+    ("pg_hba.conf reject", lambda pg: pg.dsn(user="refused"), True, RefusedError, "pg_hba.conf"),
     (
         "SSL the server lacks",
         lambda pg: f"{pg.dsn()} sslmode=require",

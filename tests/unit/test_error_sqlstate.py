@@ -23,6 +23,7 @@ from ledger_cdc.errors import (
     ConfigError,
     DatabaseUnavailable,
     LedgerError,
+    RefusedError,
     SchemaError,
     first_line,
     is_permanent,
@@ -179,6 +180,7 @@ class FakeLibpq:
     pings: list[Ping] = field(default_factory=list)
     connects: bool = False
     asked: list[dict[str, Any]] = field(default_factory=list)
+    database: Any = None  # what another database of the server says of this one (None: refused)
 
     def ping(self, conninfo: str) -> int:
         self.asked.append(conninfo_to_dict(conninfo))
@@ -188,12 +190,16 @@ class FakeLibpq:
         self.asked.append(conninfo_to_dict(conninfo))
         return self.connects
 
+    def database_row(self, conninfo: str, name: str) -> Any:
+        return self.database
+
 
 @pytest.fixture
 def libpq(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeLibpq]:
     fake = FakeLibpq()
     monkeypatch.setattr(errors_module, "_ping", fake.ping)
     monkeypatch.setattr(errors_module, "_connects", fake.connect)
+    monkeypatch.setattr(errors_module, "_database_row", fake.database_row)
     yield fake
 
 
@@ -248,7 +254,7 @@ def attempt_error(
         ([Ping.OK], True, {}, {}, DatabaseUnavailable, ""),  # it passes on the second try
         ([Ping.OK], False, {}, {"used_password": True}, ConfigError, "user and password"),
         ([Ping.OK], False, {}, {"needs_password": True}, ConfigError, "PGPASSWORD"),
-        ([Ping.OK], False, {}, {}, ConfigError, "pg_hba.conf"),
+        ([Ping.OK], False, {}, {}, RefusedError, "before any password"),
     ],
     ids=[
         "parameters libpq refuses",
@@ -343,3 +349,24 @@ def test_a_dsn_that_does_not_parse_is_permanent(libpq: FakeLibpq) -> None:
         assert kind is ConfigError and "fix the DSN" in added
         assert is_permanent(unreadable(psycopg.ProgrammingError)(*caught.value.args))
     assert libpq.asked == []
+
+
+@pytest.mark.parametrize(
+    ("row", "kind", "hint"),
+    [
+        ("missing", ConfigError, "does not exist"),
+        ((False, -1, 0), DatabaseUnavailable, "takes no connections for now"),
+        ((True, 2, 2), DatabaseUnavailable, "at its connection limit"),
+        ((True, -1, 3), ConfigError, "may not connect to database"),
+    ],
+    ids=["no such database", "ALLOW_CONNECTIONS false", "its limit reached", "CONNECT refused"],
+)
+def test_a_refusal_of_this_database_alone_is_told_by_the_catalog(
+    libpq: FakeLibpq, row: Any, kind: type[LedgerError], hint: str
+) -> None:
+    """The same user gets into another database of the server: the catalog there says why
+    this one refused (structured answers, whatever language the server speaks)."""
+    for text in TEXTS:
+        libpq.pings, libpq.connects, libpq.database = [Ping.OK], False, row
+        got = translate(attempt_error(text))
+        assert type(got) is kind and hint in str(got), got
