@@ -189,6 +189,14 @@ def test_reader_rebuilds_and_verifies_and_writes_nothing(roles: Roles) -> None:
     )
 
 
+def _vacuums(db: Database, table: str) -> int:
+    with db.connect() as conn:
+        row = conn.execute(
+            "SELECT vacuum_count FROM pg_stat_user_tables WHERE relname = %s", (table,)
+        ).fetchone()
+    return 0 if row is None else int(row[0])  # type: ignore[call-overload]
+
+
 def test_consumer_role_consumes_and_writes_only_its_tables(
     roles: Roles, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -202,9 +210,13 @@ def test_consumer_role_consumes_and_writes_only_its_tables(
         ledger.append(sid, "a", "tool.invoked", {"call_id": "c", "tool": "t"})
         ledger.append(sid, "a", "tool.observed", {"call_id": "c", "result": 7})
         wait_caught_up(roles.db.dsn)
-        # not the projections' owner: VACUUM is refused, said once, left to autovacuum
-        until(lambda: "left to autovacuum" in caplog.text, 30)
-    assert caplog.text.count("left to autovacuum") == 1
+        if roles.db.server.major >= 17:
+            # MAINTAIN, which init grants ledger_consumer on 17+: it vacuums its projections
+            until(lambda: _vacuums(roles.db, "agent_sessions") > 0, 30)
+        else:
+            # not the projections' owner: VACUUM is refused, said once, left to autovacuum
+            until(lambda: "left to autovacuum" in caplog.text, 30)
+    assert caplog.text.count("left to autovacuum") == (roles.db.server.major < 17)
     assert_clean_exit(run_cli("lag", "--dsn", dsn, "--sample-seconds", "0"), 0, 1)
     _refused(
         dsn,
