@@ -30,6 +30,7 @@ __all__ = [
     "EVENT_TYPES",
     "MAX_TIME",
     "MIN_TIME",
+    "PAYLOAD_DECODERS",
     "READ_MAX_DEPTH",
     "Blob",
     "CheckpointSaved",
@@ -346,6 +347,11 @@ EVENT_TYPES: dict[str, Any] = {
 }
 _BUILTIN = frozenset(EVENT_TYPES)
 _decoders: dict[str, msgspec.json.Decoder[Any]] = {}
+PAYLOAD_DECODERS: Mapping[str, msgspec.json.Decoder[Any]] = types.MappingProxyType(_decoders)
+"""The decoders :func:`load_payload` has read a registered event type's payload with, by
+type (read-only; a type appears once a payload of it was read): for a reader's hot path, which
+applies the same depth rule (:func:`too_deep`) and leaves whatever does not decode, or whose
+type is not here, to :func:`load_payload`, to be read and quarantined with its reason."""
 _encoder = msgspec.json.Encoder()
 # A NUL character, as JSON writes it: an escape preceded by an even number of backslashes.
 _NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")

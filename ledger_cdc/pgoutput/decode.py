@@ -6,7 +6,8 @@ grammar cannot see by itself: whether we are inside a streamed transaction chunk
 ``xid`` to row messages) and which relations and types the server has described.
 
 Begin, Insert and Commit dominate a ledger stream, so they have hand-written decoders built on
-precompiled ``struct`` unpackers; every other message is parsed by the grammar in
+precompiled ``struct`` unpackers (an Insert's text values by a parser written out once per
+column count, with a loop for any other row); every other message is parsed by the grammar in
 :mod:`ledger_cdc.pgoutput.spec`. Property tests check the hand-written paths against the grammar.
 Whenever a fast path meets bytes it cannot read, the grammar re-parses the message to say exactly
 which field failed and where. Nothing but :class:`~ledger_cdc.errors.DecodeError` leaves
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import io
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import construct as c
@@ -58,10 +60,89 @@ __all__ = ["Decoder", "from_grammar"]
 # ``unpack`` (not ``unpack_from``) also checks the exact message length; "x" skips the type byte
 _BEGIN = struct.Struct(">xQqI").unpack
 _COMMIT = struct.Struct(">xBQQq").unpack
-_XID_RELID = struct.Struct(">II").unpack_from
 _U32 = struct.Struct(">I").unpack_from
+_COLUMN_HEAD = struct.Struct(">BI").unpack_from  # a column's kind, and its length if it has one
+_INSERT = struct.Struct(">IBH").unpack_from  # relation id, tuple tag, column count
+_INSERT_IN_STREAM = struct.Struct(">IIBH").unpack_from  # the same after the xid
 _NAMES = {m.value: m.name.title().replace("_", " ") for m in MessageType}
 _FAST_ERRORS = (IndexError, struct.error, ValueError, KeyError, TypeError)
+
+
+def _tuple_at(data: bytes, pos: int, ncols: int) -> tuple[Any, ...]:
+    """The ``ncols`` values of a TupleData starting at ``pos``, which must end the message."""
+    values: list[Any] = []
+    append = values.append
+    special = False
+    for _ in range(ncols):
+        col = data[pos]
+        if col == 116:  # 't'
+            end = pos + 5 + _U32(data, pos + 1)[0]
+            append(data[pos + 5 : end])
+            pos = end
+        elif col == 110:  # 'n'
+            append(None)
+            pos += 1
+        elif col == 117:  # 'u'
+            append(UNCHANGED)
+            pos += 1
+            special = True
+        elif col == 98:  # 'b'
+            end = pos + 5 + _U32(data, pos + 1)[0]
+            append(Binary(data[pos + 5 : end]))
+            pos = end
+            special = True
+        else:
+            raise ValueError(f"unknown tuple column kind {col:#04x}")
+    if pos != len(data):
+        raise ValueError("the tuple does not end at the message end")
+    return SpecialValues(values) if special else tuple(values)
+
+
+_TextTuple = Callable[[bytes, int], "tuple[Any, ...] | None"]
+_TEXT_TUPLES: dict[int, _TextTuple] = {}
+_UNROLLED_UPTO = 64  # columns; a wider relation's rows take the loop
+
+
+def _text_tuple(ncols: int) -> _TextTuple:
+    """A parser of a TupleData of ``ncols`` text or NULL values (a ledger row's every value),
+    written out column by column: the values as a tuple, or None when one is binary or
+    unchanged or the tuple does not end the message (then :func:`_tuple_at` reads it, and
+    says what is wrong). Straight-line code has no per-column loop to run: the Insert path
+    spends most of its time here. Made once per column count, from this fixed text alone."""
+    if ncols > _UNROLLED_UPTO:
+        return _loop_only
+    lines = ["def parse(data, pos, head=head, u32=u32):"]
+    for i in range(ncols):
+        # a column's kind and length in one read, where four more bytes surely follow it
+        # (four more columns do): a NULL has no length, and may end the message
+        if i < ncols - 4:
+            lines += ["    kind, size = head(data, pos)", "    if kind == 116:"]
+        else:
+            lines += ["    kind = data[pos]", "    if kind == 116:"]
+            lines += ["        size = u32(data, pos + 1)[0]"]
+        lines += [
+            f"        start = pos + 5; pos = start + size; v{i} = data[start:pos]",
+            "    elif kind == 110:",
+            f"        v{i} = None; pos += 1",
+            "    else:",
+            "        return None",
+        ]
+    lines += [
+        "    if pos != len(data):",
+        "        return None",
+        f"    return ({''.join(f'v{i}, ' for i in range(ncols))})",
+    ]
+    scope: dict[str, Any] = {"head": _COLUMN_HEAD, "u32": _U32}
+    # (text made above from the column count alone)
+    exec(compile("\n".join(lines), f"<TupleData of {ncols} text values>", "exec"), scope)
+    parse: _TextTuple = scope["parse"]
+    _TEXT_TUPLES[ncols] = parse
+    return parse
+
+
+def _loop_only(data: bytes, pos: int) -> None:
+    """What a relation wider than _UNROLLED_UPTO columns takes: its rows go to the loop."""
+    return None
 
 
 class _Tracking(io.BytesIO):
@@ -167,7 +248,8 @@ class Decoder:
 
     def __init__(self, *, parallel: bool | None = None) -> None:
         self.relations: dict[int, Relation] = {}
-        self._ncols: dict[int, int] = {}
+        # relation id → (its column count, the parser of its rows' text values)
+        self._parsers: dict[int, tuple[int, _TextTuple]] = {}
         self.types: dict[int, Type] = {}
         self.in_stream = False
         self.stream_xid: int | None = None
@@ -254,47 +336,24 @@ class Decoder:
         try:
             if kind == 73:  # 'I'
                 if self.in_stream:
-                    xid, relid = _XID_RELID(data, 1)
-                    pos = 10
+                    xid, relid, tag, ncols = _INSERT_IN_STREAM(data, 1)
+                    pos = 12
                 else:
                     xid = None
-                    relid = _U32(data, 1)[0]
-                    pos = 6
-                if data[pos - 1] != 78:  # 'N'
+                    relid, tag, ncols = _INSERT(data, 1)
+                    pos = 8
+                if tag != 78:  # 'N'
                     raise ValueError("Insert without its 'N' tuple tag")
-                # TupleData, parsed in place: this loop is the hottest code of a ledger stream;
+                # TupleData, parsed in place: this is the hottest code of a ledger stream;
                 # Update and Delete (rare here) go through the grammar
-                ncols = (data[pos] << 8) | data[pos + 1]
-                pos += 2
-                values: list[Any] = []
-                append = values.append
-                special = False
-                for _ in range(ncols):
-                    col = data[pos]
-                    if col == 116:  # 't'
-                        end = pos + 5 + _U32(data, pos + 1)[0]
-                        append(data[pos + 5 : end])
-                        pos = end
-                    elif col == 110:  # 'n'
-                        append(None)
-                        pos += 1
-                    elif col == 117:  # 'u'
-                        append(UNCHANGED)
-                        pos += 1
-                        special = True
-                    elif col == 98:  # 'b'
-                        end = pos + 5 + _U32(data, pos + 1)[0]
-                        append(Binary(data[pos + 5 : end]))
-                        pos = end
-                        special = True
-                    else:
-                        raise ValueError(f"unknown tuple column kind {col:#04x}")
-                if pos != len(data):
-                    raise ValueError("the tuple does not end at the message end")
-                new = SpecialValues(values) if special else tuple(values)
-                if self._ncols.get(relid) != ncols:
-                    return self._check_row(Insert(relid, new, xid), wal_start, data)
-                return Insert(relid, new, xid)
+                known = self._parsers.get(relid)
+                if known is not None and known[0] == ncols:  # a row of a relation described
+                    new = known[1](data, pos)
+                    if new is None:  # a binary or unchanged value, or bytes past the tuple
+                        new = _tuple_at(data, pos, ncols)
+                    return Insert(relid, new, xid)
+                new = _tuple_at(data, pos, ncols)
+                return self._check_row(Insert(relid, new, xid), wal_start, data)
             if kind == 66:  # 'B'
                 return Begin(*_BEGIN(data))
             if kind == 67:  # 'C'
@@ -308,7 +367,8 @@ class Decoder:
         """Update the stream state and caches from a message parsed by the grammar."""
         if isinstance(msg, Relation):
             self.relations[msg.relation_id] = msg
-            self._ncols[msg.relation_id] = len(msg.columns)
+            ncols = len(msg.columns)
+            self._parsers[msg.relation_id] = (ncols, _TEXT_TUPLES.get(ncols) or _text_tuple(ncols))
         elif isinstance(msg, Type):
             self.types[msg.type_oid] = msg
         elif isinstance(msg, StreamStart):

@@ -24,14 +24,20 @@ from psycopg.pq import Format
 
 from ledger_cdc.errors import InvalidEventError
 from ledger_cdc.events import (
+    MAX_TIME,
+    MIN_TIME,
+    PAYLOAD_DECODERS,
+    READ_MAX_DEPTH,
     LedgerEvent,
     Rejected,
     admit_time,
     as_digest,
     load_payload,
+    too_deep,
     unidentified,
     unplaced,
 )
+from ledger_cdc.names import STREAMED_COLUMNS
 from ledger_cdc.pgoutput.messages import UNCHANGED, Relation
 from ledger_cdc.stream.values import RowLoader, raw_json_adapters
 
@@ -47,7 +53,19 @@ REQUIRED_COLUMNS = (
     "created_at",
 )
 _OPTIONAL = ("idempotency_key", "hash")
+# The ledger's columns as the publication streams them, in its order, each of its own type (by
+# OID: bigint, uuid, bigint, text, text, jsonb, text, timestamptz, bytea). A row of such a
+# Relation loads every value as the type the fold reads (the jsonb as its bytes, the time as
+# an aware UTC datetime) or None: the shared rules' common case needs only its NULLs looked at.
+_LEDGER = tuple(zip(STREAMED_COLUMNS, (20, 2950, 20, 25, 25, 3802, 25, 1184, 17), strict=True))
 _ADAPTERS = raw_json_adapters()
+# Columns the fast path does not load with the rest of the row: the payload's bytes are its
+# value as it came (what RawLoader gives), and a session id already seen is the object kept for
+# its text (one seen first is loaded then, by psycopg's uuid loader). At their places the row's
+# load runs bool's loader, which looks at one byte at most and raises on none.
+_TAKEN_AS_THEY_CAME = {"session_id": 16, "payload": 16}  # (16: bool)
+_UUID = 2950
+_SHALLOW = 2 * READ_MAX_DEPTH  # bytes of JSON too few to nest past the limit (too_deep)
 _SESSIONS_KEPT = 8192  # session ids a row decoder keeps one object of, then starts over (1 MB)
 
 
@@ -81,7 +99,22 @@ class LedgerRowDecoder:
         self._pick = operator.itemgetter(*(at.get(n, 0) for n in REQUIRED_COLUMNS))
         # absent optional columns read as None (a publication made before hash was streamed)
         self._key_i, self._hash_i = (at.get(n) for n in _OPTIONAL)
-        self._sids: dict[uuid.UUID, uuid.UUID] = {}
+        self._sids: dict[bytes, uuid.UUID] = {}  # a session id's text → its one object
+        # the fast path (event): the columns read are the ledger's, in its order, each of its
+        # own type (see _LEDGER)
+        self._typed = (
+            not self.missing
+            and tuple((n, self._loader.oids[i]) for n, i in self._wanted) == _LEDGER
+        )
+        self._sid_at = names.index("session_id") if "session_id" in names else 0
+        self._payload_at = names.index("payload") if "payload" in names else 0
+        fast = Transformer(_ADAPTERS)
+        fast.set_loader_types(
+            [_TAKEN_AS_THEY_CAME.get(n, self._loader.oids[i]) for n, i in self._wanted],
+            Format.TEXT,
+        )
+        self._load_fast = fast.load_sequence
+        self._load_uuid = fast.get_loader(_UUID, Format.TEXT).load
 
     def load(self, values: tuple[Any, ...], wal_start: int = 0) -> tuple[Any, ...]:
         return self._loader.load(values, wal_start)
@@ -91,6 +124,65 @@ class LedgerRowDecoder:
         cannot be read (the rule every reader shares: :func:`ledger_cdc.events.load_payload`,
         :func:`~ledger_cdc.events.admit_time`). Never raises: a tuple that does not fit its
         Relation is a Rejected row too."""
+        if self._typed and type(values) is tuple and len(values) == self._ncols:
+            # the fast path: the row of a Relation of the ledger's own columns and types, its
+            # values text or NULL (see _LEDGER, _TAKEN_AS_THEY_CAME); a row off it is read by
+            # each rule in turn (_event), which says why one is quarantined
+            take = self._take
+            try:
+                seq, _, pos, agent, etype, _, key, created, digest = self._load_fast(
+                    values if take is None else take(values)
+                )
+            except (ValueError, UnicodeDecodeError, psycopg.DataError):
+                return self._rejected(values, wal_start)
+            raw = values[self._sid_at]
+            payload = values[self._payload_at]
+            if (  # every rule's common case: no NULL, a time in range
+                seq is not None
+                and raw is not None
+                and pos is not None
+                and agent is not None
+                and etype is not None
+                and payload is not None
+                and created is not None
+                and MIN_TIME <= created <= MAX_TIME
+            ):
+                # one object per session: the fold's dictionaries, keyed by session, then
+                # find theirs by identity instead of comparing two UUIDs in Python on every
+                # lookup (found by the column's text: a C hash, where a UUID's is Python's)
+                sids = self._sids
+                sid = sids.get(raw)
+                if sid is None:
+                    try:
+                        sid = self._load_uuid(raw)
+                    except (ValueError, UnicodeDecodeError, psycopg.DataError):
+                        return self._event(values, wal_start)
+                    if len(sids) >= _SESSIONS_KEPT:
+                        sids.clear()
+                    sids[raw] = sid
+                decoder = PAYLOAD_DECODERS.get(etype)
+                if decoder is not None and (
+                    len(payload) <= _SHALLOW or not too_deep(payload, READ_MAX_DEPTH)
+                ):
+                    try:
+                        return LedgerEvent(
+                            seq,
+                            sid,
+                            pos,
+                            agent,
+                            etype,
+                            decoder.decode(payload),
+                            created,
+                            key,
+                            digest,
+                        )
+                    except Exception:  # (read again below, by each rule, to say why)
+                        pass
+        return self._event(values, wal_start)
+
+    def _event(self, values: tuple[Any, ...], wal_start: int) -> LedgerEvent | Rejected:
+        """:meth:`event` by each rule in turn: a row off the common path (a value NULL or out
+        of range, a Relation retyped or reordered by hand, a payload type not read before)."""
         if self.missing:
             return self._rejected(
                 values,
@@ -115,13 +207,11 @@ class LedgerRowDecoder:
             except (ValueError, UnicodeDecodeError, psycopg.DataError):
                 return self._rejected(values, wal_start)
         seq, sid, pos, agent, etype, payload, created = self._pick(row)
-        if type(sid) is uuid.UUID:
-            # one object per session: the fold's dictionaries, keyed by session, then find
-            # theirs by identity instead of comparing two UUIDs in Python on every lookup
-            sids = self._sids
-            sid = sids.setdefault(sid, sid)
-            if len(sids) > _SESSIONS_KEPT:
-                sids.clear()
+        raw = values[self._sid_at]
+        if type(sid) is uuid.UUID and isinstance(raw, bytes):  # its one object (see event)
+            sid = self._sids.setdefault(raw, sid)
+            if len(self._sids) > _SESSIONS_KEPT:
+                self._sids.clear()
         k, h = self._key_i, self._hash_i
         key = None if k is None else row[k]
         digest = None if h is None else as_digest(row[h])
