@@ -281,6 +281,7 @@ def render(value: Any, limit: int | None = PREVIEW) -> str:
 _PULL = "~__pregel_pull, "
 _PUSH = "~__pregel_push, "
 ERROR, INTERRUPT, RESUME, TASKS = "__error__", "__interrupt__", "__resume__", "__pregel_tasks"
+_MAX_EARLY = 8  # checkpoints whose writes came first, kept until they come
 _BOOKKEEPING = frozenset({"__interrupt__", "__input__"})  # versions_seen keys that are not nodes
 
 
@@ -380,6 +381,16 @@ def _fold_checkpoint(lg: dict[str, Any], p: CheckpointSaved) -> None:
         "resume": [],
         "sends": 0,
     }
+    # writes saved before their checkpoint (the saver's writes and checkpoints of one run are
+    # appended by concurrent threads: their order in the ledger is not the graph's)
+    early = lg.get("early", {}).pop(f"{p.ns}|{p.checkpoint_id}", None)
+    if early is not None:
+        space = spaces[p.ns]
+        space["tasks"].update(early["tasks"])
+        space["resume"] = early["resume"][:_MAX_TASKS]
+        space["sends"] = early["sends"]
+    if not lg.get("early"):
+        lg.pop("early", None)
     _bound_namespaces(spaces)
 
 
@@ -395,7 +406,17 @@ def _fold_writes(lg: dict[str, Any], p: WritesPut) -> None:
     values = [(w.idx, w.channel, decode_typed(w.value)) for w in p.writes]  # (all, or nothing)
     space = lg.get("ns", {}).get(p.ns)
     if space is None or space["id"] != p.checkpoint_id:
-        return  # writes of a checkpoint the graph has moved past: history, not state
+        seen = space is not None and any(cid == p.checkpoint_id for cid, _ in space["recent"])
+        if seen:
+            return  # writes of a checkpoint the graph has moved past: history, not state
+        # a checkpoint not folded yet: kept until it comes (a few, the latest)
+        early: dict[str, Any] = lg.setdefault("early", {})
+        key = f"{p.ns}|{p.checkpoint_id}"
+        space = early.get(key) or {"tasks": {}, "resume": [], "sends": 0}
+        early.pop(key, None)
+        early[key] = space
+        while len(early) > _MAX_EARLY:
+            del early[next(iter(early))]
     node = task_node(p.task_path, p.task_id)
     if p.task_id == NULL_TASK:
         for _, ch, v in values:

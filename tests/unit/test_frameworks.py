@@ -334,3 +334,28 @@ def test_names_are_the_integrations_sessions() -> None:
     assert parse_name("thread:a:b").name == "a:b"
     assert parse_name("ticket-7").kind == "name"
     assert parse_name("x", "openai").session_id == session_of("openai", "x")
+
+
+def test_writes_saved_before_their_checkpoint_are_folded_with_it() -> None:
+    """A saver appends a run's checkpoints and writes from concurrent threads: the writes of a
+    checkpoint may reach the ledger before the checkpoint itself. The fold keeps them until it
+    comes, so the interrupt is told whatever the order."""
+    saver = Recorder()
+    g = _graph(saver, [])
+    g.invoke(
+        {"messages": [HumanMessage("I want a refund")], "done": []},
+        {"configurable": {"thread_id": "t-order"}},
+    )
+    in_order = saver.events["t-order"]
+    # the interrupt's writes moved before the checkpoint they belong to
+    last_cp = max(i for i, (et, _) in enumerate(in_order) if et == "langgraph.checkpoint")
+    moved = [e for i, e in enumerate(in_order) if i > last_cp]
+    assert moved and all(et == "langgraph.writes" for et, _ in moved)
+    saver.events["t-order"] = in_order[:last_cp] + moved + [in_order[last_cp]]
+    assert _status(saver, "t-order") == (
+        "interrupted at node approve waiting for {'question': 'Refund $40?'}"
+    )
+    saver.events["t-order"] = in_order
+    assert _status(saver, "t-order") == (
+        "interrupted at node approve waiting for {'question': 'Refund $40?'}"
+    )
