@@ -63,7 +63,7 @@ __all__ = [
 log = logging.getLogger("ledger_cdc.consumer")
 
 LOAD_AT_ONCE = 512  # sessions whose contexts are loaded by one query
-CONTEXT_FACTOR = 3  # a decoded context holds about 3× its JSON in memory (measured)
+CONTEXT_FACTOR = 3  # a decoded context's Python objects for each byte of its JSON (bench/memory.py)
 _ENDED = (SessionStatus.COMPLETED, SessionStatus.FAILED)
 
 
@@ -200,7 +200,7 @@ def context_size(ctx: SessionContext, stored: bytes | str) -> int:
 
 class SessionCache:
     """Contexts by session, least recently used first, bounded by their estimated bytes
-    (CONTEXT_FACTOR × their JSON: what the Python objects take, measured)."""
+    (CONTEXT_FACTOR × their JSON: what the Python objects take)."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
