@@ -3,6 +3,8 @@ and what every command shares; ``app`` holds the core commands (init, demo, cons
 slot), ``doctor`` the deployment's preflight, ``server`` a throwaway PostgreSQL, ``tools`` the
 others (replay, inspect, verify, runs, outbox, partitions, …)."""
 
+import signal
+
 from ledger_cdc.cli import app, doctor, server, tools, ui  # noqa: F401  (each registers its commands)
 from ledger_cdc.cli.base import cli, fail
 
@@ -10,6 +12,10 @@ __all__ = ["cli", "main"]
 
 
 def main() -> None:
+    # Ctrl-C stops a command even when the process was started with SIGINT ignored (a shell's
+    # background job, some supervisors), which Python keeps as it found it: a `lag --watch`,
+    # `tail` or `ui` would otherwise run on
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         cli(prog_name="ledger-cdc")
     except Exception as e:
