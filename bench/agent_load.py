@@ -46,6 +46,7 @@ from common import (
     proc_peak_rss_mb,
     recvlogical,
     wait_until,
+    words,
 )
 
 from ledger_cdc.admin.schema import create_slot, init
@@ -72,13 +73,7 @@ WORDS = [
 
 
 def text(rng: random.Random, chars: int) -> str:
-    out: list[str] = []
-    n = 0
-    while n < chars:
-        w = rng.choice(WORDS)
-        out.append(w)
-        n += len(w) + 1
-    return " ".join(out)[:chars]
+    return words(rng, chars, WORDS)
 
 
 def agent(dsn: str, seed: int, turns: int, pace: float, counts: dict[str, int]) -> None:

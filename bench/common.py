@@ -38,6 +38,17 @@ INSERT INTO agent_events (session_id, agent_id, event_type, payload) VALUES (('0
 """
 
 
+def words(rng: Any, chars: int, vocabulary: list[str]) -> str:
+    """``chars`` characters of words drawn from ``vocabulary`` with ``rng`` (a random.Random)."""
+    out: list[str] = []
+    n = 0
+    while n < chars:
+        w = rng.choice(vocabulary)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)[:chars]
+
+
 def write_backlog(dsn: str, n: int, sessions: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(WRITE_PROC)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -40,6 +41,7 @@ __all__ = [
     "encode_snapshot",
     "encode_stored",
     "memo_key",
+    "referable",
     "references",
     "window_chars",
 ]
@@ -155,6 +157,27 @@ def references(ctx: SessionContext) -> tuple[int | None, list[int]]:
         w.position if w is not None and w.omitted else None,
         [s.position for s in ctx.sources if s.omitted],
     )
+
+
+def referable(result: Any) -> bool:
+    """Whether the readers of a stored context give back the text of this ``tool.observed``
+    result exactly as the fold wrote it into a message, so that the message may be left in its
+    event: a string as it is; any other value holds no float anywhere. SQL's ``ledger_message``
+    writes a non-string result as jsonb's text made compact, which for such a value is the
+    fold's text byte for byte (keys in jsonb's order, as the fold read them; integers of any
+    size, every string escaped alike); jsonb keeps a fractional number's own digits (1.50,
+    0.0000001) where the fold writes the float it decoded (1.5, 1e-07)."""
+    stack = [result]
+    while stack:
+        value = stack.pop()
+        kind = type(value)
+        if kind is float:
+            return False
+        if kind is dict:
+            stack.extend(value.values())
+        elif kind is list:
+            stack.extend(value)
+    return True
 
 
 def decode_messages(data: bytes | str) -> list[Message]:

@@ -24,13 +24,23 @@ SET search_path = pg_catalog, @schema@, pg_temp AS $$
 $$;
 
 -- The string a message was taken from: a model.responded's content, a tool.observed's error or
--- (string) result.
+-- result. A string result as it is; any other as compact JSON, keys in jsonb's order: jsonb's own
+-- text without the space it puts after each comma and colon between values (the regular
+-- expression takes each string whole, so what a string holds is left as it is). For a value
+-- without a fractional or exponent number that is, byte for byte, the text the fold writes for a
+-- result it copies into a message (msgspec's compact JSON of the value as decoded), which is
+-- what a stored context references (ledger_cdc.fold.codec.referable).
 CREATE OR REPLACE FUNCTION ledger_message(p_session UUID, p_position BIGINT) RETURNS TEXT
 LANGUAGE sql STABLE PARALLEL SAFE
 SET search_path = pg_catalog, @schema@, pg_temp AS $$
     SELECT coalesce(
         ledger_payload(p_session, p_position, 'model.responded') ->> 'content',
-        (SELECT coalesce(p ->> 'error', p ->> 'result')
+        (SELECT coalesce(p ->> 'error',
+                         CASE WHEN jsonb_typeof(p -> 'result') IN ('object', 'array')
+                              THEN regexp_replace((p -> 'result')::text,
+                                                  '("(?:[^"\\]|\\.)*")|(,) |(:) ', '\1\2\3', 'g')
+                              ELSE p ->> 'result'
+                         END)
          FROM ledger_payload(p_session, p_position, 'tool.observed') AS p))
 $$;
 
