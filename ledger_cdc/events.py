@@ -437,6 +437,7 @@ DEFAULT_LIMITS = Limits()
 _NOT_SYNTAX = bytes(b for b in range(256) if b not in b'[]{}"')
 _SQUARE = bytes.maketrans(b"{}", b"[]")
 _RUN = re.compile(rb"\[+|\]+")
+_OPENING = re.compile(rb"[{\[]")
 
 
 def json_depth(data: bytes, stop_at: int = READ_MAX_DEPTH) -> int:
@@ -463,7 +464,7 @@ def json_depth(data: bytes, stop_at: int = READ_MAX_DEPTH) -> int:
     return depth
 
 
-def too_deep(data: bytes | str, limit: int) -> bool:
+def too_deep(data: bytes | str | memoryview, limit: int) -> bool:
     """Whether JSON text nests deeper than ``limit`` (free when it is too short to)."""
     if len(data) <= 2 * limit:  # n levels take 2n brackets
         return False
@@ -471,7 +472,7 @@ def too_deep(data: bytes | str, limit: int) -> bool:
     # messages) have fewer than the limit in all, which json_depth need not confirm
     if not _openings_over(data, limit):
         return False
-    return json_depth(data.encode() if isinstance(data, str) else data, limit) > limit
+    return json_depth(data.encode() if isinstance(data, str) else bytes(data), limit) > limit
 
 
 T = TypeVar("T")
@@ -492,11 +493,18 @@ def decode_bounded(decode: Callable[[Any], T], data: bytes | str, limit: int) ->
         raise msgspec.DecodeError("JSON nested past what the decoder takes") from None
 
 
-def _openings_over(data: bytes | str, limit: int) -> bool:
+def _openings_over(data: bytes | str | memoryview, limit: int) -> bool:
     """Whether ``data`` holds more than ``limit`` opening brackets. Found one by one (find is
     memchr, many times faster than a pass that counts or translates every byte), at most
-    ``limit + 1`` of them: bounded whatever the data."""
+    ``limit + 1`` of them: bounded whatever the data. A view (a long value of a stream message,
+    not copied out of it) has no find: a regular expression finds them there."""
     n = 0
+    if isinstance(data, memoryview):
+        for _ in _OPENING.finditer(data):
+            n += 1
+            if n > limit:
+                return True
+        return False
     find: Any = data.find
     for bracket in ("{", "[") if isinstance(data, str) else (b"{", b"["):
         i = find(bracket)
@@ -733,7 +741,7 @@ def refuse_nul(data: bytes, what: str) -> bytes:
 _free = msgspec.json.Decoder()
 
 
-def load_payload(event_type: str, data: bytes | str) -> Any:
+def load_payload(event_type: str, data: bytes | str | memoryview) -> Any:
     """Stored JSON → the registered payload type (plain JSON for a type this process does not
     know); raises :class:`InvalidEventError` with the reason when it does not fit or nests
     deeper than :data:`READ_MAX_DEPTH`. Lenient: fields the type does not declare are ignored

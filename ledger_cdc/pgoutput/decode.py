@@ -64,12 +64,16 @@ _U32 = struct.Struct(">I").unpack_from
 _COLUMN_HEAD = struct.Struct(">BI").unpack_from  # a column's kind, and its length if it has one
 _INSERT = struct.Struct(">IBH").unpack_from  # relation id, tuple tag, column count
 _INSERT_IN_STREAM = struct.Struct(">IIBH").unpack_from  # the same after the xid
+# A text value this long is handed over as a memoryview of its message, not copied out of it:
+# the message is already one copy of a large payload in memory, and its decoded value another.
+_VIEW_FROM = 1 << 20
 _NAMES = {m.value: m.name.title().replace("_", " ") for m in MessageType}
 _FAST_ERRORS = (IndexError, struct.error, ValueError, KeyError, TypeError)
 
 
 def _tuple_at(data: bytes, pos: int, ncols: int) -> tuple[Any, ...]:
-    """The ``ncols`` values of a TupleData starting at ``pos``, which must end the message."""
+    """The ``ncols`` values of a TupleData starting at ``pos``, which must end the message (a
+    text value of _VIEW_FROM bytes or more as a view of it: see _VIEW_FROM)."""
     values: list[Any] = []
     append = values.append
     special = False
@@ -77,7 +81,9 @@ def _tuple_at(data: bytes, pos: int, ncols: int) -> tuple[Any, ...]:
         col = data[pos]
         if col == 116:  # 't'
             end = pos + 5 + _U32(data, pos + 1)[0]
-            append(data[pos + 5 : end])
+            append(
+                data[pos + 5 : end] if end - pos < _VIEW_FROM else memoryview(data)[pos + 5 : end]
+            )
             pos = end
         elif col == 110:  # 'n'
             append(None)
@@ -348,7 +354,7 @@ class Decoder:
                 # Update and Delete (rare here) go through the grammar
                 known = self._parsers.get(relid)
                 if known is not None and known[0] == ncols:  # a row of a relation described
-                    new = known[1](data, pos)
+                    new = known[1](data, pos) if len(data) < _VIEW_FROM else None
                     if new is None:  # a binary or unchanged value, or bytes past the tuple
                         new = _tuple_at(data, pos, ncols)
                     return Insert(relid, new, xid)

@@ -38,12 +38,14 @@ def adapters_with_msgspec_json() -> AdaptersMap:
 
 
 class RawLoader(Loader):
-    """A value's bytes as they came (no copy when they are bytes already): json/jsonb text
-    that the caller decodes once, straight into a typed Struct — no str in between, which for a
-    large payload would be another copy of it."""
+    """A value's bytes as they came, not copied (bytes, or the view of the message the decoder
+    gives a long value as): json/jsonb text that the caller decodes once, straight into a typed
+    Struct — no str in between, which for a large payload would be another copy of it."""
 
-    def load(self, data: Buffer) -> bytes:
-        return data if type(data) is bytes else bytes(data)
+    def load(self, data: Buffer) -> bytes | memoryview:
+        if isinstance(data, memoryview) or type(data) is bytes:
+            return data
+        return bytes(data)
 
 
 def raw_json_adapters() -> AdaptersMap:

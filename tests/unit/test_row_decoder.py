@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ledger_cdc.events import LedgerEvent, Rejected
+from ledger_cdc.events import LedgerEvent, Rejected, too_deep
 from ledger_cdc.pgoutput import Decoder, Insert
 from ledger_cdc.pgoutput.decode import _UNROLLED_UPTO, _text_tuple, _tuple_at
 from ledger_cdc.pgoutput.messages import Column, Relation, ReplicaIdentity
@@ -148,3 +148,46 @@ def test_the_written_out_tuple_reads_as_the_loop(cols: list[dict[str, Any]], tai
                               tuple(Column(0, f"c{i}", 25, -1) for i in range(len(cols))))  # fmt: skip
     msg = d.decode(data, 0)
     assert isinstance(msg, Insert) and msg.new == _tuple_at(data, 8, len(cols))
+
+
+def test_a_long_value_is_a_view_of_its_message_and_reads_as_its_bytes() -> None:
+    """A text value of a megabyte or more is not copied out of its message: the Insert holds a
+    memoryview of it, which the row decoder reads as it reads bytes (the fast path, and each
+    rule in turn)."""
+    payload = json.dumps({"call_id": "c", "result": "x" * (1 << 20)})
+    values = dict(VALID, event_type="tool.observed", payload=payload)
+    cols = [{"kind": b"n", "data": None} if v is None else {"kind": b"t", "data": v}
+            for v in text([values[name] for name, _ in COLUMNS])]  # fmt: skip
+    data = build_message(b"I", {"xid": None, "relation_id": 1, "new": {"columns": cols}})
+    d = Decoder()
+    d.decode(build_message(b"R", _relation_body(1)), 0)
+    msg = d.decode(data, 0)
+    assert isinstance(msg, Insert)
+    payload = msg.new[5]
+    assert type(payload) is memoryview and payload.obj is data
+    assert all(type(v) is bytes for i, v in enumerate(msg.new) if i != 5 and v is not None)
+    as_bytes = tuple(bytes(v) if type(v) is memoryview else v for v in msg.new)
+    dec = LedgerRowDecoder(relation())
+    fast, slow = dec.event(msg.new), dec._event(msg.new, 0)
+    assert isinstance(fast, LedgerEvent) and fast == slow == dec.event(as_bytes)
+    assert fast.payload.result == "x" * (1 << 20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet='[]{}"\\ax,:', max_size=900), st.integers(1, 300))
+def test_the_depth_rule_reads_a_view_as_its_bytes(doc: str, limit: int) -> None:
+    data = doc.encode()
+    assert too_deep(memoryview(data), limit) == too_deep(data, limit)
+
+
+def _relation_body(relid: int) -> dict[str, Any]:
+    return {
+        "xid": None,
+        "relation_id": relid,
+        "namespace": "public",
+        "name": "agent_events",
+        "replica_identity": b"d",
+        "columns": [
+            {"flags": 0, "name": n, "type_oid": oid, "type_modifier": -1} for n, oid in COLUMNS
+        ],
+    }
