@@ -82,6 +82,11 @@ class NatsServer:
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", self.port)) == 0:
                     return
+            if self.proc.poll() is not None:
+                # it exited: a port of its own still held for a moment (a restart on the same
+                # ports, its killed predecessor's sockets not yet released): start it again
+                time.sleep(0.5)
+                self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
             time.sleep(0.05)
         raise RuntimeError(f"nats-server {self.name} did not start: {self.log.read_text()[-2000:]}")
 
