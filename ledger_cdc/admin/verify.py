@@ -40,7 +40,7 @@ from ledger_cdc.admin.health import publication_filter
 from ledger_cdc.admin.partitions import archived_heads, check_archive
 from ledger_cdc.admin.timeline import field_differences
 from ledger_cdc.client.read import COLUMNS, row_event
-from ledger_cdc.client.recovery import _merge_memo, attach_steps, load_memo, snapshot_context
+from ledger_cdc.client.recovery import attach_steps, load_memo, merge_memo, snapshot_context
 from ledger_cdc.client.steps import run
 from ledger_cdc.connect import connect
 from ledger_cdc.errors import SchemaError, WindowMissingError
@@ -172,7 +172,7 @@ class _Store:
                     f"session {sid}: an agent_memo row of a {kind} call leaves its {part} in "
                     "the ledger's event " + _ELSEWHERE
                 )
-        return _merge_memo(ctx, [(kind, text) for kind, text, _ in rows])
+        return merge_memo(ctx, [(kind, text) for kind, text, _ in rows])
 
 
 def _check_projection(

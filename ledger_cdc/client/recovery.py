@@ -506,7 +506,9 @@ async def memoised_model_async(
     return await run_async(conn, _model_steps(ctx, request_id, idempotency_key, prompt_hash))
 
 
-def _merge_memo(ctx: SessionContext, rows: Iterable[Sequence[Any]]) -> SessionContext:
+def merge_memo(ctx: SessionContext, rows: Iterable[Sequence[Any]]) -> SessionContext:
+    """Merge agent_memo ``rows`` (kind, entry as JSON text) into ``ctx`` (in place;
+    ``memo_position`` 0): the calls completed after them, already in ``ctx``, are kept."""
     tools: dict[str, CompletedTool] = {}
     models: dict[str, CompletedModel] = {}
     with _no_gc():
@@ -527,7 +529,7 @@ def _load_memo_steps(ctx: SessionContext) -> Steps[SessionContext]:
     if not ctx.memo_position:
         return ctx
     rows = yield Step(_MEMO_ALL, (ctx.session_id, ctx.memo_position))
-    return _merge_memo(ctx, rows)
+    return merge_memo(ctx, rows)
 
 
 def load_memo(conn: psycopg.Connection[Any], ctx: SessionContext) -> SessionContext:
