@@ -39,14 +39,12 @@ what went wrong, where, and what to do about it, and never holds a password.
 
 from __future__ import annotations
 
-import re
 import sys
-import urllib.parse
 import uuid
 from typing import Any
 
-from ledger_cdc import lsn as _lsn
 from ledger_cdc.lsn import format_lsn
+from ledger_cdc.redact import redact
 
 
 class LedgerError(Exception):
@@ -60,36 +58,6 @@ class ConfigError(LedgerError):
     that retrying will not cure (authentication, privileges, wal_level, a missing object)."""
 
     exit_code = 4
-
-
-DAY = 86_400
-"""Seconds: the longest interval, wait or timeout a setting takes (past it a wait overflows the
-platform's clock, or a health check never comes)."""
-
-
-def _number(x: float) -> str:
-    return f"{x:,}" if isinstance(x, int) else f"{x:g}"
-
-
-def check_ranges(
-    what: str,
-    settings: object,
-    ranges: dict[str, tuple[float, float]],
-    off: tuple[str, ...] = (),
-) -> None:
-    """Raise ConfigError naming every setting of ``settings`` (an attribute each) that is not a
-    number from its least to its most in ``ranges`` (NaN is in no range; a bool is no number),
-    or 0 for one in ``off`` (0 turns it off)."""
-    bad: list[str] = []
-    for name, (low, high) in ranges.items():
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            bad.append(f"{name}={value!r} is not a number")
-        elif not (low <= value <= high or (name in off and value == 0)):
-            zero = "0 or " if name in off else ""
-            bad.append(f"{name}={value!r} is not {zero}from {_number(low)} to {_number(high)}")
-    if bad:
-        raise ConfigError(f"{what} out of range: " + "; ".join(bad))
 
 
 class PostgresNotFoundError(ConfigError):
@@ -242,7 +210,8 @@ class IdempotencyConflictError(AppendError):
 
 class MemoNotLoadedError(LedgerError):
     """A context rebuilt from a snapshot does not hold the calls completed before it (they are
-    in ``agent_memo``): look them up with ``ledger_cdc.replay.memoised_tool(conn, ctx, …)``."""
+    in ``agent_memo``): look them up with
+    ``ledger_cdc.client.recovery.memoised_tool(conn, ctx, …)``."""
 
 
 class DecodeError(LedgerError):
@@ -318,33 +287,6 @@ _PERMANENT_STATES = (
 _SCHEMA_STATES = ("42P01", "42703", "3F000", "42883")
 # feature_not_supported, protocol_violation: what a replication connection answers to SQL
 _REPLICATION_STATES = ("0A000", "08P01")
-_PASSWORD_KV = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
-_PASSWORD_URL = re.compile(r"(://[^:/@\s]*:)([^@\s]*)(@)")
-_DSN_PASSWORD_URL = re.compile(r"(://[^:/@]*:)([^@]*)(@)")
-
-
-def redact(text: str, dsn: str | None = None) -> str:
-    """``text`` without any password it may hold (of ``dsn``, or written as one)."""
-    if dsn:
-        secret = _password_of(dsn)
-        if secret:
-            # as written, and as libpq quotes it decoded (a URL's %20 is a space in its errors)
-            for form in {secret, urllib.parse.unquote(secret)}:
-                text = text.replace(form, "***")
-    text = _PASSWORD_KV.sub(r"\1***", text)
-    return _PASSWORD_URL.sub(r"\1***\3", text)
-
-
-def _password_of(dsn: str) -> str | None:
-    # a DSN is one value, not prose: its URL password runs to the '@' (spaces and all, which
-    # libpq then refuses, quoting it)
-    m = _DSN_PASSWORD_URL.search(dsn)
-    if m and m.group(2):
-        return m.group(2)
-    m = _PASSWORD_KV.search(dsn)
-    if m:
-        return m.group(2).strip("'")
-    return None
 
 
 def first_line(e: BaseException) -> str:
@@ -661,7 +603,6 @@ def describe(e: BaseException, dsn: str | None = None) -> str:
 
 
 __all__ = [
-    "DAY",
     "AppendError",
     "ArchiveRefusedError",
     "ConcurrentAppendError",
@@ -691,23 +632,11 @@ __all__ = [
     "TransportError",
     "UnknownEventTypeError",
     "WindowMissingError",
-    "check_ranges",
     "describe",
     "first_line",
-    "format_lsn",
     "is_permanent",
-    "parse_lsn",
-    "redact",
     "translate",
 ]
-
-
-def parse_lsn(text: str) -> int:
-    """``'0/16B3A40'`` → integer LSN; a ConfigError (exit code 4) on anything else."""
-    try:
-        return _lsn.parse_lsn(text)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 # -- getting a connection -------------------------------------------------------------------------

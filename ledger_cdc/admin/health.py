@@ -23,7 +23,7 @@ import psycopg
 from psycopg import sql
 
 from ledger_cdc.admin.schema import publication_table, slot_misfit
-from ledger_cdc.errors import format_lsn, parse_lsn
+from ledger_cdc.lsn import format_lsn, parse_lsn
 
 __all__ = [
     "CRITICAL",

@@ -33,7 +33,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ledger_cdc._version import __version__
-from ledger_cdc.errors import DAY, LedgerError
+from ledger_cdc.errors import LedgerError
+from ledger_cdc.settings import DAY
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,7 +69,8 @@ def fail(e: BaseException) -> None:
     """Any error as one red line on stderr (its password removed) and its exit code."""
     import logging
 
-    from ledger_cdc.errors import describe, redact, translate
+    from ledger_cdc.errors import describe, translate
+    from ledger_cdc.redact import redact
 
     dsn = None
     ctx = click.get_current_context(silent=True)

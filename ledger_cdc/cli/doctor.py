@@ -84,7 +84,8 @@ def doctor(
     from ledger_cdc.admin.doctor import CANNOT_TELL, diagnose, exit_code
     from ledger_cdc.admin.schema import validate_publication_name, validate_slot_name
     from ledger_cdc.consumer.resync import check_schema, publication_problem
-    from ledger_cdc.errors import LedgerError, redact
+    from ledger_cdc.errors import LedgerError
+    from ledger_cdc.redact import redact
 
     validate_slot_name(slot)
     validate_publication_name(publication)

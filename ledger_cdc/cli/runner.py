@@ -19,7 +19,8 @@ from rich.text import Text
 
 from ledger_cdc.consumer.loop import Consumer, Metrics
 from ledger_cdc.consumer.metrics import HealthCheck, MetricsCollector, registry, serve
-from ledger_cdc.errors import DatabaseUnavailable, format_lsn
+from ledger_cdc.errors import DatabaseUnavailable
+from ledger_cdc.lsn import format_lsn
 
 __all__ = ["run_consumer", "setup_logging", "status_text", "watch_stop"]
 

@@ -52,15 +52,9 @@ import psycopg
 
 from ledger_cdc import retry
 from ledger_cdc.connect import connect
-from ledger_cdc.errors import (
-    DAY,
-    ConfigError,
-    LedgerError,
-    RetryableError,
-    check_ranges,
-    translate,
-)
+from ledger_cdc.errors import ConfigError, LedgerError, RetryableError, translate
 from ledger_cdc.events import READ_MAX_DEPTH, decode_bounded
+from ledger_cdc.settings import DAY, check_ranges
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ledger_cdc.admin.health import Thresholds
-from ledger_cdc.errors import DAY, SpillError, check_ranges
+from ledger_cdc.errors import SpillError
 from ledger_cdc.fold import Reducers
 from ledger_cdc.names import DEFAULT_PUBLICATION, DEFAULT_SLOT, RUNS_CHANNEL
+from ledger_cdc.settings import DAY, check_ranges
 
 __all__ = ["RANGES", "ConsumerConfig", "check_spill_dir"]
 

@@ -945,7 +945,7 @@ class JetStreamPublisher:
     ) -> list[tuple[bytes, bytes, bytes, int, int]]:
         """(subject, body, message id, position, commit LSN) of each event, then of each
         session's projection, in that order."""
-        from ledger_cdc.errors import format_lsn
+        from ledger_cdc.lsn import format_lsn
 
         p = self.settings.prefix
         slot = self.slot

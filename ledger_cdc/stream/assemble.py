@@ -28,7 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO, Generic, TypeVar
 
-from ledger_cdc.errors import DecodeError, SpillError, format_lsn
+from ledger_cdc.errors import DecodeError, SpillError
+from ledger_cdc.lsn import format_lsn
 from ledger_cdc.pgoutput.messages import (
     Begin,
     BeginPrepare,

@@ -39,9 +39,9 @@ from ledger_cdc.errors import (
     SlotLostError,
     TransportError,
     first_line,
-    format_lsn,
     translate,
 )
+from ledger_cdc.lsn import format_lsn
 
 __all__ = [
     "FEEDBACK_EVERY",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psycopg
 
-from ledger_cdc.errors import parse_lsn
+from ledger_cdc.lsn import parse_lsn
 from tests.support.cdc import (
     ConsumerProcess,
     Writers,

@@ -16,8 +16,8 @@ import pytest
 from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.client.recovery import rebuild_context
 from ledger_cdc.client.writer import Ledger
-from ledger_cdc.errors import parse_lsn
 from ledger_cdc.fold import SessionContext
+from ledger_cdc.lsn import parse_lsn
 from tests.support.cdc import (
     ConsumerProcess,
     InThread,

@@ -33,9 +33,9 @@ from ledger_cdc.errors import (
     RefusedError,
     SchemaError,
     first_line,
-    redact,
     translate,
 )
+from ledger_cdc.redact import redact
 from tests.support.cdc import until
 from tests.support.harness import _INSTALLS
 

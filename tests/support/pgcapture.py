@@ -11,7 +11,7 @@ from typing import Any
 
 import psycopg
 
-from ledger_cdc.errors import parse_lsn
+from ledger_cdc.lsn import parse_lsn
 from ledger_cdc.pgoutput import Decoder, Message
 
 
