@@ -388,7 +388,19 @@ def _apply(
             new.reducer_version,
         ):
             state.snapshots[at] = new
-    state.dead_letters.extend(batch.dead_letters)
+    if batch.dead_letters:
+        # as ledger_dead_letters_once: a row quarantined again (a replay, a rebuild) is one
+        # letter, whatever the reason given the second time
+        seen = set(map(_dead_key, state.dead_letters))
+        for dead in batch.dead_letters:
+            key = _dead_key(dead)
+            if key not in seen:
+                seen.add(key)
+                state.dead_letters.append(dead)
+
+
+def _dead_key(dead: DeadLetter) -> tuple[int, str, int]:
+    return (dead.lsn, dead.kind, -1 if dead.seq is None else dead.seq)
 
 
 def _notices(state: MemoryStore, batch: Batch) -> None:
