@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,17 +64,17 @@ from ledger_cdc.sink.postgres import run_columns
 __all__ = ["Difference", "VerifyReport", "verify"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Difference:
     """One disagreement between the log and what is stored (or within the log itself)."""
 
     session_id: uuid.UUID | None  # None: rows without a session, in a ledger altered by hand
     kind: str  # projection | snapshot | memo | chain | orphan | archive | behind
-    seq: int | None  # the seq of the stored object (or of the event) that differs
-    position: int | None
-    field: str | None  # dotted path in the context, e.g. pending_tools.call-3.attempts
-    expected: Any  # from the refold (or the recomputed hash)
-    actual: Any  # what is stored
+    seq: int | None = None  # the seq of the stored object (or of the event) that differs
+    position: int | None = None
+    field: str | None = None  # dotted path in the context, e.g. pending_tools.call-3.attempts
+    expected: Any = None  # from the refold (or the recomputed hash)
+    actual: Any = None  # what is stored
     detail: str
 
     def as_dict(self) -> dict[str, Any]:
@@ -106,6 +107,27 @@ class VerifyReport:
     def ok(self) -> bool:
         """No difference, and every session asked for exists."""
         return not self.differences and not self.unknown
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as ``ledger-cdc verify --json`` prints it."""
+        return {
+            "ok": self.ok,
+            "sessions": self.sessions,
+            "events": self.events,
+            "projections": self.projections,
+            "snapshots": self.snapshots,
+            "memo": self.memo,
+            "chained_events": self.chained_events,
+            "differences": [d.as_dict() for d in self.differences],
+            "unknown_sessions": [str(u) for u in self.unknown],
+            "quarantined": self.quarantined,
+            "notes": self.notes,
+        }
+
+    def to_json(self) -> str:
+        """:meth:`as_dict` as indented JSON; a stored value JSON has no type for (a time, say)
+        is written as its ``str``."""
+        return json.dumps(self.as_dict(), indent=2, default=str)
 
 
 _PROJECTION = (
@@ -193,26 +215,26 @@ def _check_projection(
         return
     seq = int(row[0])
 
-    def differs(path: str | None, exp: Any, act: Any, detail: str) -> None:
-        report.differences.append(
-            Difference(sid, "projection", seq, position, path, exp, act, detail)
-        )
-
     # the columns readers filter on (runs, pending_runs, status queries) hold what the context
     # says: the refold's values, as the consumer writes them
     expected = (str(ctx.status), ctx.last_position, ctx.event_count, *run_columns(ctx))
     for name, exp, act in zip(_COLUMNS, expected, row[3:], strict=True):
         if exp != act:
-            differs(
-                f"column {name}",
-                exp,
-                act,
-                f"projection column {name} differs from a refold of the log",
-            )
+            detail = f"projection column {name} differs from a refold of the log"
+            found = [(f"column {name}", exp, act)]
+            report.differences += _fields_differ(found, sid, "projection", seq, position, detail)
     try:
         stored = decode_context(row[2])
     except msgspec.DecodeError as e:  # (ValidationError included) edited into another shape
-        differs(None, None, None, f"projection is unreadable: {e}")
+        report.differences.append(
+            Difference(
+                session_id=sid,
+                kind="projection",
+                seq=seq,
+                position=position,
+                detail=f"projection is unreadable: {e}",
+            )
+        )
         return
     whole = row[1] != PROJECTION_FORMAT  # format 1 holds every completed call
     _compare_stored(store, report, "projection", ctx, stored, seq, position, limit, whole=whole)
@@ -238,7 +260,9 @@ def _compare_stored(
         store.attach(stored)
     except WindowMissingError as e:
         report.differences.append(
-            Difference(sid, kind, seq, position, "window", None, None, str(e))
+            Difference(
+                session_id=sid, kind=kind, seq=seq, position=position, field="window", detail=str(e)
+            )
         )
         return
     expected = ctx if whole else decode_context(encode_stored(ctx, reference=False))
@@ -247,19 +271,45 @@ def _compare_stored(
         msgspec.to_builtins(comparable(stored)),
         limit=limit,
     )
-    for path, exp, act in diffs:
-        report.differences.append(
-            Difference(
-                sid,
-                kind,
-                seq,
-                position,
-                path,
-                exp,
-                act,
-                f"stored {kind} at position {position} differs from a refold of the log",
-            )
+    detail = f"stored {kind} at position {position} differs from a refold of the log"
+    report.differences += _fields_differ(diffs, sid, kind, seq, position, detail)
+
+
+def _at_position(sid: uuid.UUID, kind: str, head: int, at: int | None, detail: str) -> Difference:
+    """A stored object at position ``at`` (None: missing) where the log's head is ``head``."""
+    return Difference(
+        session_id=sid,
+        kind=kind,
+        position=at,
+        field="last_position",
+        expected=head,
+        actual=at,
+        detail=detail,
+    )
+
+
+def _fields_differ(
+    diffs: Iterable[tuple[str, Any, Any]],
+    sid: uuid.UUID,
+    kind: str,
+    seq: int | None,
+    position: int,
+    detail: str,
+) -> list[Difference]:
+    """A difference for each (field, expected, actual) of ``diffs``."""
+    return [
+        Difference(
+            session_id=sid,
+            kind=kind,
+            seq=seq,
+            position=position,
+            field=path,
+            expected=exp,
+            actual=act,
+            detail=detail,
         )
+        for path, exp, act in diffs
+    ]
 
 
 # The chain of a session whose history up to position P was archived starts at P + 1, linked to
@@ -321,14 +371,12 @@ def _chain(
     for sid, seq, pos, problem in conn.execute(_CHAIN.format(where=where).encode(), params):
         report.differences.append(
             Difference(
-                sid,
-                "chain",
-                int(seq),
-                None if pos is None else int(pos),
-                "hash",
-                None,
-                None,
-                problem,
+                session_id=sid,
+                kind="chain",
+                seq=int(seq),
+                position=None if pos is None else int(pos),
+                field="hash",
+                detail=problem,
             )
         )
     row = conn.execute(
@@ -370,14 +418,14 @@ def _witness(
             detail += ", or the projections were folded from a history the ledger no longer has"
         report.differences.append(
             Difference(
-                sid,
-                "chain",
-                int(seq),
-                int(pos),
-                "hash",
-                bytes(table).hex(),
-                bytes(streamed).hex(),
-                detail,
+                session_id=sid,
+                kind="chain",
+                seq=int(seq),
+                position=int(pos),
+                field="hash",
+                expected=bytes(table).hex(),
+                actual=bytes(streamed).hex(),
+                detail=detail,
             )
         )
 
@@ -479,131 +527,137 @@ def verify(
     of kind ``behind``: nothing tells a consumer behind from a projection lost. Negative: not
     judged, only noted (for a ledger checked without its projections, e.g. the chain alone).
     ``on_wait(n)`` is told when that wait starts, for ``n`` sessions."""
-    ids = None if sessions is None else list(sessions)
     report = VerifyReport()
-    version = reducer_version()
-    behind: dict[uuid.UUID, tuple[int, int | None]] = {}
     with contextlib.ExitStack() as stack:
         ledger = stack.enter_context(connect(dsn))
-        target = None
-        if target_dsn is not None:
-            target = _open_target(ledger, target_dsn)
-            if target is not None:
-                stack.enter_context(target)
-        store = _Store(ledger if target is None else target, by_reference=target is None)
-        for conn in {ledger, store.conn}:
+        target = None if target_dsn is None else _open_target(ledger, target_dsn)
+        if target is not None:
+            stack.enter_context(target)
+        run = _Run(
+            ledger=ledger,
+            store=_Store(ledger if target is None else target, by_reference=target is None),
+            report=report,
+            version=reducer_version(),
+            limit=fields_per_object,
+        )
+        for conn in {ledger, run.store.conn}:
             conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             conn.read_only = True
-        with contextlib.ExitStack() as snapshots:
-            if target is not None:
-                # the projections' snapshot first: everything it holds was folded from events
-                # committed before the ledger's, which then cannot look behind them
-                snapshots.enter_context(target.transaction())
-                stored = _read_stored(target, ids)
-            snapshots.enter_context(ledger.transaction())
-            # the ledger's first statement takes its snapshot: every transaction it sees
-            # committed before this WAL position
-            seen_at = ledger.execute(
-                "SELECT CASE WHEN pg_is_in_recovery() THEN NULL ELSE pg_current_wal_lsn() END"
-            ).fetchone()
-            if target is None:
-                stored = _read_stored(ledger, ids)
-            projected, snapped = stored.projected, stored.snapped
-            archived = archived_heads(ledger)
-            seen: set[uuid.UUID] = set()
-            for sid, rows in _sessions(ledger, ids):
-                seen.add(sid)
-                if on_session is not None:
-                    on_session(sid)
-                _verify_session(
-                    ledger,
-                    store,
-                    report,
-                    sid,
-                    rows,
-                    projected.get(sid),
-                    snapped.get(sid, []),
-                    version,
-                    fields_per_object,
-                    archived.get(sid),
-                    behind,
-                )
-            for sid in sorted((set(projected) | set(snapped)) - seen):
-                if sid in archived:  # its whole history left with an archive
-                    _verify_archived(
-                        ledger,
-                        store,
-                        report,
-                        sid,
-                        archived[sid],
-                        projected.get(sid),
-                        version,
-                        fields_per_object,
-                    )
-                    continue
-                _orphan(report, sid, projected.get(sid), len(snapped.get(sid, [])))
-            if ids is not None:
-                for sid in ids:
-                    if sid not in seen and sid not in projected and sid not in snapped:
-                        report.unknown.append(sid)
-            if chain:
-                _chain(ledger, report, ids, archived)
-                _witness(ledger, report, stored.witnessed, elsewhere=target is not None)
-            if archive_dir is not None:
-                for problem in check_archive(ledger, archive_dir):
-                    report.differences.append(
-                        Difference(
-                            uuid.UUID(int=0), "archive", None, None, None, None, None, problem
-                        )
-                    )
-                if archived:
-                    report.notes.append(f"archives checked against their sha256 in {archive_dir}")
-        if behind and consumer_wait < 0:
+        seen_at = _in_snapshot(
+            run,
+            None if sessions is None else list(sessions),
+            chain=chain,
+            archive_dir=archive_dir,
+            on_session=on_session,
+        )
+        if run.behind and consumer_wait < 0:
             report.notes.append(
-                f"{len(behind)} session(s) with a projection missing or behind the log not "
+                f"{len(run.behind)} session(s) with a projection missing or behind the log not "
                 "judged (consumer_wait < 0: only noted)"
             )
-        elif behind:
-            _judge_behind(
-                ledger,
-                store,
-                report,
-                behind,
-                None if seen_at is None else seen_at[0],
-                consumer_wait,
-                on_wait,
-            )
+        elif run.behind:
+            _judge_behind(run, seen_at, consumer_wait, on_wait)
     return report
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Run:
+    """One verify: its connections, its report, and what every comparison is made with."""
+
+    ledger: psycopg.Connection[Any]
+    store: _Store
+    report: VerifyReport
+    version: str  # the reducers' (a snapshot of other reducers is not compared)
+    limit: int  # differing fields reported per stored object
+    # sessions whose projection was missing or behind their log in the snapshot: (the ledger's
+    # head, the projection's position), judged once the snapshots are closed
+    behind: dict[uuid.UUID, tuple[int, int | None]] = field(default_factory=dict)
+
+
+def _in_snapshot(
+    run: _Run,
+    ids: list[uuid.UUID] | None,
+    *,
+    chain: bool,
+    archive_dir: Path | None,
+    on_session: Callable[[uuid.UUID], None] | None,
+) -> str | None:
+    """Everything compared in the snapshots (the projections' first); the WAL position the
+    ledger's was taken at (None on a standby)."""
+    ledger, store, report = run.ledger, run.store, run.report
+    target = None if store.conn is ledger else store.conn
+    with contextlib.ExitStack() as snapshots:
+        if target is not None:
+            # the projections' snapshot first: everything it holds was folded from events
+            # committed before the ledger's, which then cannot look behind them
+            snapshots.enter_context(target.transaction())
+            stored = _read_stored(target, ids)
+        snapshots.enter_context(ledger.transaction())
+        # the ledger's first statement takes its snapshot: every transaction it sees
+        # committed before this WAL position
+        seen_at = ledger.execute(
+            "SELECT CASE WHEN pg_is_in_recovery() THEN NULL ELSE pg_current_wal_lsn() END"
+        ).fetchone()
+        if target is None:
+            stored = _read_stored(ledger, ids)
+        archived = archived_heads(ledger)
+        _refold(run, ids, stored, archived, on_session)
+        if chain:
+            _chain(ledger, report, ids, archived)
+            _witness(ledger, report, stored.witnessed, elsewhere=target is not None)
+        if archive_dir is not None:
+            for problem in check_archive(ledger, archive_dir):
+                report.differences.append(
+                    Difference(session_id=uuid.UUID(int=0), kind="archive", detail=problem)
+                )
+            if archived:
+                report.notes.append(f"archives checked against their sha256 in {archive_dir}")
+    return None if seen_at is None else seen_at[0]
+
+
+def _refold(
+    run: _Run,
+    ids: list[uuid.UUID] | None,
+    stored: _Stored,
+    archived: dict[uuid.UUID, tuple[int, bytes, str]],
+    on_session: Callable[[uuid.UUID], None] | None,
+) -> None:
+    """Every session of the ledger refolded and compared; the stored objects of sessions
+    without events (archived whole, or ahead of the ledger); the sessions asked for that are
+    nowhere."""
+    projected, snapped = stored.projected, stored.snapped
+    seen: set[uuid.UUID] = set()
+    for sid, rows in _sessions(run.ledger, ids):
+        seen.add(sid)
+        if on_session is not None:
+            on_session(sid)
+        _verify_session(run, sid, rows, projected.get(sid), snapped.get(sid, []), archived.get(sid))
+    for sid in sorted((set(projected) | set(snapped)) - seen):
+        if sid in archived:  # its whole history left with an archive
+            _verify_archived(run, sid, archived[sid], projected.get(sid))
+        else:
+            _orphan(run.report, sid, projected.get(sid), len(snapped.get(sid, [])))
+    if ids is not None:
+        run.report.unknown += [
+            sid for sid in ids if sid not in seen and sid not in projected and sid not in snapped
+        ]
 
 
 def _orphan(report: VerifyReport, sid: uuid.UUID, projected: int | None, snapshots: int) -> None:
     """Stored objects of a session the ledger has no event of (nor archived history)."""
     if projected is not None:
-        report.differences.append(
-            Difference(
-                sid,
-                "orphan",
-                None,
-                projected,
-                "last_position",
-                0,
-                projected,
-                f"projection at position {projected} of a session that has no events (and no "
-                "archived history): ahead of the ledger (a failover or a restore lost what it "
-                "folded, or an edit)",
-            )
+        detail = (
+            f"projection at position {projected} of a session that has no events (and no "
+            "archived history): ahead of the ledger (a failover or a restore lost what it "
+            "folded, or an edit)"
         )
+        report.differences.append(_at_position(sid, "orphan", 0, projected, detail))
     if snapshots:
         report.differences.append(
             Difference(
-                sid,
-                "orphan",
-                None,
-                None,
-                None,
-                None,
-                None,
-                f"{snapshots} snapshot(s) of a session that has no events (and no archived "
+                session_id=sid,
+                kind="orphan",
+                detail=f"{snapshots} snapshot(s) of a session that has no events (and no archived "
                 "history): ahead of the ledger",
             )
         )
@@ -685,10 +739,7 @@ def _slots(
 
 
 def _judge_behind(
-    ledger: psycopg.Connection[Any],
-    store: _Store,
-    report: VerifyReport,
-    behind: dict[uuid.UUID, tuple[int, int | None]],
+    run: _Run,
     seen_at: str | None,
     wait: float,
     on_wait: Callable[[int], None] | None = None,
@@ -701,100 +752,102 @@ def _judge_behind(
     lasts while a consumer's slot is not past the snapshot, streamed or not (its consumer may be
     restarting). A session no consumer vouches for by then is a difference of kind ``behind``:
     a consumer dead or stalled is no pass."""
-    why: str | None = None
     judged: set[uuid.UUID] = set()
     now: dict[uuid.UUID, int] = {}
-    slots: list[_Slot] = []
-    unknown: list[str] = []
     if seen_at is None:
         why = (
             "the ledger's server is in recovery (a standby): its snapshot has no WAL position "
             "to hold the consumers' slots against; verify the primary"
         )
     else:
-        deadline = time.monotonic() + wait
         try:
-            while True:
-                slots, unknown = _slots(ledger, store, seen_at)
-                # (a slot no consumer streams now may be one restarting or reconnecting)
-                waiting = [s for s in slots if s.vouches and not s.passed]
-                if not waiting or time.monotonic() >= deadline:
-                    break
-                if on_wait is not None:
-                    on_wait(len(behind))
-                    on_wait = None
-                time.sleep(0.1)
-            with ledger.transaction():
-                for s in slots:
-                    if s.vouches and s.passed:
-                        judged.update(
-                            sid
-                            for (sid,) in ledger.execute(
-                                sql.SQL(
-                                    "SELECT DISTINCT session_id FROM agent_events "
-                                    "WHERE session_id = ANY(%s) {}"
-                                ).format(publication_filter(ledger, s.publication)),
-                                (list(behind),),
-                            )
-                        )
-            with store.conn.transaction():
-                now = {
-                    sid: int(pos)
-                    for sid, pos in store.conn.execute(
-                        "SELECT session_id, last_position FROM agent_sessions "
-                        "WHERE session_id = ANY(%s)",
-                        (list(judged),),
-                    )
-                }
+            slots, unknown = _wait_for_slots(run, seen_at, wait, on_wait)
+            judged, now = _vouched_for(run, slots)
         except psycopg.errors.InsufficientPrivilege as e:
             why = f"the slots or checkpoints cannot be read: {str(e).strip()}"
-            judged = set()
-    if why is None:
-        states = [s.state(wait) for s in slots]
-        if not slots:
-            states.append("no consumer's checkpoint in the projections' database")
-        if unknown and store.by_reference:
-            # a consumer of this ledger keeps its checkpoint (and projections) elsewhere
-            states.append(
-                f"slot(s) {', '.join(unknown)} of this ledger have no checkpoint in its "
-                "database: if a consumer keeps its projections in another one, give --target-dsn"
-            )
-        why = "; ".join(states)
-    for sid in sorted(behind):
-        (head, was), at = behind[sid], now.get(sid)
-        if sid in judged:
-            if at is not None and at >= head:
-                continue
-            report.differences.append(
-                Difference(
-                    sid,
-                    "projection",
-                    None,
-                    at,
-                    "last_position",
-                    head,
-                    at,
-                    f"the consumer applied past this session's events (to position {head}) but "
-                    + ("its projection is missing" if at is None else f"its projection is at {at}")
-                    + ": deleted or put back by hand",
-                )
-            )
-            continue
-        report.differences.append(
-            Difference(
-                sid,
-                "behind",
-                None,
-                was,
-                "last_position",
-                head,
-                was,
+        else:
+            why = _why_not_judged(run.store, slots, unknown, wait)
+    for sid in sorted(run.behind):
+        (head, was), at = run.behind[sid], now.get(sid)
+        if sid not in judged:
+            kind, where = "behind", was
+            detail = (
                 ("no projection" if was is None else f"projection at position {was}")
                 + f", the ledger's head at {head}: no consumer made progress past the snapshot "
                 f"within {wait:g}s ({why}); a consumer behind cannot be told from a projection "
-                "lost",
+                "lost"
             )
+        elif at is None or at < head:
+            kind, where = "projection", at
+            detail = (
+                f"the consumer applied past this session's events (to position {head}) but "
+                + ("its projection is missing" if at is None else f"its projection is at {at}")
+                + ": deleted or put back by hand"
+            )
+        else:
+            continue
+        run.report.differences.append(_at_position(sid, kind, head, where, detail))
+
+
+def _wait_for_slots(
+    run: _Run, seen_at: str, wait: float, on_wait: Callable[[int], None] | None
+) -> tuple[list[_Slot], list[str]]:
+    """:func:`_slots` once every slot that vouches for projections is past the snapshot, or
+    ``wait`` seconds on. A slot no consumer streams now may be one restarting or reconnecting:
+    it is waited for too."""
+    deadline = time.monotonic() + wait
+    while True:
+        slots, unknown = _slots(run.ledger, run.store, seen_at)
+        waiting = [s for s in slots if s.vouches and not s.passed]
+        if not waiting or time.monotonic() >= deadline:
+            return slots, unknown
+        if on_wait is not None:
+            on_wait(len(run.behind))
+            on_wait = None
+        time.sleep(0.1)
+
+
+def _vouched_for(run: _Run, slots: list[_Slot]) -> tuple[set[uuid.UUID], dict[uuid.UUID, int]]:
+    """The sessions behind that a slot past the snapshot carries (its publication's filter),
+    and where their projections are now."""
+    ledger = run.ledger
+    judged: set[uuid.UUID] = set()
+    with ledger.transaction():
+        for s in slots:
+            if s.vouches and s.passed:
+                judged.update(
+                    sid
+                    for (sid,) in ledger.execute(
+                        sql.SQL(
+                            "SELECT DISTINCT session_id FROM agent_events "
+                            "WHERE session_id = ANY(%s) {}"
+                        ).format(publication_filter(ledger, s.publication)),
+                        (list(run.behind),),
+                    )
+                )
+    with run.store.conn.transaction():
+        now = {
+            sid: int(pos)
+            for sid, pos in run.store.conn.execute(
+                "SELECT session_id, last_position FROM agent_sessions WHERE session_id = ANY(%s)",
+                (list(judged),),
+            )
+        }
+    return judged, now
+
+
+def _why_not_judged(store: _Store, slots: list[_Slot], unknown: list[str], wait: float) -> str:
+    """Why no consumer vouches for a session: each checkpoint's slot as it stands."""
+    states = [s.state(wait) for s in slots]
+    if not slots:
+        states.append("no consumer's checkpoint in the projections' database")
+    if unknown and store.by_reference:
+        # a consumer of this ledger keeps its checkpoint (and projections) elsewhere
+        states.append(
+            f"slot(s) {', '.join(unknown)} of this ledger have no checkpoint in its "
+            "database: if a consumer keeps its projections in another one, give --target-dsn"
         )
+    return "; ".join(states)
 
 
 def _sessions(
@@ -822,18 +875,15 @@ def _sessions(
 
 
 def _verify_session(
-    ledger: psycopg.Connection[Any],
-    store: _Store,
-    report: VerifyReport,
+    run: _Run,
     sid: uuid.UUID,
     rows: list[tuple[Any, ...]],
     projection_at: int | None,
     snapshots_at: list[int],
-    version: str,
-    limit: int,
     archived: tuple[int, bytes, str] | None = None,
-    behind: dict[uuid.UUID, tuple[int, int | None]] | None = None,
 ) -> None:
+    """Refold one session's ``rows``, comparing each stored object at the position it claims."""
+    report = run.report
     report.sessions += 1
     report.events += len(rows)
     due = set(snapshots_at)
@@ -845,21 +895,8 @@ def _verify_session(
     if archived is not None:
         # history up to `upto` left with an archive (checked against its manifest and by the
         # chain link): the refold starts from the first trusted snapshot at or after it
-        base = _archive_base(ledger, sid, archived[0], version)
+        base = _usable_archive_base(run, sid, archived, "the session cannot be refolded")
         if base is None:
-            report.differences.append(
-                Difference(
-                    sid,
-                    "snapshot",
-                    None,
-                    archived[0],
-                    None,
-                    None,
-                    None,
-                    f"history up to position {archived[0]} was archived ({archived[2]}) "
-                    "but no usable snapshot covers it: the session cannot be refolded",
-                )
-            )
             return
         ctx = base
         due = {p for p in due if p > ctx.last_position}
@@ -876,22 +913,23 @@ def _verify_session(
             quarantined += 1
         pos = row[2]  # (None, or not an integer, in a ledger altered by hand: never due)
         if pos in due:
-            _check_at(store, report, ctx, pos, projection_at, version, limit)
+            _check_at(run.store, report, ctx, pos, projection_at, run.version, run.limit)
     for pos in sorted(p for p in due if p > head):
         what = "projection" if pos == projection_at else "snapshot"
-        report.differences.append(
-            Difference(
-                sid,
-                what,
-                None,
-                pos,
-                "last_position",
-                head,
-                pos,
-                f"stored {what} is at position {pos} but the log ends at {head}: ahead of "
-                "the ledger (a failover or a restore lost what it folded, or an edit)",
-            )
+        detail = (
+            f"stored {what} is at position {pos} but the log ends at {head}: ahead of the "
+            "ledger (a failover or a restore lost what it folded, or an edit)"
         )
+        report.differences.append(_at_position(sid, what, head, pos, detail))
+    _note_refolded(run, sid, head, projection_at, quarantined)
+
+
+def _note_refolded(
+    run: _Run, sid: uuid.UUID, head: int, projection_at: int | None, quarantined: int
+) -> None:
+    """What a refold leaves to say: events quarantined, a projection missing or behind (kept
+    in ``run.behind``, to be judged once the snapshots are closed)."""
+    report = run.report
     if quarantined:
         report.quarantined += quarantined
         report.notes.append(
@@ -904,50 +942,50 @@ def _verify_session(
         report.notes.append(
             f"session {sid}: projection at position {projection_at} of {head} (consumer behind?)"
         )
-    if behind is not None and (projection_at is None or projection_at < head):
-        behind[sid] = (head, projection_at)
+    if projection_at is None or projection_at < head:
+        run.behind[sid] = (head, projection_at)
 
 
 def _verify_archived(
-    ledger: psycopg.Connection[Any],
-    store: _Store,
-    report: VerifyReport,
-    sid: uuid.UUID,
-    archived: tuple[int, bytes, str],
-    projection_at: int | None,
-    version: str,
-    limit: int,
+    run: _Run, sid: uuid.UUID, archived: tuple[int, bytes, str], projection_at: int | None
 ) -> None:
     """A session whose every event was archived: its archive snapshot must be usable (its
     bytes match their hash), and its projection, if at the same point, must equal it."""
-    report.sessions += 1
-    base = _archive_base(ledger, sid, archived[0], version)
+    run.report.sessions += 1
+    base = _usable_archive_base(run, sid, archived, "the session cannot be rebuilt")
     if base is None:
-        report.differences.append(
-            Difference(
-                sid,
-                "snapshot",
-                None,
-                archived[0],
-                None,
-                None,
-                None,
-                f"history up to position {archived[0]} was archived ({archived[2]}) but no "
-                "usable snapshot covers it: the session cannot be rebuilt",
-            )
-        )
         return
-    report.notes.append(
+    run.report.notes.append(
         f"session {sid}: all its history archived ({archived[2]}); checked against the "
         f"snapshot at position {base.last_position}"
     )
     if projection_at == base.last_position:
-        _check_projection(store, report, base, base.last_position, limit)
+        _check_projection(run.store, run.report, base, base.last_position, run.limit)
     elif projection_at is not None:
-        report.notes.append(
+        run.report.notes.append(
             f"session {sid}: projection at position {projection_at}, archive snapshot at "
             f"{base.last_position}: not compared"
         )
+
+
+def _usable_archive_base(
+    run: _Run, sid: uuid.UUID, archived: tuple[int, bytes, str], cannot: str
+) -> SessionContext | None:
+    """:func:`_archive_base` of the session's archived history, or None and a difference that
+    says so (``cannot``: what this means for the session)."""
+    upto, _, where = archived
+    base = _archive_base(run.ledger, sid, upto, run.version)
+    if base is None:
+        run.report.differences.append(
+            Difference(
+                session_id=sid,
+                kind="snapshot",
+                position=upto,
+                detail=f"history up to position {upto} was archived ({where}) but no usable "
+                f"snapshot covers it: {cannot}",
+            )
+        )
+    return base
 
 
 def _archive_base(
@@ -1005,14 +1043,14 @@ def _check_at(
         if hashed and hashlib.sha256(raw).digest() != bytes(digest):
             report.differences.append(
                 Difference(
-                    sid,
-                    "snapshot",
-                    int(seq),
-                    pos,
-                    "content_hash",
-                    hashlib.sha256(raw).hexdigest(),
-                    bytes(digest).hex(),
-                    "snapshot bytes do not match their content hash",
+                    session_id=sid,
+                    kind="snapshot",
+                    seq=int(seq),
+                    position=pos,
+                    field="content_hash",
+                    expected=hashlib.sha256(raw).hexdigest(),
+                    actual=bytes(digest).hex(),
+                    detail="snapshot bytes do not match their content hash",
                 )
             )
         try:
@@ -1020,24 +1058,27 @@ def _check_at(
         except msgspec.DecodeError as e:
             report.differences.append(
                 Difference(
-                    sid, "snapshot", int(seq), pos, None, None, None, f"snapshot is unreadable: {e}"
+                    session_id=sid,
+                    kind="snapshot",
+                    seq=int(seq),
+                    position=pos,
+                    detail=f"snapshot is unreadable: {e}",
                 )
             )
             continue
-        canonical = encode_context(stored)  # before its window is attached: what is stored
+        # before its window is attached: what is stored (fields at their default left out, or
+        # every field written)
+        canonical = (encode_stored(stored, reference=False), encode_context(stored))
         found = len(report.differences)
         _compare_stored(store, report, "snapshot", ctx, stored, int(seq), pos, limit)
-        if hashed and canonical != raw and len(report.differences) == found:
+        if hashed and raw not in canonical and len(report.differences) == found:
             report.differences.append(
                 Difference(
-                    sid,
-                    "snapshot",
-                    int(seq),
-                    pos,
-                    None,
-                    None,
-                    None,
-                    "snapshot bytes are not the canonical encoding of its context",
+                    session_id=sid,
+                    kind="snapshot",
+                    seq=int(seq),
+                    position=pos,
+                    detail="snapshot bytes are not the canonical encoding of its context",
                 )
             )
 
@@ -1059,7 +1100,9 @@ def _check_memo(
     except (WindowMissingError, msgspec.DecodeError) as err:
         unreadable = not isinstance(err, WindowMissingError)
         detail = f"agent_memo is unreadable: {err}" if unreadable else str(err)
-        report.differences.append(Difference(sid, "memo", None, pos, None, None, None, detail))
+        report.differences.append(
+            Difference(session_id=sid, kind="memo", position=pos, detail=detail)
+        )
         return
     pairs: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         ("completed_tools", dict(ctx.completed_tools), dict(stored.completed_tools)),
@@ -1070,32 +1113,21 @@ def _check_memo(
         for call in sorted(expected.keys() | actual.keys()):
             exp, act = expected.get(call), actual.get(call)
             path = f"{name}.{call}"
+            found: Iterable[tuple[str, Any, Any]]
             if exp is None:
+                found = [(path, None, "row")]
                 detail = "agent_memo holds a call the log never completed"
-                report.differences.append(
-                    Difference(sid, "memo", None, pos, path, None, "row", detail)
-                )
             elif act is None:
+                found = [(path, "row", None)]
                 detail = (
                     "the log completed this call but agent_memo has no row for it: a rebuilt "
                     "worker would call it again"
                 )
-                report.differences.append(
-                    Difference(sid, "memo", None, pos, path, "row", None, detail)
-                )
             elif exp != act:
-                for sub, e, a in field_differences(
+                found = field_differences(
                     msgspec.to_builtins(exp), msgspec.to_builtins(act), path, limit
-                ):
-                    report.differences.append(
-                        Difference(
-                            sid,
-                            "memo",
-                            None,
-                            pos,
-                            sub,
-                            e,
-                            a,
-                            "agent_memo row differs from a refold of the log",
-                        )
-                    )
+                )
+                detail = "agent_memo row differs from a refold of the log"
+            else:
+                continue
+            report.differences += _fields_differ(found, sid, "memo", None, pos, detail)
