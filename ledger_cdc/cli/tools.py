@@ -34,10 +34,17 @@ from ledger_cdc.cli.base import (
     printable,
     safe,
 )
-from ledger_cdc.errors import DAY, NoSuchSessionError
+from ledger_cdc.errors import NoSuchSessionError
+from ledger_cdc.settings import DAY
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import psycopg
+    from rich.console import Console
+    from rich.status import Status
+
+    from ledger_cdc.admin.verify import VerifyReport
 
 
 class SessionId(click.ParamType):  # type: ignore[type-arg]
@@ -425,91 +432,26 @@ def verify(
         named = names.named(sessions, None, ns_applies=False)
         with _connect(dsn) as conn:
             sessions = tuple(_resolve(conn, n).session_id for n in named)
+    run = functools.partial(
+        do_verify,
+        dsn,
+        None if all_sessions else list(sessions),
+        target_dsn=target_dsn,
+        chain=not no_chain,
+        archive_dir=archive_dir,
+        consumer_wait=consumer_wait,
+    )
     con = state.console
     if as_json or not con.is_terminal:
-        report = do_verify(
-            dsn,
-            None if all_sessions else list(sessions),
-            target_dsn=target_dsn,
-            chain=not no_chain,
-            archive_dir=archive_dir,
-            consumer_wait=consumer_wait,
-        )
+        report = run()
     else:
         with con.status("refolding…") as status:
-            count = [0]
-
-            def progress(sid: uuid.UUID) -> None:
-                count[0] += 1
-                if count[0] % 100 == 0:
-                    status.update(f"refolding… {count[0]} sessions")
-
-            def waiting(n: int) -> None:
-                status.update(
-                    f"{n} projection(s) missing or behind: waiting up to {consumer_wait:g}s for "
-                    "the consumer to pass the snapshot (--consumer-wait)…"
-                )
-
-            report = do_verify(
-                dsn,
-                None if all_sessions else list(sessions),
-                target_dsn=target_dsn,
-                chain=not no_chain,
-                archive_dir=archive_dir,
-                consumer_wait=consumer_wait,
-                on_session=progress,
-                on_wait=waiting,
-            )
+            on_session, on_wait = _verify_progress(status, consumer_wait)
+            report = run(on_session=on_session, on_wait=on_wait)
     if as_json:
-        click.echo(
-            jsonlib.dumps(
-                {
-                    "ok": report.ok,
-                    "sessions": report.sessions,
-                    "events": report.events,
-                    "projections": report.projections,
-                    "snapshots": report.snapshots,
-                    "memo": report.memo,
-                    "chained_events": report.chained_events,
-                    "differences": [d.as_dict() for d in report.differences],
-                    "unknown_sessions": [str(u) for u in report.unknown],
-                    "quarantined": report.quarantined,
-                    "notes": report.notes,
-                },
-                indent=2,
-                default=str,
-            )
-        )
+        click.echo(report.to_json())
     else:
-        for note in report.notes:
-            con.print(f"[dim]note: {safe(note)}[/]", soft_wrap=True)
-        if report.differences:
-            print_records(
-                con,
-                f"{len(report.differences)} difference(s)",
-                ["session", "kind", "seq", "pos", "field", "refold / expected", "stored", "detail"],
-                [
-                    [
-                        str(d.session_id),
-                        safe(d.kind),
-                        "—" if d.seq is None else str(d.seq),
-                        "—" if d.position is None else str(d.position),
-                        safe(d.field or "—"),
-                        "—" if d.expected is None else safe(d.expected),
-                        "—" if d.actual is None else safe(d.actual),
-                        safe(d.detail),
-                    ]
-                    for d in report.differences
-                ],
-                title_style="bold red",
-            )
-        chain = "" if no_chain else f", {report.chained_events} events' hash chain walked"
-        verdict = "[green]verified[/]" if report.ok else "[bold red]differences found[/]"
-        con.print(
-            f"{verdict}: {report.sessions} sessions, {report.events} events refolded, "
-            f"{report.projections} projections, {report.snapshots} snapshots and "
-            f"{report.memo} memoised calls compared{chain}"
-        )
+        _print_verify(con, report, chain=not no_chain)
     if report.unknown:
         unknown = ", ".join(str(u) for u in report.unknown)
         raise NoSuchSessionError(
@@ -517,6 +459,58 @@ def verify(
         )
     if not report.ok:
         sys.exit(EXIT_PROBLEM)
+
+
+def _verify_progress(
+    status: Status, consumer_wait: float
+) -> tuple[Callable[[uuid.UUID], None], Callable[[int], None]]:
+    """verify's ``on_session`` and ``on_wait``, told on the terminal's status line."""
+    count = [0]
+
+    def progress(sid: uuid.UUID) -> None:
+        count[0] += 1
+        if count[0] % 100 == 0:
+            status.update(f"refolding… {count[0]} sessions")
+
+    def waiting(n: int) -> None:
+        status.update(
+            f"{n} projection(s) missing or behind: waiting up to {consumer_wait:g}s for "
+            "the consumer to pass the snapshot (--consumer-wait)…"
+        )
+
+    return progress, waiting
+
+
+def _print_verify(con: Console, report: VerifyReport, *, chain: bool) -> None:
+    for note in report.notes:
+        con.print(f"[dim]note: {safe(note)}[/]", soft_wrap=True)
+    if report.differences:
+        print_records(
+            con,
+            f"{len(report.differences)} difference(s)",
+            ["session", "kind", "seq", "pos", "field", "refold / expected", "stored", "detail"],
+            [
+                [
+                    str(d.session_id),
+                    safe(d.kind),
+                    "—" if d.seq is None else str(d.seq),
+                    "—" if d.position is None else str(d.position),
+                    safe(d.field or "—"),
+                    "—" if d.expected is None else safe(d.expected),
+                    "—" if d.actual is None else safe(d.actual),
+                    safe(d.detail),
+                ]
+                for d in report.differences
+            ],
+            title_style="bold red",
+        )
+    walked = f", {report.chained_events} events' hash chain walked" if chain else ""
+    verdict = "[green]verified[/]" if report.ok else "[bold red]differences found[/]"
+    con.print(
+        f"{verdict}: {report.sessions} sessions, {report.events} events refolded, "
+        f"{report.projections} projections, {report.snapshots} snapshots and "
+        f"{report.memo} memoised calls compared{walked}"
+    )
 
 
 # -- inspect ------------------------------------------------------------------------------------
