@@ -123,79 +123,86 @@ def work(dsn: str, sid: uuid.UUID, service: str, agent: str) -> WorkerLog:
         ctx: SessionContext = rebuild_context(conn, sid)
         out.rebuild_ms = (time.perf_counter() - t0) * 1000
         out.in_flight = [(p.call_id, p.idempotency_key or "") for p in ctx.pending_tools.values()]
+        w = _Worker(ledger, conn, sid, agent, service, out, ctx)
         if ctx.last_position == 0:
             msgs = [Message("user", "triage last night's incidents")]
-            ledger.append(
-                sid,
-                agent,
-                "context.loaded",
-                ContextLoaded(msgs, task="triage"),
-                expected_position=0,
-            )
-            ctx = rebuild_context(conn, sid)
+            w.append("context.loaded", ContextLoaded(msgs, task="triage"))
         for request_id, calls in PLAN:
-            if memoised_model(conn, ctx, request_id) is not None:
-                out.answered_from_ledger.append(request_id)
-            else:
-                key = f"{sid}:{request_id}"
-                answer = _call(f"{service}/model", key, {"request": request_id})
-                out.called.append(request_id)
-                with ledger.transaction() as tx:
-                    pos = ctx.last_position
-                    tx.append(
-                        sid,
-                        agent,
-                        "model.requested",
-                        ModelRequested(request_id, "sim", idempotency_key=key),
-                        expected_position=pos,
-                    )
-                    tx.append(
-                        sid,
-                        agent,
-                        "model.responded",
-                        ModelResponded(
-                            request_id,
-                            "sim",
-                            content=f"served {answer['served']}",
-                            usage=Usage(100, 10),
-                            tool_calls=[ToolCall(c, t, a) for c, t, a in calls],
-                        ),
-                    )
-                    for call_id, tool, args in calls:
-                        tx.append(
-                            sid,
-                            agent,
-                            "tool.invoked",
-                            ToolInvoked(call_id, tool, args, idempotency_key=f"{sid}:{call_id}"),
-                        )
-                ctx = rebuild_context(conn, sid)
+            w.model_turn(request_id, calls)
             for call_id, tool, args in calls:
-                if memoised_tool(conn, ctx, call_id) is not None:
-                    out.answered_from_ledger.append(call_id)
-                    continue
-                pending = ctx.pending_tools[call_id]
-                if request_id not in out.called:  # invoked by a worker that died: a retry
-                    retry_tool(conn, ctx, call_id, agent)  # the log shows the retry
-                    out.retried.append((call_id, pending.idempotency_key or ""))
-                result = _call(f"{service}/tool/{tool}", pending.idempotency_key or call_id, args)
-                out.called.append(call_id)
-                ledger.append(
-                    sid,
-                    agent,
-                    "tool.observed",
-                    ToolObserved(call_id, result),
-                    expected_position=ctx.last_position,
-                )
-                ctx = rebuild_context(conn, sid)
-        if ctx.status != "completed":
-            ledger.append(
+                w.tool_call(request_id, call_id, tool, args)
+        if w.ctx.status != "completed":
+            w.append("task.completed", TaskCompleted({"incidents": 2}))
+    return out
+
+
+@dataclass
+class _Worker:
+    """One worker's session: ``ctx`` is rebuilt from the ledger after each of its writes."""
+
+    ledger: Ledger
+    conn: psycopg.Connection[Any]
+    sid: uuid.UUID
+    agent: str
+    service: str
+    out: WorkerLog
+    ctx: SessionContext
+
+    def append(self, event_type: str, payload: Any) -> None:
+        self.ledger.append(
+            self.sid, self.agent, event_type, payload, expected_position=self.ctx.last_position
+        )
+        self.ctx = rebuild_context(self.conn, self.sid)
+
+    def model_turn(self, request_id: str, calls: list[tuple[str, str, dict[str, Any]]]) -> None:
+        """The model's answer to ``request_id`` from the ledger, or else asked for and written
+        with the tool calls it asks for, in one transaction."""
+        if memoised_model(self.conn, self.ctx, request_id) is not None:
+            self.out.answered_from_ledger.append(request_id)
+            return
+        sid, agent = self.sid, self.agent
+        key = f"{sid}:{request_id}"
+        answer = _call(f"{self.service}/model", key, {"request": request_id})
+        self.out.called.append(request_id)
+        with self.ledger.transaction() as tx:
+            tx.append(
                 sid,
                 agent,
-                "task.completed",
-                TaskCompleted({"incidents": 2}),
-                expected_position=ctx.last_position,
+                "model.requested",
+                ModelRequested(request_id, "sim", idempotency_key=key),
+                expected_position=self.ctx.last_position,
             )
-    return out
+            tx.append(
+                sid,
+                agent,
+                "model.responded",
+                ModelResponded(
+                    request_id,
+                    "sim",
+                    content=f"served {answer['served']}",
+                    usage=Usage(100, 10),
+                    tool_calls=[ToolCall(c, t, a) for c, t, a in calls],
+                ),
+            )
+            for call_id, tool, args in calls:
+                invoked = ToolInvoked(call_id, tool, args, idempotency_key=f"{sid}:{call_id}")
+                tx.append(sid, agent, "tool.invoked", invoked)
+        self.ctx = rebuild_context(self.conn, sid)
+
+    def tool_call(self, request_id: str, call_id: str, tool: str, args: dict[str, Any]) -> None:
+        """The tool call's result from the ledger, or else the call made (retried with its
+        original key when a worker that died invoked it) and its result written."""
+        if memoised_tool(self.conn, self.ctx, call_id) is not None:
+            self.out.answered_from_ledger.append(call_id)
+            return
+        pending = self.ctx.pending_tools[call_id]
+        if request_id not in self.out.called:  # invoked by a worker that died: a retry
+            retry_tool(self.conn, self.ctx, call_id, self.agent)  # the log shows the retry
+            self.out.retried.append((call_id, pending.idempotency_key or ""))
+        key = pending.idempotency_key or call_id
+        result = _call(f"{self.service}/tool/{tool}", key, args)
+        self.out.called.append(call_id)
+        self.append("tool.observed", ToolObserved(call_id, result))
 
 
 @dataclass

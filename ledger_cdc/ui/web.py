@@ -24,13 +24,14 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlencode
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from ledger_cdc.errors import LedgerError, NoSuchSessionError
+from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.ui import pages
 from ledger_cdc.ui.store import Store
 
@@ -191,9 +192,17 @@ def _error(status: str, title: str, message: str) -> Page:
 
 def make_app(store: Store, gate: Gate, sampler: LagSampler | None = None) -> Callable[..., Any]:
     """The WSGI application: the gate, then the page."""
+    return _App(store, gate, sampler)
 
-    def app(environ: dict[str, Any], start: Start) -> list[bytes]:
-        page = answer(environ)
+
+@dataclass(frozen=True)
+class _App:
+    store: Store
+    gate: Gate
+    sampler: LagSampler | None = None
+
+    def __call__(self, environ: dict[str, Any], start: Start) -> list[bytes]:
+        page = self.answer(environ)
         data = page.body.encode("utf-8")
         start(
             page.status,
@@ -206,7 +215,9 @@ def make_app(store: Store, gate: Gate, sampler: LagSampler | None = None) -> Cal
         )
         return [] if environ.get("REQUEST_METHOD") == "HEAD" else [data]
 
-    def answer(environ: dict[str, Any]) -> Page:
+    def answer(self, environ: dict[str, Any]) -> Page:
+        """The gate's refusal, the token's redirect, or the page; a page never a traceback."""
+        gate = self.gate
         refused = gate.refusal(environ)
         if refused is not None:
             status, message, extra = refused
@@ -219,7 +230,7 @@ def make_app(store: Store, gate: Gate, sampler: LagSampler | None = None) -> Cal
             where = path + ("?" + urlencode(rest) if rest else "")
             return Page("303 See Other", "", headers=(("Set-Cookie", cookie), ("Location", where)))
         try:
-            return route(path, params)
+            return self.route(path, params)
         except NoSuchSessionError as e:
             return _error("404 Not Found", "not found", str(e))
         except LedgerError as e:
@@ -228,7 +239,8 @@ def make_app(store: Store, gate: Gate, sampler: LagSampler | None = None) -> Cal
             log.exception("page %s failed", path)
             return _error("500 Internal Server Error", "error", f"{type(e).__name__} (see the log)")
 
-    def route(path: str, params: dict[str, list[str]]) -> Page:
+    def route(self, path: str, params: dict[str, list[str]]) -> Page:
+        store = self.store
         if path == "/style.css":
             return Page("200 OK", pages.CSS, "text/css; charset=utf-8")
         if path == "/":
@@ -240,82 +252,100 @@ def make_app(store: Store, gate: Gate, sampler: LagSampler | None = None) -> Cal
             return Page("303 See Other", "", headers=(("Location", f"/s/{named.session_id}"),))
         m = _SESSION.match(path)
         if m:
-            sid = uuid.UUID(m.group(1))
-            after = _int(params, "after")
-            tl = store.timeline(sid, after, last="last" in params)
-            if tl.head == 0:
-                raise NoSuchSessionError(f"session {sid} has no events")
-            shown_after = tl.events[0].position - 1 if tl.events else after
-            return Page("200 OK", pages.session_page(sid, tl, shown_after))
+            return Page("200 OK", self.session(uuid.UUID(m.group(1)), params))
         m = _EVENT.match(path)
         if m:
             sid, position = uuid.UUID(m.group(1)), int(m.group(2))
-            return Page("200 OK", _event(sid, position, _int(params, "offset")))
+            return Page("200 OK", self.event(sid, position, _int(params, "offset")))
         if path == "/diff":
-            return Page("200 OK", _diff(params))
+            return Page("200 OK", _diff(store, params))
         if path == "/health":
-            slots = sampler.sample() if sampler is not None else store.health()
-            samples = sampler.snapshot() if sampler is not None else {}
-            return Page("200 OK", pages.health_page(slots, samples))
+            return Page("200 OK", self.health())
         return _error("404 Not Found", "not found", "No such page.")
 
-    def _event(sid: uuid.UUID, position: int, offset: int) -> str:
+    def session(self, sid: uuid.UUID, params: dict[str, list[str]]) -> str:
+        after = _int(params, "after")
+        tl = self.store.timeline(sid, after, last="last" in params)
+        if tl.head == 0:
+            raise NoSuchSessionError(f"session {sid} has no events")
+        shown_after = tl.events[0].position - 1 if tl.events else after
+        return pages.session_page(sid, tl, shown_after)
+
+    def event(self, sid: uuid.UUID, position: int, offset: int) -> str:
         from ledger_cdc.admin.readable import describe
 
-        got = store.chunk(sid, position, offset)
+        got = self.store.chunk(sid, position, offset)
         if got is None:
             raise NoSuchSessionError(f"session {sid} has no event at position {position}")
         event_type, size, text = got
         readable = None
         if offset == 0 and len(text) >= size:  # whole: what it did, values whole
-            ev = store.event(sid, position)
+            ev = self.store.event(sid, position)
             readable = None if ev is None else describe(ev, None)
         return pages.event_page(sid, position, event_type, size, offset, text, readable)
 
-    def _diff(params: dict[str, list[str]]) -> str:
-        from ledger_cdc.admin.readable import diff_threads, is_thread
-        from ledger_cdc.admin.timeline import diff_runs, summarise
+    def health(self) -> str:
+        if self.sampler is None:
+            return pages.health_page(self.store.health(), {})
+        return pages.health_page(self.sampler.sample(), self.sampler.snapshot())
 
-        a, b = params.get("a", [""])[0].strip(), params.get("b", [""])[0].strip()
-        if not (a and b):
-            return pages.diff_page(a, b, None, [])
-        na, nb = store.resolve(a), store.resolve(b)
-        ea, eb = store.events(na.session_id), store.events(nb.session_id)
-        if is_thread(ea) and is_thread(eb):
-            d = diff_threads(ea, eb)
-            if d.reason == "same":
-                same = [("result", f"same: both threads take {d.steps_a} steps")]
-                return pages.diff_page(a, b, same, [])
-            facts = [("result", d.reason), ("agree for", f"{d.common} checkpoint(s)")]
-            lines = [("position", str(d.position_a or "—"), str(d.position_b or "—"))]
-            if d.channel is not None:
-                lines.append((d.channel, pages.pretty(d.a), pages.pretty(d.b)))
-            return pages.diff_page(a, b, facts, lines)
-        r = diff_runs(ea, eb)
-        dv = r.divergence
-        if dv is None:
-            same = [("result", f"same: both runs take {r.steps_a} steps")]
-            return pages.diff_page(a, b, same, [])
-        facts = [
-            ("result", f"diverge at step {dv.step}: {dv.reason}"),
-            ("agree for", f"{r.common} step(s)"),
-        ]
 
-        def what(ev: Any) -> str:
-            return "(ended)" if ev is None else f"{ev.agent_id} {ev.event_type}"
+def _diff(store: Store, params: dict[str, list[str]]) -> str:
+    """The diff page of sessions ``a`` and ``b``: as two LangGraph threads, or two runs."""
+    from ledger_cdc.admin.readable import is_thread
 
-        lines = [
-            ("event", what(dv.a), what(dv.b)),
-            (
-                "summary",
-                "" if dv.a is None else summarise(dv.a),
-                "" if dv.b is None else summarise(dv.b),
-            ),
-        ]
-        lines += [(f, pages.pretty(x), pages.pretty(y)) for f, x, y in dv.fields]
-        return pages.diff_page(a, b, facts, lines)
+    a, b = params.get("a", [""])[0].strip(), params.get("b", [""])[0].strip()
+    if not (a and b):
+        return pages.diff_page(a, b, None, [])
+    ea = store.events(store.resolve(a).session_id)
+    eb = store.events(store.resolve(b).session_id)
+    facts, lines = _diff_threads(ea, eb) if is_thread(ea) and is_thread(eb) else _diff_runs(ea, eb)
+    return pages.diff_page(a, b, facts, lines)
 
-    return app
+
+Events = Sequence[LedgerEvent | Rejected]
+Facts = list[tuple[str, str]]
+Lines = list[tuple[str, str, str]]
+
+
+def _diff_threads(ea: Events, eb: Events) -> tuple[Facts, Lines]:
+    from ledger_cdc.admin.readable import diff_threads
+
+    d = diff_threads(ea, eb)
+    if d.reason == "same":
+        return [("result", f"same: both threads take {d.steps_a} steps")], []
+    facts = [("result", d.reason), ("agree for", f"{d.common} checkpoint(s)")]
+    lines = [("position", str(d.position_a or "—"), str(d.position_b or "—"))]
+    if d.channel is not None:
+        lines.append((d.channel, pages.pretty(d.a), pages.pretty(d.b)))
+    return facts, lines
+
+
+def _diff_runs(ea: Events, eb: Events) -> tuple[Facts, Lines]:
+    from ledger_cdc.admin.timeline import diff_runs, summarise
+
+    r = diff_runs(ea, eb)
+    dv = r.divergence
+    if dv is None:
+        return [("result", f"same: both runs take {r.steps_a} steps")], []
+    facts = [
+        ("result", f"diverge at step {dv.step}: {dv.reason}"),
+        ("agree for", f"{r.common} step(s)"),
+    ]
+
+    def what(ev: Any) -> str:
+        return "(ended)" if ev is None else f"{ev.agent_id} {ev.event_type}"
+
+    lines = [
+        ("event", what(dv.a), what(dv.b)),
+        (
+            "summary",
+            "" if dv.a is None else summarise(dv.a),
+            "" if dv.b is None else summarise(dv.b),
+        ),
+    ]
+    lines += [(f, pages.pretty(x), pages.pretty(y)) for f, x, y in dv.fields]
+    return facts, lines
 
 
 class _Quiet(WSGIRequestHandler):
