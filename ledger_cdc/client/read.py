@@ -20,15 +20,8 @@ import psycopg
 from psycopg import sql
 
 from ledger_cdc.connect import open_session_async
-from ledger_cdc.errors import ConfigError, InvalidEventError
-from ledger_cdc.events import (
-    LedgerEvent,
-    Rejected,
-    admit_time,
-    as_digest,
-    load_payload,
-    unidentified,
-)
+from ledger_cdc.errors import ConfigError
+from ledger_cdc.events import LedgerEvent, Rejected, admit_row
 from ledger_cdc.fold import SessionContext, decode_context, fold_one
 from ledger_cdc.names import RUNS_CHANNEL
 
@@ -63,20 +56,7 @@ def row_event(row: Sequence[Any]) -> LedgerEvent | Rejected:
             v.decode("utf-8", "replace") if type(v) is bytes else v
             for v in (agent, etype, payload, key, bad_time)
         )
-    digest = as_digest(digest)
-    rejected = unidentified(seq, sid, pos, agent, etype, key, digest)
-    if rejected is not None:  # NULL or retyped by hand (ALTER TABLE): no event of it
-        return rejected
-    try:
-        if payload is None:
-            raise InvalidEventError("payload is NULL")
-        if created is None:
-            raise InvalidEventError(f"created_at {bad_time} is outside what readers can hold")
-        created = admit_time(created)
-        value = load_payload(etype, payload)
-    except InvalidEventError as e:
-        return Rejected(seq, sid, pos, agent, etype, f"event seq {seq}: {e}", bad_time, key, digest)
-    return LedgerEvent(seq, sid, pos, agent, etype, value, created, key, digest)
+    return admit_row(seq, sid, pos, agent, etype, payload, created, key, digest, bad_time)
 
 
 def events_query(
