@@ -18,7 +18,13 @@ from rich.live import Live
 from rich.text import Text
 
 from ledger_cdc.consumer.loop import Consumer, Metrics
-from ledger_cdc.consumer.metrics import HealthCheck, MetricsCollector, registry, serve
+from ledger_cdc.consumer.metrics import (
+    HealthCheck,
+    MetricsCollector,
+    MetricsServer,
+    registry,
+    serve,
+)
 from ledger_cdc.errors import DatabaseUnavailable
 from ledger_cdc.lsn import format_lsn
 
@@ -136,65 +142,17 @@ def run_consumer(
     the process exits with status 4 if the consumer is not done ``stop_timeout`` seconds later
     (a database that stopped answering mid-statement holds its thread for good: nothing it
     did not confirm is lost, the next start reads it again from the slot)."""
-    interactive = log_format == "auto" and console.is_terminal
     root = setup_logging(log_format)
     server = None
     if metrics_port is not None:
-        slot = consumer.config.slot
-        collector = MetricsCollector(consumer.metrics, slot)
-        check = HealthCheck(consumer.metrics, slot)
-        server = serve(registry(collector), metrics_port, metrics_host, health=check)
-        root.info("metrics on http://%s:%d/metrics, health on /healthz", metrics_host, server.port)
-        if not loopback(metrics_host):
-            root.warning(
-                "metrics and /healthz listen on %s: reachable from other machines, without "
-                "authentication (they say the slot's state, lag and counts, nothing of any "
-                "payload); keep the port behind the network's controls, or bind 127.0.0.1",
-                metrics_host,
-            )
+        server = _serve_metrics(consumer, root, metrics_port, metrics_host)
     done = threading.Event()
-
-    def report() -> None:
-        m = consumer.metrics
-        last = (time.monotonic(), m.transactions, m.events)
-        period = 1.0 if interactive else 10.0
-        live = (
-            Live(Text(""), console=console, refresh_per_second=4, transient=True)
-            if interactive
-            else None
-        )
-        if live is not None:
-            live.start()
-        try:
-            while not done.wait(period):
-                now = time.monotonic()
-                dt = max(1e-6, now - last[0])
-                rt, re = (m.transactions - last[1]) / dt, (m.events - last[2]) / dt
-                last = (now, m.transactions, m.events)
-                line = status_text(m, rt, re)
-                if live is not None:
-                    live.update(Text(line))
-                elif log_format == "json":
-                    root.info(
-                        "status",
-                        extra={
-                            "fields": {
-                                "txn_per_s": round(rt, 1),
-                                "events_per_s": round(re, 1),
-                                "lag_bytes": m.lag_bytes,
-                                "lag_seconds": m.lag_seconds,
-                                "confirmed_lsn": format_lsn(m.confirmed_lsn),
-                                "events": m.events,
-                            }
-                        },
-                    )
-                else:
-                    root.info(line)
-        finally:
-            if live is not None:
-                live.stop()
-
-    reporter = threading.Thread(target=report, name="ledger-cdc-status", daemon=True)
+    reporter = threading.Thread(
+        target=_report_status,
+        args=(consumer.metrics, console, log_format, done),
+        name="ledger-cdc-status",
+        daemon=True,
+    )
     reporter.start()
     watch_stop(
         consumer.wait_stop,
@@ -216,3 +174,56 @@ def run_consumer(
         format_lsn(consumer.metrics.confirmed_lsn),
         consumer.metrics.events,
     )
+
+
+def _serve_metrics(consumer: Consumer, root: logging.Logger, port: int, host: str) -> MetricsServer:
+    """The metrics and /healthz endpoint of ``consumer`` on ``host:port``, serving."""
+    slot = consumer.config.slot
+    collector = MetricsCollector(consumer.metrics, slot)
+    check = HealthCheck(consumer.metrics, slot)
+    server = serve(registry(collector), port, host, health=check)
+    root.info("metrics on http://%s:%d/metrics, health on /healthz", host, server.port)
+    if not loopback(host):
+        root.warning(
+            "metrics and /healthz listen on %s: reachable from other machines, without "
+            "authentication (they say the slot's state, lag and counts, nothing of any "
+            "payload); keep the port behind the network's controls, or bind 127.0.0.1",
+            host,
+        )
+    return server
+
+
+def _report_status(m: Metrics, console: Console, log_format: str, done: threading.Event) -> None:
+    """The status until ``done``: a live line on a terminal (each second), else a log record
+    each ten seconds (with its figures as fields, in JSON)."""
+    interactive = log_format == "auto" and console.is_terminal
+    root = logging.getLogger("ledger_cdc")
+    last = (time.monotonic(), m.transactions, m.events)
+    live = None
+    if interactive:
+        live = Live(Text(""), console=console, refresh_per_second=4, transient=True)
+        live.start()
+    try:
+        while not done.wait(1.0 if interactive else 10.0):
+            now = time.monotonic()
+            dt = max(1e-6, now - last[0])
+            rt, re = (m.transactions - last[1]) / dt, (m.events - last[2]) / dt
+            last = (now, m.transactions, m.events)
+            line = status_text(m, rt, re)
+            if live is not None:
+                live.update(Text(line))
+            elif log_format == "json":
+                fields = {
+                    "txn_per_s": round(rt, 1),
+                    "events_per_s": round(re, 1),
+                    "lag_bytes": m.lag_bytes,
+                    "lag_seconds": m.lag_seconds,
+                    "confirmed_lsn": format_lsn(m.confirmed_lsn),
+                    "events": m.events,
+                }
+                root.info("status", extra={"fields": fields})
+            else:
+                root.info(line)
+    finally:
+        if live is not None:
+            live.stop()
