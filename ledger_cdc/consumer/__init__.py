@@ -4,12 +4,12 @@
 the stages' own pure objects.
 """
 
+from ledger_cdc.batching import SessionCache
 from ledger_cdc.consumer.config import ConsumerConfig
 from ledger_cdc.consumer.loop import Consumer
 from ledger_cdc.consumer.metrics import Metrics
 from ledger_cdc.consumer.resync import count_unfolded
 from ledger_cdc.names import HEARTBEAT_PREFIX
-from ledger_cdc.sink.batch import SessionCache
 
 __all__ = [
     "HEARTBEAT_PREFIX",

@@ -16,7 +16,7 @@ leaves it idle.
 
 When the slot may be confirmed past what the consumer applied, while it is idle, is
 :func:`idle_confirm`. Snapshots are the batch builder's
-:class:`~ledger_cdc.sink.batch.SnapshotPolicy`.
+:class:`~ledger_cdc.batching.SnapshotPolicy`.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from ledger_cdc.events import LedgerEvent
 from ledger_cdc.names import LEDGER_TABLE
 from ledger_cdc.stream.assemble import estimate
 from ledger_cdc.stream.ledger import REQUIRED_COLUMNS
-from ledger_cdc.stream.route import Base, Held, Item
+from ledger_cdc.stream.route import ArchiveStart, Item, Quarantined
 
 __all__ = [
     "History",
@@ -223,7 +223,7 @@ def archived_bases(
                 "the archive)"
             )
         positions[sid] = base.last_position
-        out.append((Base(base), 0))
+        out.append((ArchiveStart(base), 0))
     return out
 
 
@@ -262,7 +262,7 @@ class History:
             self.folded += 1
             if progress and self.folded % 5000 == 0:
                 progress(self.folded, self.total)
-            item: Item = ev if type(ev) is LedgerEvent else Held(lsn, ev)  # type: ignore[arg-type]
+            item: Item = ev if type(ev) is LedgerEvent else Quarantined(lsn, ev)  # type: ignore[arg-type]
             yield item, estimate(size)
 
     def done(self) -> None:

@@ -1,10 +1,11 @@
 """Where folded batches go: the PostgreSQL projections (``postgres``), JetStream (``jetstream``),
-an in-memory sink for tests (``memory``); ``batch`` builds what each of them commits."""
+an in-memory sink for tests (``memory``). What each of them commits, a
+:class:`~ledger_cdc.batching.Batch`, is built by ``ledger_cdc.batching``."""
 
+from ledger_cdc.batching import Batch, DeadLetter, SnapshotRow
 from ledger_cdc.errors import FencedError
 from ledger_cdc.names import SESSIONS_CHANNEL
 from ledger_cdc.sink.base import BOOTSTRAPPING, Sink
-from ledger_cdc.sink.batch import Batch, BatchBuilder, DeadLetter, SnapshotPolicy, SnapshotRow
 from ledger_cdc.sink.memory import MemorySink, MemoryStore
 from ledger_cdc.sink.postgres import SNAPSHOT_CONFLICT, ChunkedTail, PgSink
 
@@ -13,7 +14,6 @@ __all__ = [
     "SESSIONS_CHANNEL",
     "SNAPSHOT_CONFLICT",
     "Batch",
-    "BatchBuilder",
     "ChunkedTail",
     "DeadLetter",
     "FencedError",
@@ -21,6 +21,5 @@ __all__ = [
     "MemoryStore",
     "PgSink",
     "Sink",
-    "SnapshotPolicy",
     "SnapshotRow",
 ]

@@ -13,8 +13,8 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from ledger_cdc.batching import Batch, Tail
 from ledger_cdc.fold import SessionContext
-from ledger_cdc.sink.batch import Batch, Tail
 
 __all__ = ["BOOTSTRAPPING", "Sink"]
 

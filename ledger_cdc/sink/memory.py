@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from ledger_cdc.batching import Batch, DeadLetter, SnapshotPolicy, context_size
 from ledger_cdc.errors import FencedError
 from ledger_cdc.events import Message
 from ledger_cdc.fold import (
@@ -36,7 +37,6 @@ from ledger_cdc.fold import (
 from ledger_cdc.lsn import format_lsn
 from ledger_cdc.names import SESSIONS_CHANNEL
 from ledger_cdc.sink.base import BOOTSTRAPPING
-from ledger_cdc.sink.batch import Batch, DeadLetter, SnapshotPolicy, context_size
 from ledger_cdc.sink.shape import (
     MEMO,
     AgentMemoRow,

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, NamedTuple
 
+from ledger_cdc.batching import SnapshotRow
 from ledger_cdc.fold import (
     FORMAT_VERSION,
     PROJECTION_FORMAT,
@@ -36,7 +37,6 @@ from ledger_cdc.fold import (
     memo_key,
 )
 from ledger_cdc.lsn import format_lsn
-from ledger_cdc.sink.batch import SnapshotRow
 
 __all__ = [
     "MEMO",

@@ -7,8 +7,8 @@ import os
 import threading
 import time
 
+from ledger_cdc.batching import Batch
 from ledger_cdc.sink.base import Sink
-from ledger_cdc.sink.batch import Batch
 
 __all__ = ["SinkWorker"]
 

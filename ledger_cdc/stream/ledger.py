@@ -7,7 +7,7 @@ Columns are found by name, so a ledger table with extra or reordered columns sti
 Relation without some of the ledger's required columns (a publication's column list changed by
 hand) stops nothing: each of its rows comes as :class:`~ledger_cdc.events.Rejected` marked
 ``incomplete`` with the columns it lacks (the consumer reads it whole from the table, see
-``sink.batch``), and the next Relation, once the publication streams them again, decodes as
+``batching.items``), and the next Relation, once the publication streams them again, decodes as
 before.
 """
 

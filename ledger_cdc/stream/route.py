@@ -2,7 +2,7 @@
 
 :class:`LedgerStream` is the stage between the replication connection and the fold. It decodes
 each message, keeps the relations it has seen, turns a ledger INSERT into a
-:class:`~ledger_cdc.events.LedgerEvent` (or a :class:`Held` row no reader can fold), an
+:class:`~ledger_cdc.events.LedgerEvent` (or a :class:`Quarantined` row no reader can fold), an
 UPDATE / DELETE / TRUNCATE of the ledger into an :class:`Anomaly`, believes only its own
 heartbeats, and hands every change to the :class:`~ledger_cdc.stream.assemble.Assembler`, which
 gives back whole transactions in commit order. It reads no clock and does no I/O (beyond the
@@ -50,10 +50,10 @@ from ledger_cdc.stream.ledger import LedgerRowDecoder
 
 __all__ = [
     "Anomaly",
-    "Base",
-    "Held",
+    "ArchiveStart",
     "Item",
     "LedgerStream",
+    "Quarantined",
     "bounded",
     "heartbeat_body",
     "rejected_row",
@@ -92,41 +92,35 @@ class Anomaly:
     row: dict[str, Any] | None
 
 
-class Held:
+@dataclass(frozen=True, slots=True)
+class Quarantined:
     """A ledger row no reader can fold (see :class:`~ledger_cdc.events.Rejected`), with the LSN
     of its insert: quarantined by the fold, recorded as a dead letter."""
 
-    __slots__ = ("lsn", "rejected")
-
-    def __init__(self, lsn: int, rejected: Rejected) -> None:
-        self.lsn, self.rejected = lsn, rejected
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Held, (self.lsn, self.rejected))
+    lsn: int
+    rejected: Rejected
 
 
-class Base:
+@dataclass(frozen=True, slots=True)
+class ArchiveStart:
     """A session's starting point other than empty: its archive snapshot (a bootstrap over
     archived history). Folding it puts the context in place, as the projection to write."""
 
-    __slots__ = ("ctx",)
-
-    def __init__(self, ctx: Any) -> None:  # a fold.SessionContext
-        self.ctx = ctx
+    ctx: Any  # a fold.SessionContext (fold is not a layer below this one)
 
 
-Item = LedgerEvent | Held | Anomaly | Base
+Item = LedgerEvent | Quarantined | Anomaly | ArchiveStart
 
 
 def session_of(it: Item) -> uuid.UUID | None:
-    kind = type(it)
-    if kind is LedgerEvent:
-        return it.session_id  # type: ignore[union-attr]
-    if kind is Held:
-        return it.rejected.session_id  # type: ignore[union-attr]
-    if kind is Base:
-        sid: uuid.UUID = it.ctx.session_id  # type: ignore[union-attr]
-        return sid
+    match it:
+        case LedgerEvent():
+            return it.session_id
+        case Quarantined():
+            return it.rejected.session_id
+        case ArchiveStart():
+            sid: uuid.UUID = it.ctx.session_id
+            return sid
     return None
 
 
@@ -257,7 +251,7 @@ class LedgerStream:
             if rows is None:
                 return []
             ev = rows.event(msg.new, lsn)  # type: ignore[union-attr]
-            item = ev if type(ev) is LedgerEvent else Held(lsn, ev)  # type: ignore[arg-type]
+            item = ev if type(ev) is LedgerEvent else Quarantined(lsn, ev)  # type: ignore[arg-type]
         elif kind is Relation:
             assert isinstance(msg, Relation)
             self._relation(msg)

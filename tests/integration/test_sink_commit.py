@@ -13,10 +13,10 @@ import psycopg
 import pytest
 
 from ledger_cdc.admin.schema import create_slot
+from ledger_cdc.batching import Batch
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
 from ledger_cdc.lsn import parse_lsn
-from ledger_cdc.batching import Batch
 from ledger_cdc.sink.postgres import PgSink
 from tests.support.cdc import until, wait_streaming
 from tests.support.harness import Database

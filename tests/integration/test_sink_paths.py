@@ -16,11 +16,11 @@ import pytest
 
 import ledger_cdc.sink.postgres as pg_sink
 from ledger_cdc.admin.schema import create_slot
+from ledger_cdc.batching import Batch
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
 from ledger_cdc.errors import FencedError
 from ledger_cdc.fold import SessionContext, encode_stored
-from ledger_cdc.sink.batch import Batch
 from tests.support.cdc import turn_events, until
 from tests.support.harness import Database, _new_database
 

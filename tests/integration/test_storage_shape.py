@@ -19,6 +19,7 @@ import pytest
 from psycopg import sql
 
 import ledger_cdc.sink.postgres as pg_sink
+from ledger_cdc.batching import Batch, SnapshotRow
 from ledger_cdc.fold import (
     FORMAT_VERSION,
     PROJECTION_FORMAT,
@@ -31,7 +32,6 @@ from ledger_cdc.fold import (
     fold,
     memo_key,
 )
-from ledger_cdc.sink.batch import Batch, SnapshotRow
 from ledger_cdc.sink.memory import MemorySink
 from ledger_cdc.sink.shape import (
     MEMO,

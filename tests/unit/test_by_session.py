@@ -1,4 +1,4 @@
-"""A big transaction's changes grouped by session (sink.batch.by_session) with bounded memory:
+"""A big transaction's changes grouped by session (batching.by_session) with bounded memory:
 every change comes back once, each session's together and in their order, whatever the budget
 (a bucket over it spread again by other bits of the session id), and a fold over the grouped
 changes loads each session's context once."""
@@ -13,10 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ledger_cdc.batching import BatchBuilder, SessionCache, SnapshotPolicy, by_session
 from ledger_cdc.events import LedgerEvent
 from ledger_cdc.fold import SessionContext, default_reducers
-from ledger_cdc.sink import batch as batch_mod
-from ledger_cdc.sink.batch import BatchBuilder, SessionCache, SnapshotPolicy, by_session
 from ledger_cdc.stream.assemble import Transaction
 from ledger_cdc.stream.route import Anomaly, Item
 
@@ -98,10 +97,9 @@ def test_grouping_is_exact_for_any_sizes(changes: list[tuple[int, int]], budget:
         assert mine == sorted(mine)
 
 
-def test_a_big_transaction_loads_each_session_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_big_transaction_loads_each_session_once() -> None:
     """The fold of one transaction over many more sessions than the cache holds asks the
     loader for each session once, not once per part (the cost that made bulk superlinear)."""
-    monkeypatch.setattr(batch_mod, "LOAD_AT_ONCE", 64)
     asked: list[uuid.UUID] = []
     stored: dict[uuid.UUID, SessionContext] = {}
 
@@ -115,6 +113,7 @@ def test_a_big_transaction_loads_each_session_once(monkeypatch: pytest.MonkeyPat
         budget=50_000,
         reducers=default_reducers(),
         snapshots=SnapshotPolicy(every=0),
+        load_at_once=64,
     )
     sessions = [uuid.UUID(int=n << 64 | n) for n in range(1, 2001)]
     pairs = interleaved(sessions, 5)

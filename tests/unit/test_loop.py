@@ -17,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ledger_cdc.batching import Batch, frozen
 from ledger_cdc.consumer import Consumer, ConsumerConfig
 from ledger_cdc.errors import DatabaseUnavailable
 from ledger_cdc.events import LedgerEvent, decode_payload, encode_payload
 from ledger_cdc.fold import SessionContext, decode_context, encode_stored, fold_one
-from ledger_cdc.sink.batch import Batch, frozen
 from ledger_cdc.sink.memory import MemorySink, MemoryStore
 from ledger_cdc.stream.route import Anomaly, LedgerStream
 from tests.support import wait

@@ -8,10 +8,10 @@ import uuid
 import msgspec
 import pytest
 
+from ledger_cdc.batching import SnapshotPolicy
 from ledger_cdc.consumer.policy import CATCH_UP_DELAY, CATCH_UP_LAG, IDLE_WAIT, FlushPolicy
 from ledger_cdc.fold import SessionContext, SessionStatus
 from ledger_cdc.retry import Backoff, delay
-from ledger_cdc.sink.batch import SnapshotPolicy
 
 
 class Clock:

@@ -8,7 +8,7 @@ from typing import Any
 
 from ledger_cdc.events import LedgerEvent
 from ledger_cdc.pgoutput.spec import build_message
-from ledger_cdc.stream.route import Anomaly, Held, LedgerStream
+from ledger_cdc.stream.route import Anomaly, LedgerStream, Quarantined
 from tests.support.fakestream import LEDGER_COLUMNS
 
 COLUMNS = LEDGER_COLUMNS
@@ -96,7 +96,7 @@ def test_a_null_identity_column_is_quarantined_not_folded() -> None:
     is held for the dead letters, never a LedgerEvent carrying None into the fold."""
     for vals in (row(None), row(5, sid=None), [5, SID, None, *row(5)[3:]]):
         (item,) = transaction(relation(), insert(vals))
-        assert isinstance(item, Held), vals
+        assert isinstance(item, Quarantined), vals
         assert "NULL" in item.rejected.reason
         assert isinstance(item.rejected.seq, int)
         assert isinstance(item.rejected.session_id, uuid.UUID)

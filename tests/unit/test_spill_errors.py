@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from ledger_cdc.batching import by_session
 from ledger_cdc.consumer.config import ConsumerConfig, check_spill_dir
 from ledger_cdc.errors import ConfigError, SpillError
-from ledger_cdc.sink.batch import by_session
 
 
 def _under_a_file(tmp_path: Path) -> Path:
