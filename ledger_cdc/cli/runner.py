@@ -30,6 +30,8 @@ from ledger_cdc.lsn import format_lsn
 
 __all__ = ["run_consumer", "setup_logging", "status_text", "watch_stop"]
 
+log = logging.getLogger(__name__)
+
 
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -90,7 +92,7 @@ def bootstrap_progress(console: Console, log_format: str) -> Callable[[int, int]
             if done >= total:
                 state.pop("bar").stop()
         else:
-            logging.getLogger("ledger_cdc").info("bootstrap: %d / %d events folded", done, total)
+            log.info("bootstrap: %d / %d events folded", done, total)
 
     return report
 
@@ -107,7 +109,7 @@ def watch_stop(
         wait_stop()
         if done.wait(timeout):
             return
-        logging.getLogger("ledger_cdc").error(
+        log.error(
             "stopping: not done %.0fs after the stop (%s); exiting now with what it holds "
             "unconfirmed, which %s",
             timeout,
@@ -142,10 +144,10 @@ def run_consumer(
     the process exits with status 4 if the consumer is not done ``stop_timeout`` seconds later
     (a database that stopped answering mid-statement holds its thread for good: nothing it
     did not confirm is lost, the next start reads it again from the slot)."""
-    root = setup_logging(log_format)
+    setup_logging(log_format)
     server = None
     if metrics_port is not None:
-        server = _serve_metrics(consumer, root, metrics_port, metrics_host)
+        server = _serve_metrics(consumer, metrics_port, metrics_host)
     done = threading.Event()
     reporter = threading.Thread(
         target=_report_status,
@@ -169,22 +171,22 @@ def run_consumer(
         if server is not None:
             server.stop()
     # (not after an error: that is the one line it ends with)
-    root.info(
+    log.info(
         "stopped at %s after %d events",
         format_lsn(consumer.metrics.confirmed_lsn),
         consumer.metrics.events,
     )
 
 
-def _serve_metrics(consumer: Consumer, root: logging.Logger, port: int, host: str) -> MetricsServer:
+def _serve_metrics(consumer: Consumer, port: int, host: str) -> MetricsServer:
     """The metrics and /healthz endpoint of ``consumer`` on ``host:port``, serving."""
     slot = consumer.config.slot
     collector = MetricsCollector(consumer.metrics, slot)
     check = HealthCheck(consumer.metrics, slot)
     server = serve(registry(collector), port, host, health=check)
-    root.info("metrics on http://%s:%d/metrics, health on /healthz", host, server.port)
+    log.info("metrics on http://%s:%d/metrics, health on /healthz", host, server.port)
     if not loopback(host):
-        root.warning(
+        log.warning(
             "metrics and /healthz listen on %s: reachable from other machines, without "
             "authentication (they say the slot's state, lag and counts, nothing of any "
             "payload); keep the port behind the network's controls, or bind 127.0.0.1",
@@ -197,7 +199,6 @@ def _report_status(m: Metrics, console: Console, log_format: str, done: threadin
     """The status until ``done``: a live line on a terminal (each second), else a log record
     each ten seconds (with its figures as fields, in JSON)."""
     interactive = log_format == "auto" and console.is_terminal
-    root = logging.getLogger("ledger_cdc")
     last = (time.monotonic(), m.transactions, m.events)
     live = None
     if interactive:
@@ -221,9 +222,9 @@ def _report_status(m: Metrics, console: Console, log_format: str, done: threadin
                     "confirmed_lsn": format_lsn(m.confirmed_lsn),
                     "events": m.events,
                 }
-                root.info("status", extra={"fields": fields})
+                log.info("status", extra={"fields": fields})
             else:
-                root.info(line)
+                log.info(line)
     finally:
         if live is not None:
             live.stop()
