@@ -22,7 +22,6 @@ import psycopg
 from psycopg.adapt import Transformer
 from psycopg.pq import Format
 
-from ledger_cdc.errors import InvalidEventError
 from ledger_cdc.events import (
     MAX_TIME,
     MIN_TIME,
@@ -30,11 +29,9 @@ from ledger_cdc.events import (
     READ_MAX_DEPTH,
     LedgerEvent,
     Rejected,
-    admit_time,
+    admit_row,
     as_digest,
-    load_payload,
     too_deep,
-    unidentified,
     unplaced,
 )
 from ledger_cdc.names import STREAMED_COLUMNS
@@ -121,9 +118,8 @@ class LedgerRowDecoder:
 
     def event(self, values: tuple[Any, ...], wal_start: int = 0) -> LedgerEvent | Rejected:
         """One row → LedgerEvent, or :class:`Rejected` with the reason when its payload or time
-        cannot be read (the rule every reader shares: :func:`ledger_cdc.events.load_payload`,
-        :func:`~ledger_cdc.events.admit_time`). Never raises: a tuple that does not fit its
-        Relation is a Rejected row too."""
+        cannot be read (the rule every reader shares: :func:`ledger_cdc.events.admit_row`).
+        Never raises: a tuple that does not fit its Relation is a Rejected row too."""
         if self._typed and type(values) is tuple and len(values) == self._ncols:
             # the fast path: the row of a Relation of the ledger's own columns and types, its
             # values text or NULL (see _LEDGER, _TAKEN_AS_THEY_CAME); a row off it is read by
@@ -214,18 +210,10 @@ class LedgerRowDecoder:
                 self._sids.clear()
         k, h = self._key_i, self._hash_i
         key = None if k is None else row[k]
-        digest = None if h is None else as_digest(row[h])
-        rejected = unidentified(seq, sid, pos, agent, etype, key, digest)
-        if rejected is not None:  # NULL or retyped by hand (ALTER TABLE): no event of it
-            return rejected
-        try:
-            if payload is None or payload is UNCHANGED:
-                raise InvalidEventError("payload is missing from the stream")
-            created = admit_time(created)
-            value = load_payload(etype, payload)
-        except InvalidEventError as e:
-            return Rejected(seq, sid, pos, agent, etype, f"event seq {seq}: {e}", None, key, digest)
-        return LedgerEvent(seq, sid, pos, agent, etype, value, created, key, digest)
+        digest = None if h is None else row[h]
+        if payload is UNCHANGED:  # not in the stream: no payload to read
+            payload = None
+        return admit_row(seq, sid, pos, agent, etype, payload, created, key, digest)
 
     def _rejected(
         self, values: tuple[Any, ...], wal_start: int, why: str | None = None
