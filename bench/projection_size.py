@@ -147,6 +147,19 @@ def main() -> None:
                 "SELECT avg(pg_column_size(context)) FROM agent_sessions"
             ).fetchone()
             print(f"  a projection's context: {float(per) / 1024:.1f} kB on average (stored)")
+            print(fields(conn))
+
+
+def fields(conn: psycopg.Connection[object]) -> str:
+    """What a stored context is made of: each top-level field's JSON, in bytes per projection
+    on average (uncompressed), largest first."""
+    rows = conn.execute(
+        "SELECT key, avg(length(value::text))::float8, count(*) FROM agent_sessions,"
+        " jsonb_each(context) GROUP BY key ORDER BY sum(length(value::text)) DESC"
+    ).fetchall()
+    (n,) = conn.execute("SELECT count(*) FROM agent_sessions").fetchone()  # type: ignore[misc]
+    parts = [f"{k} {float(avg) * c / max(n, 1):.0f}" for k, avg, c in rows]
+    return "  its fields (bytes of JSON per projection): " + ", ".join(parts)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ through, reorders keys), so the hashes of snapshots and projections compare acro
 What is stored (a snapshot, a projection) copies nothing the ledger already holds: no completed
 calls (each is a row of ``agent_memo``; ``memo_position`` says up to where), not the context
 window a ``context.loaded`` event loaded (``window``: that event's position), and not the long
-messages taken verbatim from an event (``sources``: their events' positions). :func:`encode_stored`
-writes that form; :func:`references` says which events a stored context needs read back, and
-:func:`attach` puts what they hold back in place.
+messages taken from an event (``sources``: their events' positions), nor any field that holds
+its default (a reader's decoder gives it back). :func:`encode_stored` writes that form;
+:func:`references` says which events a stored context needs read back, and :func:`attach` puts
+what they hold back in place.
 """
 
 from __future__ import annotations
@@ -133,17 +134,21 @@ def encode_stored(ctx: SessionContext, *, reference: bool = True) -> bytes:
     sources = ctx.sources
     if reference and sources:
         msgs, sources = _omit_sources(msgs, base, sources)
-    return _encoder.encode(
-        msgspec.structs.replace(
-            ctx,
-            completed_tools={},
-            completed_models={},
-            memo_position=ctx.last_position,
-            messages=msgs,
-            window=win,
-            sources=sources,
-        )
+    fields = msgspec.structs.asdict(ctx)
+    fields.update(
+        completed_tools={},
+        completed_models={},
+        memo_position=ctx.last_position,
+        messages=msgs,
+        window=win,
+        sources=sources,
     )
+    return _encoder.encode(_Stored(**fields))
+
+
+class _Stored(SessionContext, omit_defaults=True):
+    """A context as stored: a field that holds its default is left out (a reader's decoder
+    gives it back; SQL's ``ledger_full_context`` puts the defaults back in front)."""
 
 
 encode_snapshot = encode_stored  # the same form (the name snapshots have always used)

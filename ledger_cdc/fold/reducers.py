@@ -48,7 +48,7 @@ from ledger_cdc.events import (
     ToolInvoked,
     ToolObserved,
 )
-from ledger_cdc.fold.codec import copy_context
+from ledger_cdc.fold.codec import copy_context, referable
 from ledger_cdc.fold.context import (
     REDUCER_VERSION,
     REFERENCE_MIN,
@@ -172,8 +172,8 @@ def _tool_observed(ctx: SessionContext, ev: LedgerEvent) -> None:
     )
     content = p.error if p.error is not None else _text(p.result)
     ctx.messages.append(Message("tool", content, tool_call_id=p.call_id))
-    # the event's own string, long enough to be stored by reference
-    if (p.error is not None or isinstance(p.result, str)) and len(content) >= REFERENCE_MIN:
+    # long enough to be stored by reference, and read back from the event as written here
+    if len(content) >= REFERENCE_MIN and (p.error is not None or referable(p.result)):
         ctx.sources.append(MessageSource(len(ctx.messages) - 1, ev.position, len(content)))
 
 

@@ -83,19 +83,26 @@ SET search_path = pg_catalog, @schema@, pg_temp AS $$
     END
 $$;
 
--- A stored context (a projection's or a snapshot's JSON) made whole: its window's messages put
--- back in front, the messages it took from events filled in, its completed calls read from
--- agent_memo (the latest completion of each call at or below its position, keyed by the ids
--- their entries hold: the stored key may be a digest). Messages come back as their events hold
--- them.
+-- A stored context (a projection's or a snapshot's JSON) made whole: the fields it leaves out
+-- for holding their default put back (the defaults of ledger_cdc.fold.SessionContext, a test
+-- holds the two equal), its window's messages put back in front, the messages it took from
+-- events filled in, its completed calls read from agent_memo (the latest completion of each
+-- call at or below its position, keyed by the ids their entries hold: the stored key may be a
+-- digest). Messages come back as their events hold them.
 CREATE OR REPLACE FUNCTION ledger_full_context(p_session UUID, p_context JSONB)
 RETURNS JSONB LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, @schema@, pg_temp AS $$
 DECLARE
-    win      JSONB := p_context -> 'window';
-    at       BIGINT := (p_context ->> 'last_position')::BIGINT;
-    msgs     JSONB := coalesce(p_context -> 'messages', '[]');
-    sources  JSONB := coalesce(p_context -> 'sources', '[]');
+    ctx      JSONB := '{"status": "running", "task": null, "messages": [], "pending_tools": {},
+        "completed_tools": {}, "pending_models": {}, "completed_models": {}, "memo_position": 0,
+        "handoffs_emitted": [], "handoffs_received": [], "usage": {}, "agents": [],
+        "result": null, "error": null, "retryable": null, "event_count": 0, "last_seq": 0,
+        "last_position": 0, "ignored_events": 0, "quarantined": 0, "forked_from": null,
+        "run": null, "extra": {}, "window": null, "sources": []}'::JSONB || p_context;
+    win      JSONB := ctx -> 'window';
+    at       BIGINT := (ctx ->> 'last_position')::BIGINT;
+    msgs     JSONB := coalesce(ctx -> 'messages', '[]');
+    sources  JSONB := coalesce(ctx -> 'sources', '[]');
     src      JSONB;
     loaded   JSONB;
     said     TEXT;
@@ -130,9 +137,8 @@ BEGIN
             i := i + 1;
         END LOOP;
     END IF;
-    IF coalesce((p_context ->> 'memo_position')::BIGINT, 0) = 0 THEN
-        RETURN p_context || jsonb_build_object('messages', msgs, 'window', win,
-                                               'sources', sources);
+    IF coalesce((ctx ->> 'memo_position')::BIGINT, 0) = 0 THEN
+        RETURN ctx || jsonb_build_object('messages', msgs, 'window', win, 'sources', sources);
     END IF;
     SELECT coalesce(jsonb_object_agg(entry ->> 'call_id', entry) FILTER (WHERE kind = 'tool'), '{}'),
            coalesce(jsonb_object_agg(entry ->> 'request_id', entry) FILTER (WHERE kind = 'model'),
@@ -143,9 +149,9 @@ BEGIN
             FROM agent_memo
             WHERE session_id = p_session AND completed_position <= at
             ORDER BY kind, call_id, completed_position DESC) m;
-    RETURN p_context || jsonb_build_object('messages', msgs, 'window', win, 'sources', sources,
-                                           'completed_tools', tools,
-                                           'completed_models', models, 'memo_position', 0);
+    RETURN ctx || jsonb_build_object('messages', msgs, 'window', win, 'sources', sources,
+                                     'completed_tools', tools,
+                                     'completed_models', models, 'memo_position', 0);
 END
 $$;
 

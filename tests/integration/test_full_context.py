@@ -98,6 +98,8 @@ def test_python_and_sql_make_the_same_whole_context_from_references(
                     event("memo entries by reference")
                 python = _python(conn, stored)
                 in_sql = decode_context(whole)
+                # every field, those the stored context left out at their default too
+                assert set(msgspec.json.decode(whole)) == set(SessionContext.__struct_fields__)
                 assert encode_context(python) == encode_context(in_sql)
                 assert python == in_sql
                 assert python == fold(load_events(conn, sid), session_id=sid)
@@ -109,3 +111,14 @@ def test_python_and_sql_make_the_same_whole_context_from_references(
                 )
     finally:
         sink.close()
+
+
+def test_sql_gives_back_the_fields_a_stored_context_leaves_at_their_default(db: Database) -> None:
+    sid = uuid.uuid4()
+    with db.connect() as conn:
+        row = conn.execute(
+            "SELECT ledger_full_context(%s, jsonb_build_object('session_id', %s::text))"
+            " = %s::jsonb",
+            (sid, sid, encode_context(SessionContext(sid)).decode()),
+        ).fetchone()
+    assert row == (True,)

@@ -532,11 +532,12 @@ def test_verify_catches_corrupted_projection_snapshot_and_chain(consumed: Databa
         (snap_seq,) = conn.execute(  # type: ignore[misc]
             "SELECT min(upto_seq) FROM agent_snapshots WHERE session_id = %s", (b,)
         ).fetchone()
+        # (a running session's snapshot leaves its status out: it holds the default)
         conn.execute(
             "UPDATE agent_snapshots SET data = convert_to(replace(convert_from(data, 'UTF8'), "
-            '\'"status":"running"\', \'"status":"completed"\'), \'UTF8\'), '
+            '\'{"session_id"\', \'{"status":"completed","session_id"\'), \'UTF8\'), '
             "content_hash = sha256(convert_to(replace(convert_from(data, 'UTF8'), "
-            '\'"status":"running"\', \'"status":"completed"\'), \'UTF8\')) '
+            '\'{"session_id"\', \'{"status":"completed","session_id"\'), \'UTF8\')) '
             "WHERE session_id = %s AND upto_seq = %s",
             (b, snap_seq),
         )

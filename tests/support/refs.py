@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
+
 from ledger_cdc.events import LedgerEvent, ModelResponded, ToolObserved
 from ledger_cdc.fold import SessionContext, attach, references
 
@@ -20,7 +22,9 @@ def attach_from(ctx: SessionContext, events: Iterable[Any]) -> SessionContext:
         if isinstance(payload, ModelResponded):
             contents.append(payload.content)
         elif isinstance(payload, ToolObserved):
-            contents.append(payload.error if payload.error is not None else payload.result)
+            result = payload.result  # the message's text: a result not a string as JSON
+            text = result if isinstance(result, str) else msgspec.json.encode(result).decode()
+            contents.append(payload.error if payload.error is not None else text)
         else:
             contents.append(None)
     attach(ctx, messages, contents)

@@ -264,6 +264,42 @@ def test_a_snapshot_plus_its_completions_equals_the_fold(
     ) == (msgspec.structs.replace(whole, completed_tools={}, completed_models={}))
 
 
+def test_a_long_tool_result_is_stored_by_reference_unless_a_float_is_in_it() -> None:
+    """A result whose text readers give back as the fold wrote it (a string, or a value with no
+    float) is left in its event by a stored context; one holding a float is copied."""
+    rows = [{"id": 2**70, "title": 'a "quoted" \\ title, é'} for _ in range(8)]
+    log = [
+        ev(1, "tool.invoked", {"call_id": "c1", "tool": "t"}),
+        ev(2, "tool.observed", {"call_id": "c1", "result": {"rows": rows}}),
+        ev(3, "tool.invoked", {"call_id": "c2", "tool": "t"}),
+        ev(4, "tool.observed", {"call_id": "c2", "result": {"rows": rows, "score": 0.5}}),
+        ev(5, "tool.invoked", {"call_id": "c3", "tool": "t"}),
+        ev(6, "tool.observed", {"call_id": "c3", "result": "x" * 300}),
+    ]
+    ctx = fold(log)
+    assert [(s.index, s.position) for s in ctx.sources] == [(0, 2), (2, 6)]
+    stored = decode_context(encode_snapshot(ctx))
+    assert [m.content == "" for m in stored.messages] == [True, False, True]
+    assert references(stored) == (None, [2, 6])
+    assert attach_from(stored, log).messages == ctx.messages
+
+
+def test_a_stored_context_leaves_out_the_fields_at_their_default() -> None:
+    ctx = fold([ev(1, "tool.invoked", {"call_id": "c", "tool": "t"})])
+    stored = msgspec.json.decode(encode_snapshot(ctx))
+    assert set(stored) == {
+        "session_id",
+        "pending_tools",
+        "memo_position",
+        "usage",
+        "agents",
+        "event_count",
+        "last_seq",
+        "last_position",
+    }
+    assert decode_context(encode_snapshot(ctx)) == msgspec.structs.replace(ctx, memo_position=1)
+
+
 def test_a_context_without_its_memo_refuses_to_say_not_completed() -> None:
     log = [
         ev(1, "tool.invoked", {"call_id": "c1", "tool": "t", "idempotency_key": "k1"}),

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from ledger_cdc import register_event_type
 from ledger_cdc.consumer import Consumer
+from ledger_cdc.consumer.server import NoLedgerServer
 from ledger_cdc.fold import REFERENCE_MIN
 from ledger_cdc.sink.memory import MemorySink, MemoryStore
 from tests.support.fakestream import FakeSlot, Wal, running
@@ -63,7 +64,12 @@ _result = st.one_of(
     _text,
     st.integers(-5, 5),
     st.none(),
-    st.builds(lambda s: {"rows": [s, s]}, _long),  # long, but not a string: no message source
+    # long, not a string: a message source unless a float is in it (fold.codec.referable)
+    st.builds(
+        lambda s, n: {"rows": [s, s], "n": n},
+        _long,
+        st.one_of(st.integers(-(2**70), 2**70), st.sampled_from([1.5, 0.1, 1e-07, -0.0])),
+    ),
 )
 _tool = st.builds(
     lambda c, key, result, error: [
@@ -98,6 +104,10 @@ KNOWN = [  # one history with every kind of reference, whatever else is drawn
         ],
         [("tool.invoked", {"call_id": "c0", "tool": "t"})],  # again: the latest completion counts
         [("tool.observed", {"call_id": "c0", "result": {"rows": ["x" * 300]}})],
+        [
+            ("tool.invoked", {"call_id": "c1", "tool": "t"}),
+            ("tool.observed", {"call_id": "c1", "result": {"rows": ['"é"' * 100], "p": 0.5}}),
+        ],
     ]
 ]
 
@@ -115,7 +125,10 @@ def test_the_memory_store_makes_the_whole_context_from_references(
             wal.transaction([wal.row(sid, etype, payload) for etype, payload in turn])
     store = MemoryStore()
     c = Consumer(
-        config(snapshot_every=3), sink=MemorySink(store), transport=FakeSlot(wal).transport()
+        config(snapshot_every=3),
+        sink=MemorySink(store),
+        transport=FakeSlot(wal).transport(),
+        server=NoLedgerServer(),
     )
     with running(c):
         until(lambda: store.checkpoint == wal.commits[-1])
