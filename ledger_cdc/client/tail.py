@@ -20,9 +20,18 @@ import psycopg
 from ledger_cdc.client.read import COLUMNS, row_event
 from ledger_cdc.connect import open_session_async
 from ledger_cdc.errors import ConfigError, DatabaseUnavailable
-from ledger_cdc.events import DOC_MAX_DEPTH, LedgerEvent, Rejected, decode_bounded
+from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.names import SESSIONS_CHANNEL
-from ledger_cdc.sink.jetstream import JetStreamSettings, WireEvent, wire_event
+from ledger_cdc.natswire import (
+    WireEvent,
+    events_subject,
+    events_wildcard,
+    left_out,
+    read_event,
+    rejected_event,
+    wire_event,
+)
+from ledger_cdc.sink.jetstream import JetStreamSettings
 
 __all__ = ["follow_jetstream", "follow_postgres"]
 
@@ -94,7 +103,7 @@ async def follow_jetstream(
         ) from e
     try:
         js = nc.jetstream()
-        subject = f"{settings.prefix}.events.{session_id}"
+        subject = events_subject(settings.prefix, session_id)
         try:
             info = await js.stream_info(settings.stream)
         except NotFoundError as e:
@@ -104,21 +113,20 @@ async def follow_jetstream(
                 "--sink nats://…; or give ?stream= of the one it uses)"
             ) from e
         carried = list(getattr(info.config, "subjects", None) or [])
-        if f"{settings.prefix}.events.*" not in carried:  # (would wait for ever, saying nothing)
+        if events_wildcard(settings.prefix) not in carried:  # (would wait for ever, saying nothing)
             raise ConfigError(
                 f"JetStream stream {settings.stream!r} does not carry {settings.prefix}.events.* "
                 f"(its subjects: {', '.join(carried) or 'none'}): give ?prefix= of the one "
                 "its consumer publishes under"
             )
         sub = await js.subscribe(subject, stream=settings.stream, ordered_consumer=True)
-        dec = msgspec.json.Decoder(WireEvent)
         while True:
             try:
                 msg = await sub.next_msg(timeout=3600)
             except asyncio.TimeoutError:
                 continue
             try:
-                w = decode_bounded(dec.decode, msg.data, DOC_MAX_DEPTH)
+                w = read_event(msg.data)
             # not what a consumer publishes (or nested deeper than one could be): no event
             except msgspec.DecodeError as e:
                 log.warning("skipped a message on %s that is not an event: %s", subject, e)
@@ -126,10 +134,10 @@ async def follow_jetstream(
             if w.session_id != session_id or w.position <= after:
                 continue
             after = w.position
-            if w.omitted and w.rejected is None:
+            if left_out(w):
                 yield await _omitted_event(dsn, w)
                 continue
-            yield wire_event(w, msgspec.json.encode(w.payload))
+            yield wire_event(w, bytes(w.payload))
     finally:
         await nc.close()
 
@@ -145,17 +153,11 @@ async def _omitted_event(dsn: str | None, w: WireEvent) -> LedgerEvent | Rejecte
                 cur = await conn.execute(_ONE.encode(), (w.session_id, w.position))
                 row = await cur.fetchone()
         except psycopg.Error as e:
-            return Rejected(
-                w.seq,
-                w.session_id,
-                w.position,
-                w.agent_id,
-                w.event_type,
-                f"{why}; cannot read it from agent_events: {str(e).strip().splitlines()[0]}",
-            )
+            first = str(e).strip().splitlines()[0]
+            return rejected_event(w, f"{why}; cannot read it from agent_events: {first}")
         if row is not None:
             return row_event(row)
         why += "; not in agent_events either (archived?)"
     else:
         why += ": give --dsn to read it from agent_events"
-    return Rejected(w.seq, w.session_id, w.position, w.agent_id, w.event_type, why)
+    return rejected_event(w, why)

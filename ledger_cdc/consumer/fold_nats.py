@@ -32,27 +32,33 @@ from typing import Any
 import msgspec
 import psycopg
 
-from ledger_cdc.batching import Batch, BatchBuilder, SessionCache, SnapshotPolicy
 from ledger_cdc.client.read import COLUMNS, load_events, row_event
 from ledger_cdc.connect import connect
 from ledger_cdc.consumer.config import RANGES
-from ledger_cdc.errors import ConfigError, FencedError, LedgerError, check_ranges
-from ledger_cdc.events import DOC_MAX_DEPTH, LedgerEvent, Rejected, decode_bounded
+from ledger_cdc.errors import ConfigError, FencedError, LedgerError
+from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.fold import default_reducers
-from ledger_cdc.lsn import parse_lsn
-from ledger_cdc.pgoutput.messages import pg_micros
-from ledger_cdc.retry import Backoff
-from ledger_cdc.sink.jetstream import (
-    JetStreamSettings,
-    WireEvent,
-    require_nats,
-    subscribe_raw,
+from ledger_cdc.natswire import (
+    check_storable,
+    commit_lsn,
+    events_wildcard,
+    left_out,
+    read_event,
+    rejected_event,
+    status_of,
+    subject_byte,
     wire_event,
 )
+from ledger_cdc.pgoutput.messages import pg_micros
+from ledger_cdc.retry import Backoff
+from ledger_cdc.settings import check_ranges
+from ledger_cdc.sink.batch import Batch, BatchBuilder, SessionCache, SnapshotPolicy
+from ledger_cdc.sink.jetstream import JetStreamSettings
+from ledger_cdc.sink.jetstream_link import first_line, require_nats, subscribe_raw
 from ledger_cdc.sink.postgres import PgSink
 from ledger_cdc.sink.worker import SinkWorker
 from ledger_cdc.stream.assemble import Transaction
-from ledger_cdc.stream.route import Item, Quarantined
+from ledger_cdc.stream.route import Held, Item
 
 __all__ = ["FoldConfig", "FoldWorker", "parse_partition"]
 
@@ -62,12 +68,6 @@ log = logging.getLogger(__name__)
 # bytes)
 _Row = tuple[int, "LedgerEvent | Rejected | None", int, int]
 _ONE = f"SELECT {COLUMNS} FROM agent_events WHERE session_id = %s AND position = %s"  # noqa: S608
-
-
-class _RawWire(WireEvent):
-    """A message as the worker decodes it: the payload left as JSON, loaded by its type."""
-
-    payload: msgspec.Raw
 
 
 _PART = re.compile(r"[0-9]{1,3}")  # ASCII digits only ("²".isdigit() is True)
@@ -146,7 +146,6 @@ class FoldWorker:
         self._backoff = Backoff(
             base=config.reconnect_base, cap=config.reconnect_cap, healthy_after=30.0
         )
-        self._dec = msgspec.json.Decoder(_RawWire)
         self._got: list[tuple[int, bytes | None]] = []  # the pull under way: (seq, data|None)
         self._done = asyncio.Event()
         self._pull_error: str | None = None
@@ -181,7 +180,7 @@ class FoldWorker:
             except ConfigError:
                 raise
             except Exception as e:  # connection, server, sink; nats-py's own errors
-                log.warning("fold %s: %s; reconnecting", self.name, _first_line(e))
+                log.warning("fold %s: %s; reconnecting", self.name, first_line(e))
                 self._close()
             else:
                 break
@@ -196,9 +195,8 @@ class FoldWorker:
             self._ledger = None
 
     async def _attempt(self) -> None:
+        """One connection: read the stream from the checkpoint on, until a stop or a fault."""
         import nats
-        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-        from nats.js.errors import NotFoundError
 
         s = self.settings
         nc = await nats.connect(
@@ -219,69 +217,85 @@ class FoldWorker:
             self.position = self.sink.load_checkpoint() or 0
             self._uncommitted = self.position
             self.builder.cache.clear()
-            consumer = f"ledger-cdc-fold-{self.config.partition}-{uuid.uuid4().hex[:12]}"
-            try:
-                await js.add_consumer(
-                    s.stream,
-                    ConsumerConfig(
-                        name=consumer,
-                        filter_subject=f"{s.prefix}.events.*",
-                        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                        opt_start_seq=self.position + 1,
-                        ack_policy=AckPolicy.NONE,
-                        inactive_threshold=30.0,
-                        max_waiting=1,
-                        mem_storage=True,
-                    ),
-                )
-            except NotFoundError as e:  # the relay may not have started yet: waited for
-                raise LedgerError(
-                    f"JetStream stream {s.stream!r} does not exist at {', '.join(s.servers)} "
-                    "yet (consume --publish-only --sink nats://… creates it)"
-                ) from e
+            consumer = await self._add_consumer(js)
             inbox = nc.new_inbox()
             await subscribe_raw(nc, inbox, self._on_msg, pending=4 * self.config.fetch + 100)
             log.info(
                 "fold %s: reading stream %s after sequence %d", self.name, s.stream, self.position
             )
             self._backoff.succeeded()
-            request = f"$JS.API.CONSUMER.MSG.NEXT.{s.stream}.{consumer}"
-            ask = msgspec.json.encode({"batch": self.config.fetch, "expires": 1_000_000_000})
             worker = self._worker = SinkWorker(self.sink)
             try:
-
-                async def pull() -> None:
-                    self._got = []
-                    self._done = asyncio.Event()
-                    self._pull_error = None
-                    await nc.publish(request, ask, reply=inbox)
-
-                await pull()
-                while not self._stop.is_set():
-                    try:
-                        await asyncio.wait_for(self._done.wait(), 1.0 + s.ack_timeout)
-                    except asyncio.TimeoutError:
-                        raise TimeoutError(
-                            f"JetStream did not answer a pull within {1 + s.ack_timeout:.0f}s"
-                        ) from None
-                    if self._pull_error is not None:
-                        raise LedgerError(f"JetStream: {self._pull_error}")
-                    got = self._got
-                    # the next pull is under way (the server sends it meanwhile) while this
-                    # one is folded, and the sink thread commits the batch before it
-                    await pull()
-                    if got:
-                        self._take(got, full=len(got) >= self.config.fetch)
-                    else:
-                        self._commit_idle()
-                    self._settle()
-                worker.wait()
-                self._settle()
+                await self._pull_until_stopped(nc, inbox, consumer)
             finally:
                 worker.close()
         finally:
             with contextlib.suppress(Exception):  # closing anyway
                 await asyncio.wait_for(nc.close(), 5)
+
+    async def _add_consumer(self, js: Any) -> str:
+        """A consumer of the stream's events from the message after the checkpoint: its name.
+        Ephemeral (in memory, gone 30 s after its last pull) and unacknowledged: the checkpoint
+        in the database is what says where the next attempt starts."""
+        from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+        from nats.js.errors import NotFoundError
+
+        s = self.settings
+        consumer = f"ledger-cdc-fold-{self.config.partition}-{uuid.uuid4().hex[:12]}"
+        try:
+            await js.add_consumer(
+                s.stream,
+                ConsumerConfig(
+                    name=consumer,
+                    filter_subject=events_wildcard(s.prefix),
+                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                    opt_start_seq=self.position + 1,
+                    ack_policy=AckPolicy.NONE,
+                    inactive_threshold=30.0,
+                    max_waiting=1,
+                    mem_storage=True,
+                ),
+            )
+        except NotFoundError as e:  # the relay may not have started yet: waited for
+            raise LedgerError(
+                f"JetStream stream {s.stream!r} does not exist at {', '.join(s.servers)} "
+                "yet (consume --publish-only --sink nats://… creates it)"
+            ) from e
+        return consumer
+
+    async def _pull_until_stopped(self, nc: Any, inbox: str, consumer: str) -> None:
+        """Pull after pull (answered on ``inbox``), each folded while the next is under way."""
+        s = self.settings
+        request = f"$JS.API.CONSUMER.MSG.NEXT.{s.stream}.{consumer}"
+        ask = msgspec.json.encode({"batch": self.config.fetch, "expires": 1_000_000_000})
+
+        async def pull() -> None:
+            self._got = []
+            self._done = asyncio.Event()
+            self._pull_error = None
+            await nc.publish(request, ask, reply=inbox)
+
+        await pull()
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self._done.wait(), 1.0 + s.ack_timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(
+                    f"JetStream did not answer a pull within {1 + s.ack_timeout:.0f}s"
+                ) from None
+            if self._pull_error is not None:
+                raise LedgerError(f"JetStream: {self._pull_error}")
+            got = self._got
+            # the next pull is under way (the server sends it meanwhile) while this one is
+            # folded, and the sink thread commits the batch before it
+            await pull()
+            if got:
+                self._take(got, full=len(got) >= self.config.fetch)
+            else:
+                self._commit_idle()
+            self._settle()
+        self._worker.wait()
+        self._settle()
 
     async def _disconnected(self) -> None:
         self._pull_error = self._pull_error or "the connection to NATS was lost"
@@ -303,8 +317,8 @@ class FoldWorker:
         """A message of the pull under way, straight from the connection's parser: only its
         stream sequence (from its reply subject) when another partition's, by its subject's
         last two hex digits, before anything is decoded."""
-        if headers[8:9] == b" ":  # a status: NATS/1.0 <code> <description>
-            code = headers[9:12]
+        code = status_of(headers)
+        if code:  # a status: NATS/1.0 <code> <description>
             if code != b"100":  # 100: an idle heartbeat
                 if code not in (b"404", b"408"):  # no (more) messages: the pull is over
                     self._pull_error = headers.split(b"\r\n", 1)[0][9:].decode(errors="replace")
@@ -314,11 +328,9 @@ class FoldWorker:
         # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ts>.<pending>,
         # or with <domain>.<account hash> after ACK and a token at the end
         seq = int(tokens[5] if len(tokens) == 9 else tokens[7])
-        tail = subject[-2:]
-        try:
-            ours = self._mine[int(tail, 16)]
-        except ValueError:
-            ours = True  # not a session subject: decoded, and rejected if not an event
+        last = subject_byte(subject)
+        # not a session subject: decoded, and rejected if not an event
+        ours = True if last is None else self._mine[last]
         self._got.append((seq, data if ours else None))
         if len(self._got) >= self.config.fetch:
             self._done.set()
@@ -360,7 +372,7 @@ class FoldWorker:
         for seq, ev, lsn, size in rows:
             if ev is None:
                 continue
-            item: Item = ev if type(ev) is LedgerEvent else Quarantined(lsn, ev)  # type: ignore[arg-type]
+            item: Item = ev if type(ev) is LedgerEvent else Held(lsn, ev)  # type: ignore[arg-type]
             t = txns[-1] if txns else None
             if t is not None and lsn and t.commit_lsn == lsn:
                 assert isinstance(t.items, list)
@@ -416,16 +428,16 @@ class FoldWorker:
         """A message's event and its commit LSN. What cannot be read is Rejected (the fold
         quarantines it, as the consumer quarantines a row); a payload left out of the stream
         is read from agent_events."""
-        w = decode_bounded(self._dec.decode, data, DOC_MAX_DEPTH)
-        lsn = parse_lsn(w.commit_lsn) if w.commit_lsn else 0
+        w = read_event(data)
+        lsn = commit_lsn(w)
         payload = bytes(w.payload)
-        _storable(w, payload)
-        if w.omitted and w.rejected is None:
+        check_storable(w, payload)
+        if left_out(w):
             row = self._ledger_conn().execute(_ONE, (w.session_id, w.position)).fetchone()
             if row is not None:
                 return row_event(row), lsn
             why = f"published without its payload ({w.omitted} bytes), not in agent_events"
-            return wire_event(msgspec.structs.replace(w, rejected=why), b""), lsn
+            return rejected_event(w, why), lsn
         return wire_event(w, payload), lsn
 
     def _gap_rows(self, sid: uuid.UUID, first: int, last: int) -> list[LedgerEvent | Rejected]:
@@ -443,26 +455,5 @@ class FoldWorker:
         return self._ledger
 
 
-# an escaped NUL (\u0000 after an even run of backslashes, or none) in JSON text
-_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
-
-
-def _storable(w: WireEvent, payload: bytes) -> None:
-    """PostgreSQL's text and jsonb hold no NUL character, so a message carrying one was never a
-    ledger row (anyone who may publish on the subjects can forge one), and folding it would fail
-    every write of its batch, for ever: ValueError, and the message is skipped."""
-    for name in ("agent_id", "event_type", "idempotency_key", "rejected"):
-        value = getattr(w, name)
-        if value is not None and "\x00" in value:
-            raise ValueError(f"its {name} holds a NUL character, which no ledger row can")
-    if b"\\u0000" in payload and _NUL_ESCAPE.search(payload):
-        raise ValueError("its payload holds a NUL character (\\u0000), which no ledger row can")
-
-
 async def _quiet(e: Exception) -> None:
-    log.warning("NATS: %s", _first_line(e))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    log.warning("NATS: %s", first_line(e))

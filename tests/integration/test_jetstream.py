@@ -624,7 +624,7 @@ def test_a_fast_batch_holding_messages_the_stream_has_is_stored_once_and_succeed
     again.connect()
     # as if the stream's high-water mark were unknown to be past these: no subject is
     # looked up, the whole batch is sent, and the server's duplicate window drops 1 … 200
-    again._high = 0
+    again._known.high = 0
     again.publish(_events(sid, 1, 400), [])
     assert again.fast_batches == 1 and again.published == 400 and again.skipped == 0
     again.close()
