@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.status import Status
 
+    from ledger_cdc.admin.review import Call, Replay, SessionsDiff
     from ledger_cdc.admin.verify import VerifyReport
 
 
@@ -200,32 +201,10 @@ def _resolve(conn: psycopg.Connection[Any], named: Any) -> Any:
     return resolve(conn, named)
 
 
-def _heading(named: Any) -> str:
-    """The session as the user named it, and its id."""
-    if named.kind == "session":
-        return f"session {named.session_id}"
-    return f"{named} (session {named.session_id})"
-
-
 def _connect(dsn: str) -> psycopg.Connection[Any]:
     from ledger_cdc.connect import connect
 
     return connect(dsn, autocommit=True)
-
-
-def _events(
-    conn: psycopg.Connection[Any], sid: uuid.UUID, upto_seq: int | None = None
-) -> list[Any]:
-    """The session's rows (quarantined ones as Rejected, shown where they lie)."""
-    from ledger_cdc.client.read import load_events
-
-    evs = list(load_events(conn, sid, upto_seq=upto_seq))
-    if not evs:
-        raise NoSuchSessionError(
-            f"session {sid} has no events"
-            + ("" if upto_seq is None else f" at or below seq {upto_seq}")
-        )
-    return evs
 
 
 def _json(value: Any) -> None:
@@ -264,35 +243,31 @@ def replay(
     SESSION is a session id, or a name of its framework: thread:ID (LangGraph), openai:ID
     (OpenAI Agents), pydantic:ID (Pydantic AI), or a bare name looked up in all three.
     """
-    from ledger_cdc.admin.readable import framework_states
-    from ledger_cdc.client.recovery import rebuild_context
+    from ledger_cdc.admin.review import replay as rebuild
 
+    (named,) = names.named(session, 1)
     with _connect(dsn) as conn:
-        named = names.one(conn, session)
-        ctx = rebuild_context(conn, named.session_id, upto_seq, memo=True)
-    if ctx.last_position == 0:
-        raise NoSuchSessionError(
-            f"{_heading(named)} has no events"
-            + ("" if upto_seq is None else f" at or below seq {upto_seq}")
-        )
+        replayed = rebuild(conn, named, upto_seq)
     if as_json:
-        _json(ctx)
+        _json(replayed.context)
         return
-    con = state.console
+    _print_replay(state.console, replayed)
+
+
+def _print_replay(con: Console, replayed: Replay) -> None:
+    ctx, named = replayed.context, replayed.named
     colour = {"completed": "green", "failed": "red"}.get(ctx.status, "yellow")
     title = "" if named.kind == "session" else f"{safe(str(named))}  "
     con.print(
         f"{title}session [bold]{ctx.session_id}[/]  status [{colour}]{safe(ctx.status)}[/]  "
         f"{ctx.event_count} events up to seq {ctx.last_seq} (position {ctx.last_position})"
     )
-    fw = ctx.extra.get("agent_framework") or {}
-    for i, line in enumerate(framework_states(ctx.extra, named.checkpoint_ns or "")):
-        style = "bold" if i == 0 else ""
-        con.print(Text(printable(line), style=style))
-    ignored = ctx.ignored_events - int(fw.get("events", 0))
-    if ignored > 0 or ctx.quarantined:
+    for i, line in enumerate(replayed.framework):
+        con.print(Text(printable(line), style="bold" if i == 0 else ""))
+    if replayed.ignored > 0 or ctx.quarantined:
         con.print(
-            f"[dim]{ignored} event(s) of types no reducer folds; {ctx.quarantined} quarantined[/]"
+            f"[dim]{replayed.ignored} event(s) of types no reducer folds; {ctx.quarantined} "
+            "quarantined[/]"
         )
     if ctx.task:
         con.print(f"task: {safe(ctx.task)}")
@@ -303,59 +278,30 @@ def replay(
         f"agents: {safe(', '.join(ctx.agents))}  ·  messages: {len(ctx.messages)}  ·  tokens "
         f"{ctx.usage.input_tokens}/{ctx.usage.output_tokens} in {ctx.usage.model_calls} model calls"
     )
-    if ctx.pending_tools or ctx.pending_models:
+    if replayed.in_flight:
         t = Table(
             title="in flight when the log ends (retry with the same key)", title_style="bold yellow"
         )
         for col in ("kind", "id", "tool / model", "idempotency key", "since seq", "attempts"):
             t.add_column(col)
-        for p in ctx.pending_tools.values():
-            t.add_row(
-                "tool",
-                safe(p.call_id),
-                safe(p.tool),
-                safe(p.idempotency_key or "—"),
-                str(p.invoked_seq),
-                str(p.attempts),
-            )
-        for m in ctx.pending_models.values():
-            t.add_row(
-                "model",
-                safe(m.request_id),
-                safe(m.model),
-                safe(m.idempotency_key or "—"),
-                str(m.requested_seq),
-                "1",
-            )
+        for c in replayed.in_flight:
+            t.add_row(*_call_cells(c), str(c.attempts))
         con.print(t)
     else:
         con.print("[green]nothing in flight[/]")
-    if ctx.completed_tools or ctx.completed_models:
+    if replayed.memoised:
         t = Table(title="memoised (answered from the ledger, never called again)")
         for col in ("kind", "id", "tool / model", "idempotency key", "seq", "result"):
             t.add_column(col, overflow="ellipsis", max_width=60 if col == "result" else None)
-        for c in ctx.completed_tools.values():
-            res = c.error if c.error is not None else msgspec.json.encode(c.result).decode()
-            t.add_row(
-                "tool",
-                safe(c.call_id),
-                safe(c.tool),
-                safe(c.idempotency_key or "—"),
-                str(c.observed_seq),
-                safe(res),
-            )
-        for m2 in ctx.completed_models.values():
-            t.add_row(
-                "model",
-                safe(m2.request_id),
-                safe(m2.model),
-                safe(m2.idempotency_key or "—"),
-                str(m2.responded_seq),
-                safe(m2.content),
-            )
+        for c in replayed.memoised:
+            t.add_row(*_call_cells(c), safe(c.result or ""))
         con.print(t)
     if ctx.status == "failed":
         con.print(f"[red]failed:[/] {safe(ctx.error)}" + (" (retryable)" if ctx.retryable else ""))
+
+
+def _call_cells(c: Call) -> list[str]:
+    return [c.kind, safe(c.id), safe(c.name), safe(c.idempotency_key or "—"), str(c.seq)]
 
 
 # -- verify -------------------------------------------------------------------------------------
@@ -555,11 +501,12 @@ def inspect(
     (OpenAI Agents), pydantic:ID (Pydantic AI), or a bare name looked up in all three.
     """
     from ledger_cdc.admin.readable import SHORT, readable_timeline
+    from ledger_cdc.admin.review import heading, session_events
 
     with _connect(dsn) as conn:
         named = names.one(conn, session)
         assert named.session_id is not None
-        events = _events(conn, named.session_id)
+        events = session_events(conn, named.session_id)
     rows = readable_timeline(events, None if full else SHORT, named.checkpoint_ns)
     if last is not None:
         rows = rows[-last:] if last else []
@@ -580,7 +527,7 @@ def inspect(
                 )
             )
         return
-    t = Table(title=_heading(named))
+    t = Table(title=heading(named))
     for col in ("seq", "pos", "time", "agent", "type", "summary", "pair"):
         t.add_column(col, overflow="fold" if col == "summary" else "ellipsis")
     for r in rows:
@@ -643,135 +590,91 @@ def diff(
     (LangGraph), openai:ID (OpenAI Agents), pydantic:ID (Pydantic AI), or bare names looked up
     in all three; or --thread A --thread B.
     """
-    from ledger_cdc.admin.readable import diff_threads, is_thread
-    from ledger_cdc.admin.timeline import diff_runs, summarise
+    from ledger_cdc.admin.review import diff_sessions
 
-    named = names.named(sessions, 2)
+    a, b = names.named(sessions, 2)
     with _connect(dsn) as conn:
-        na, nb = (_resolve(conn, n) for n in named)
-        session_a, session_b = na.session_id, nb.session_id
-        events_a, events_b = _events(conn, session_a), _events(conn, session_b)
-    if is_thread(events_a) and is_thread(events_b):
-        _diff_threads(
-            state,
-            diff_threads(events_a, events_b, na.checkpoint_ns or ""),
-            na,
-            nb,
-            full,
-            as_json,
-        )
-        return
-    res = diff_runs(events_a, events_b)
-    d = res.divergence
+        found = diff_sessions(conn, a, b)
     if as_json:
-        click.echo(
-            jsonlib.dumps(
-                {
-                    "steps_a": res.steps_a,
-                    "steps_b": res.steps_b,
-                    "common_steps": res.common,
-                    "diverged": d is not None,
-                    "step": None if d is None else d.step,
-                    "reason": None if d is None else d.reason,
-                    "seq_a": None if d is None or d.a is None else d.a.seq,
-                    "seq_b": None if d is None or d.b is None else d.b.seq,
-                    "fields": []
-                    if d is None
-                    else [{"field": f, "a": a, "b": b} for f, a, b in d.fields],
-                },
-                indent=2,
-                default=str,
-            )
-        )
+        click.echo(found.to_json())
+    elif found.threads is not None:
+        _print_thread_diff(state.console, found, full)
     else:
-        con = state.console
-        if d is None:
-            con.print(f"[green]same[/]: both runs take the same {res.steps_a} steps")
-            return
-        con.print(
-            f"the runs agree for [bold]{res.common}[/] step(s); they diverge at step "
-            f"[bold]{d.step}[/]: [bold red]{safe(d.reason)}[/]"
-        )
-        t = Table(show_header=True)
-        t.add_column("")
-        t.add_column(f"A {safe(na.label)}", overflow="fold")
-        t.add_column(f"B {safe(nb.label)}", overflow="fold")
-        t.add_row(
-            "seq / pos",
-            "—" if d.a is None else f"{d.a.seq} / {d.a.position}",
-            "—" if d.b is None else f"{d.b.seq} / {d.b.position}",
-        )
-        t.add_row(
-            "event",
-            "(ended)" if d.a is None else safe(f"{d.a.agent_id} {d.a.event_type}"),
-            "(ended)" if d.b is None else safe(f"{d.b.agent_id} {d.b.event_type}"),
-        )
-        t.add_row(
-            "summary",
-            "" if d.a is None else safe(summarise(d.a)),
-            "" if d.b is None else safe(summarise(d.b)),
-        )
-        for f, a, b in d.fields:
-            t.add_row(Text(printable(f), style="bold"), safe(a), safe(b))
-        con.print(t)
-    if d is not None:
+        _print_run_diff(state.console, found)
+    if found.diverged:
         sys.exit(EXIT_PROBLEM)
 
 
-def _diff_threads(state: State, d: Any, na: Any, nb: Any, full: bool, as_json: bool) -> None:
-    if as_json:
-        click.echo(
-            jsonlib.dumps(
-                {
-                    "steps_a": d.steps_a,
-                    "steps_b": d.steps_b,
-                    "common_steps": d.common,
-                    "diverged": d.step is not None or d.reason != "same",
-                    "step": d.step,
-                    "channel": d.channel,
-                    "reason": d.reason,
-                    "a": d.a,
-                    "b": d.b,
-                    "position_a": d.position_a,
-                    "position_b": d.position_b,
-                    "fields": [{"field": f, "a": a, "b": b} for f, a, b in d.fields],
-                },
-                indent=2,
-                default=str,
-            )
-        )
-    else:
-        con = state.console
-        if d.reason == "same":
-            con.print(f"[green]same[/]: both threads take the same {d.steps_a} steps")
-            return
-        con.print(
-            f"the threads agree for [bold]{d.common}[/] checkpoint(s); they diverge at step "
-            f"[bold]{d.step}[/]"
-            + ("" if d.channel is None else f", channel [bold]{safe(d.channel)}[/]")
-            + f": [bold red]{safe(d.reason)}[/]"
-        )
-        t = Table(show_header=True)
-        t.add_column("")
-        t.add_column(f"A {safe(na.label)}", overflow="fold")
-        t.add_column(f"B {safe(nb.label)}", overflow="fold")
+def _diff_table(found: SessionsDiff) -> Table:
+    t = Table(show_header=True)
+    t.add_column("")
+    t.add_column(f"A {safe(found.a.label)}", overflow="fold")
+    t.add_column(f"B {safe(found.b.label)}", overflow="fold")
+    return t
 
-        def shown(v: Any) -> str:
-            text = v if isinstance(v, str) else jsonlib.dumps(v, ensure_ascii=False, default=str)
-            return safe(text if full or len(text) <= 300 else text[:299] + "…")
 
-        t.add_row(
-            "position",
-            "—" if d.position_a is None else str(d.position_a),
-            "—" if d.position_b is None else str(d.position_b),
-        )
-        if d.channel is not None:
-            t.add_row(Text(printable(d.channel), style="bold"), shown(d.a), shown(d.b))
-        for f, a, b in d.fields:
-            if f != d.channel:
-                t.add_row(Text(printable(f), style="dim"), shown(a), shown(b))
-        con.print(t)
-    sys.exit(EXIT_PROBLEM)
+def _print_run_diff(con: Console, found: SessionsDiff) -> None:
+    from ledger_cdc.admin.timeline import summarise
+
+    assert found.runs is not None
+    res, d = found.runs, found.runs.divergence
+    if d is None:
+        con.print(f"[green]same[/]: both runs take the same {res.steps_a} steps")
+        return
+    con.print(
+        f"the runs agree for [bold]{res.common}[/] step(s); they diverge at step "
+        f"[bold]{d.step}[/]: [bold red]{safe(d.reason)}[/]"
+    )
+    t = _diff_table(found)
+    t.add_row(
+        "seq / pos",
+        "—" if d.a is None else f"{d.a.seq} / {d.a.position}",
+        "—" if d.b is None else f"{d.b.seq} / {d.b.position}",
+    )
+    t.add_row(
+        "event",
+        "(ended)" if d.a is None else safe(f"{d.a.agent_id} {d.a.event_type}"),
+        "(ended)" if d.b is None else safe(f"{d.b.agent_id} {d.b.event_type}"),
+    )
+    t.add_row(
+        "summary",
+        "" if d.a is None else safe(summarise(d.a)),
+        "" if d.b is None else safe(summarise(d.b)),
+    )
+    for f, a, b in d.fields:
+        t.add_row(Text(printable(f), style="bold"), safe(a), safe(b))
+    con.print(t)
+
+
+def _print_thread_diff(con: Console, found: SessionsDiff, full: bool) -> None:
+    d = found.threads
+    assert d is not None
+    if not found.diverged:
+        con.print(f"[green]same[/]: both threads take the same {d.steps_a} steps")
+        return
+    con.print(
+        f"the threads agree for [bold]{d.common}[/] checkpoint(s); they diverge at step "
+        f"[bold]{d.step}[/]"
+        + ("" if d.channel is None else f", channel [bold]{safe(d.channel)}[/]")
+        + f": [bold red]{safe(d.reason)}[/]"
+    )
+    t = _diff_table(found)
+
+    def shown(v: Any) -> str:
+        text = v if isinstance(v, str) else jsonlib.dumps(v, ensure_ascii=False, default=str)
+        return safe(text if full or len(text) <= 300 else text[:299] + "…")
+
+    t.add_row(
+        "position",
+        "—" if d.position_a is None else str(d.position_a),
+        "—" if d.position_b is None else str(d.position_b),
+    )
+    if d.channel is not None:
+        t.add_row(Text(printable(d.channel), style="bold"), shown(d.a), shown(d.b))
+    for f, a, b in d.fields:
+        if f != d.channel:
+            t.add_row(Text(printable(f), style="dim"), shown(a), shown(b))
+    con.print(t)
 
 
 # -- fork ---------------------------------------------------------------------------------------

@@ -94,6 +94,9 @@ def test_diff_names_the_step_and_channel_where_two_threads_part(threads: Databas
     r = run_cli("diff", "ticket-7", "thread:ticket-7", "--dsn", threads.dsn)
     assert_clean_exit(r)
     assert "same" in r.output
+    r = run_cli("diff", "ticket-7", "thread:ticket-7", "--dsn", threads.dsn, "--json")
+    assert_clean_exit(r)  # exit 1 only when they diverge, as without --json
+    assert json.loads(r.output)["diverged"] is False
 
 
 def test_an_unknown_name_is_one_red_line(threads: Database) -> None:
