@@ -290,13 +290,21 @@ class MemorySink:
         self.epoch = 0
 
     def commit(self, batch: Batch) -> None:
-        self._check_failure(batch)
-        with self.store.lock:
-            new = self.store._copy()
-            _apply(new, batch, {}, self.by_reference)
-            _notices(new, batch)
-            self._checkpoint(new, batch)
-            self.store._swap(new)
+        publishing = self._publish(batch)
+        try:
+            self._check_failure(batch)
+            for p in publishing:  # every publisher holds the batch before it commits
+                p.wait()
+            with self.store.lock:
+                new = self.store._copy()
+                _apply(new, batch, {}, self.by_reference)
+                _notices(new, batch)
+                self._checkpoint(new, batch)
+                self.store._swap(new)
+        except BaseException:
+            for p in publishing:  # the batch is given up
+                p.cancel()
+            raise
         self._committed(batch)
 
     def commit_chunked(self, chunks: Iterable[Batch], finish: Callable[[Any], Batch]) -> None:
@@ -305,11 +313,9 @@ class MemorySink:
         self._open, self._touched = new, {}
         try:
             for chunk in chunks:
-                self._check_failure(chunk)
-                _apply(new, chunk, self._touched, self.by_reference)
+                self.write_part(chunk)
             final = finish(_Tail(new, self._touched))
-            self._check_failure(final)
-            _apply(new, final, self._touched, self.by_reference)
+            self.write_part(final)
             _notices(new, final)
             with self.store.lock:
                 self._checkpoint(new, final)
@@ -321,6 +327,8 @@ class MemorySink:
     def write_part(self, batch: Batch) -> None:
         assert self._open is not None, "write_part outside commit_chunked"
         self._check_failure(batch)
+        for p in self._publish(batch):
+            p.wait()
         _apply(self._open, batch, self._touched, self.by_reference)
 
     def close(self) -> None:
@@ -331,6 +339,20 @@ class MemorySink:
             pub.close()
 
     # -- the parts of a commit ----------------------------------------------------------------
+
+    def _publish(self, batch: Batch) -> list[Any]:
+        """Start publishing the batch to every publisher, as the PostgreSQL sink does: its
+        events, and each changed projection with the latest commit LSN of its events here."""
+        if not self.publishers:
+            return []
+        latest: dict[uuid.UUID, int] = {}
+        for ev, at in batch.published:
+            latest[ev.session_id] = max(at, latest.get(ev.session_id, 0))
+        changed = [
+            (sid, ctx.last_position, data, latest.get(sid, 0))
+            for sid, (ctx, data, _, _) in batch.sessions.items()
+        ]
+        return [pub.begin(batch.published, changed) for pub in self.publishers]
 
     def _check_failure(self, batch: Batch) -> None:
         if self.before_commit is not None:
