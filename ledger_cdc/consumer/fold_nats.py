@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 import psycopg
 
+from ledger_cdc.batching import Batch, BatchBuilder, SessionCache, SnapshotPolicy
 from ledger_cdc.client.read import COLUMNS, load_events, row_event
 from ledger_cdc.connect import connect
 from ledger_cdc.consumer.config import RANGES
@@ -52,13 +53,12 @@ from ledger_cdc.natswire import (
 from ledger_cdc.pgoutput.messages import pg_micros
 from ledger_cdc.retry import Backoff
 from ledger_cdc.settings import check_ranges
-from ledger_cdc.sink.batch import Batch, BatchBuilder, SessionCache, SnapshotPolicy
 from ledger_cdc.sink.jetstream import JetStreamSettings
 from ledger_cdc.sink.jetstream_link import first_line, require_nats, subscribe_raw
 from ledger_cdc.sink.postgres import PgSink
 from ledger_cdc.sink.worker import SinkWorker
 from ledger_cdc.stream.assemble import Transaction
-from ledger_cdc.stream.route import Held, Item
+from ledger_cdc.stream.route import Item, Quarantined
 
 __all__ = ["FoldConfig", "FoldWorker", "parse_partition"]
 
@@ -372,7 +372,7 @@ class FoldWorker:
         for seq, ev, lsn, size in rows:
             if ev is None:
                 continue
-            item: Item = ev if type(ev) is LedgerEvent else Held(lsn, ev)  # type: ignore[arg-type]
+            item: Item = ev if type(ev) is LedgerEvent else Quarantined(lsn, ev)  # type: ignore[arg-type]
             t = txns[-1] if txns else None
             if t is not None and lsn and t.commit_lsn == lsn:
                 assert isinstance(t.items, list)
