@@ -1,11 +1,13 @@
 """The ``ledger-cdc`` command line: a thin layer over the library. ``base`` defines the group
-and what every command shares; ``app`` holds the core commands (init, demo, consume, lag,
-slot), ``doctor`` the deployment's preflight, ``server`` a throwaway PostgreSQL, ``tools`` the
-others (replay, inspect, verify, runs, outbox, partitions, …)."""
+and what every command shares; the commands are grouped by what they serve: ``app`` the
+ledger's database (init, slot, lag), ``run`` the stream's processes (consume, fold),
+``server`` a throwaway PostgreSQL (server, demo), ``doctor`` the deployment's preflight,
+``ui`` the web view, ``tools`` the others (replay, inspect, verify, runs, outbox, partitions,
+…)."""
 
 import signal
 
-from ledger_cdc.cli import app, doctor, server, tools, ui  # noqa: F401  (each registers its commands)
+from ledger_cdc.cli import app, doctor, run, server, tools, ui  # noqa: F401  (each registers its commands)
 from ledger_cdc.cli.base import cli, fail
 
 __all__ = ["cli", "main"]

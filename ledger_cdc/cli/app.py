@@ -1,73 +1,35 @@
-"""The core commands: ``init``, ``demo``, ``consume``, ``fold``, ``lag`` and ``slot``."""
+"""The commands that look after the ledger's database: ``init`` (schema, publication, slots),
+``slot`` (create, failover, drop, list) and ``lag`` (the slots' health, as a check)."""
 
 from __future__ import annotations
 
 import sys
-import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
-from rich.table import Table
 
 from ledger_cdc.cli.base import (
-    DSN,
     CheckCommand,
-    F,
     Finite,
-    Interval,
     State,
     _env,
     ahead_option,
     cli,
     dsn_option,
+    failover_option,
     handles_errors,
-    log_format_option,
     option,
     print_records,
     safe,
 )
-from ledger_cdc.errors import DAY, LedgerError
+from ledger_cdc.settings import DAY
 
-# options that consume and fold share
-failover_option = option(
-    "--failover",
-    is_flag=True,
-    envvar=_env("FAILOVER"),
-    help="Make a slot this creates a failover slot (PostgreSQL 17+): a standby with "
-    "sync_replication_slots keeps it in step, so it survives the standby's promotion.",
-)
-target_dsn_option = option(
-    "--target-dsn",
-    default=None,
-    type=DSN,
-    envvar=_env("TARGET_DSN"),
-    help="Database for the projections (default: the ledger database).",
-)
-snapshot_every_option = option(
-    "--snapshot-every",
-    default=100,
-    show_default=True,
-    type=click.IntRange(0, 2**31),
-    envvar=_env("SNAPSHOT_EVERY"),
-    help="Snapshot a session every N events (and at task end); 0: only at task end.",
-)
+if TYPE_CHECKING:
+    import psycopg
 
-
-def stop_timeout_option(holds: str, then: str) -> Callable[[F], F]:
-    """``--stop-timeout``: ``holds``, what may keep a stop from ending; ``then``, what becomes
-    of the work in hand when it is cut short."""
-    return option(
-        "--stop-timeout",
-        default=30.0,
-        show_default=True,
-        type=Finite(1, DAY),
-        envvar=_env("STOP_TIMEOUT"),
-        help=f"Seconds a stop (SIGINT, SIGTERM, SIGHUP) may take to finish the batch in hand: "
-        f"past them ({holds}), the process exits with status 4 and {then}.",
-    )
+    from ledger_cdc.admin.health import SlotHealth, Thresholds
 
 
 @cli.command()
@@ -157,546 +119,6 @@ def init(
         state.console.print(f"partitions created: {', '.join(res.partitions_created)}")
     for pub, sl in res.shards:
         state.console.print(f"shard: publication {pub}, slot {sl}")
-
-
-@cli.command()
-@option(
-    "--sessions",
-    default=6,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Number of simulated agent runs.",
-)
-@option("--seed", default=7, show_default=True, help="Seed of the simulation.")
-@option(
-    "--pg-major",
-    type=int,
-    default=None,
-    help="PostgreSQL major version of the throwaway cluster (default: first found).",
-)
-@option("--keep", is_flag=True, help="Keep the cluster running until Enter is pressed.")
-@click.pass_obj
-@handles_errors
-def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: bool) -> None:
-    """Start a throwaway PostgreSQL, init the ledger, let simulated agents write to it while
-    the consumer folds the slot into projections, and show both."""
-    import signal
-
-    from ledger_cdc.admin.schema import init as do_init
-    from ledger_cdc.admin.timeline import summarise
-    from ledger_cdc.admin.verify import verify
-    from ledger_cdc.demo.agents import ledger_rows, projections, run_agents, verify_against_refold
-    from ledger_cdc.demo.crash import HELD_CALL, run_crash_story
-    from ledger_cdc.demo.embedded import EmbeddedPostgres
-    from ledger_cdc.errors import format_lsn
-    from ledger_cdc.stopping import ignore_stop_signals
-
-    def terminated(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)  # unwinds like Ctrl-C: the cluster goes with us
-
-    # the throwaway cluster must not outlive the command: SIGTERM (a supervisor, `timeout`)
-    # and SIGHUP (the terminal closed) end it as Ctrl-C does, not by default, which would
-    # leave its server running and its directory behind
-    signal.signal(signal.SIGTERM, terminated)
-    signal.signal(signal.SIGHUP, terminated)
-    con = state.console
-    pg = EmbeddedPostgres(major=pg_major)
-    try:
-        with con.status("starting a throwaway PostgreSQL…"):
-            pg.__enter__()
-        con.print(
-            f"[green]PostgreSQL {pg.major}[/] on 127.0.0.1:{pg.port} ([dim]{pg.install.bindir}[/])"
-        )
-        dsn = pg.dsn()
-        res = do_init(dsn, slot="agent_slot")  # the slot before any write: nothing is missed
-        con.print(
-            f"ledger initialised: migrations {', '.join(f'{v:04d}' for v in res.applied)}, "
-            "publication agent_pub, slot agent_slot"
-        )
-        from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
-
-        consumer = Consumer(ConsumerConfig(dsn=dsn, snapshot_every=5, heartbeat_interval=1.0))
-        runner = threading.Thread(target=consumer.run, name="demo-consumer", daemon=True)
-        runner.start()
-        with con.status(f"running {sessions} simulated agents, consumer streaming agent_slot…"):
-            report = run_agents(dsn, sessions=sessions, seed=seed)
-            deadline = time.monotonic() + 60
-            while consumer.metrics.events < report.events and time.monotonic() < deadline:
-                time.sleep(0.05)
-        rows = ledger_rows(dsn, limit=60)
-        table = Table(title="agent_events (append-only ledger, first rows)", show_lines=False)
-        for col in ("seq", "session", "pos", "agent", "event_type", "summary", "hash"):
-            table.add_column(col, overflow="fold" if col == "summary" else "ellipsis")
-        for ev, h in rows:
-            table.add_row(
-                str(ev.seq),
-                str(ev.session_id)[:8],
-                str(ev.position),
-                ev.agent_id,
-                ev.event_type,
-                summarise(ev),
-                h[:12],
-            )
-        con.print(table)
-        con.print(
-            f"[bold]{report.events}[/] events in [bold]{len(report.sessions)}[/] sessions, "
-            f"[bold]{report.outbox}[/] outbox rows; every agent turn committed as one transaction."
-        )
-        proj = Table(title="agent_sessions (projections folded from the slot, in commit order)")
-        for col in (
-            "session",
-            "status",
-            "events",
-            "pending tools",
-            "completed tools",
-            "tokens in/out",
-            "handoffs",
-            "last seq",
-        ):
-            proj.add_column(col)
-        for ctx in projections(dsn):
-            proj.add_row(
-                str(ctx.session_id)[:8],
-                {"completed": "[green]completed[/]", "failed": "[red]failed[/]"}.get(
-                    ctx.status, ctx.status
-                ),
-                str(ctx.event_count),
-                str(len(ctx.pending_tools)),
-                str(len(ctx.completed_tools)),
-                f"{ctx.usage.input_tokens}/{ctx.usage.output_tokens}",
-                str(len(ctx.handoffs_emitted)),
-                str(ctx.last_seq),
-            )
-        con.print(proj)
-        same, snaps = verify_against_refold(dsn)
-        m = consumer.metrics
-        con.print(
-            f"consumer: {m.transactions} transactions in {m.batches} batches, confirmed "
-            f"{format_lsn(m.confirmed_lsn)}; {snaps} snapshots; projections "
-            + ("[green]equal[/]" if same else "[red]differ from[/]")
-            + " a refold of the ledger from zero"
-        )
-        con.rule("[bold]a worker dies mid-tool-call[/]")
-        story = run_crash_story(dsn, say=con.print)
-        sb = story.standby
-        inflight = ", ".join(f"{c} (key {k})" for c, k in sb.in_flight) or "none"
-        con.print(
-            f"worker-2 (standby) called rebuild_context: {sb.rebuild_ms:.1f} ms; in flight: "
-            f"[yellow]{inflight}[/]"
-        )
-        con.print(
-            "worker-2 answered from the ledger, calling nothing: "
-            f"[green]{', '.join(sb.answered_from_ledger)}[/]"
-        )
-        for call_id, key in sb.retried:
-            con.print(f"worker-2 retried {call_id} with its original key {key}")
-        con.print(f"worker-2 called: {', '.join(sb.called)}; session {story.status}")
-        by_call = ", ".join(f"{k.rsplit(':', 1)[-1]} ×{n}" for k, n in sorted(story.calls.items()))
-        con.print(
-            f"the tool service saw: {by_call} — only {HELD_CALL}, in flight at the kill, twice, "
-            "both times with the same idempotency key (a real service deduplicates by it)"
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            checked = verify(dsn)
-            if checked.ok and not checked.notes:
-                break
-            time.sleep(0.1)
-        con.print(
-            ("[green]verify passed[/]" if checked.ok else "[red]verify found differences[/]")
-            + f": {checked.sessions} sessions, {checked.events} events refolded, "
-            f"{checked.projections} projections, {checked.snapshots} snapshots and "
-            f"{checked.memo} memoised calls compared, "
-            "hash chains intact" * checked.ok
-        )
-        consumer.stop()
-        runner.join(30)
-        if not checked.ok:
-            raise LedgerError("the demo's ledger does not verify")
-        if keep:
-            con.print(f"cluster kept at: [cyan]{dsn}[/]  (press Enter to stop)")
-            sys.stdin.readline()
-    finally:
-        ignore_stop_signals()  # a second signal must not cut the clean-up short
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        pg.__exit__(None, None, None)
-
-
-@cli.command()
-@dsn_option
-@option(
-    "--slot",
-    default="agent_slot",
-    show_default=True,
-    envvar=_env("SLOT"),
-    help="Logical replication slot (pgoutput) to stream.",
-)
-@option(
-    "--publication",
-    default="agent_pub",
-    show_default=True,
-    envvar=_env("PUBLICATION"),
-    help="Publication of the ledger.",
-)
-@target_dsn_option
-@option(
-    "--create-slot",
-    is_flag=True,
-    envvar=_env("CREATE_SLOT"),
-    help="Create the slot if it does not exist.",
-)
-@failover_option
-@option(
-    "--batch-size",
-    default=20000,
-    show_default=True,
-    type=click.IntRange(1, 2**31),
-    envvar=_env("BATCH_SIZE"),
-    help="Flush after this many events.",
-)
-@option(
-    "--max-delay-ms",
-    default=50,
-    show_default=True,
-    type=click.IntRange(0, 3_600_000),
-    envvar=_env("MAX_DELAY_MS"),
-    help="Flush at the latest this long after a batch's first transaction (while catching "
-    "up on a backlog, at least half a second: fewer, larger batches; not with a nats:// sink).",
-)
-@snapshot_every_option
-@option(
-    "--heartbeat-interval",
-    default=0.0,
-    show_default=True,
-    type=Interval(),
-    envvar=_env("HEARTBEAT_INTERVAL"),
-    help="Seconds between heartbeat messages (0: off); keeps an idle slot advancing "
-    "and measures end-to-end lag.",
-)
-@option(
-    "--metrics-port",
-    default=None,
-    type=click.IntRange(0, 65535),
-    envvar=_env("METRICS_PORT"),
-    help="Serve Prometheus metrics on this port.",
-)
-@option(
-    "--metrics-host",
-    default="127.0.0.1",
-    show_default=True,
-    envvar=_env("METRICS_HOST"),
-    help="Address for --metrics-port.",
-)
-@option(
-    "--memory-limit-mb",
-    default=512,
-    show_default=True,
-    type=click.IntRange(1, 2**42),
-    envvar=_env("MEMORY_LIMIT_MB"),
-    help="Memory for what grows with the data (buffered transactions, spilled to disk past "
-    "their share; the session cache; the batch in hand; a tenth read ahead at start-up): peak "
-    "RSS stays under the idle size + this + 32 MB.",
-)
-@option(
-    "--spill-dir",
-    default=None,
-    type=click.Path(path_type=str),
-    envvar=_env("SPILL_DIR"),
-    help="Directory for what passes --memory-limit-mb: transactions buffered to disk, a large "
-    "transaction sorted by session (default: the system's temporary directory, TMPDIR). Give "
-    "it room for the largest transaction; one that cannot take a file (full, missing, not "
-    "writable) stops the consumer with exit 4 naming it.",
-)
-@option(
-    "--on-slot-lost",
-    type=click.Choice(["resync", "exit"]),
-    default="resync",
-    show_default=True,
-    envvar=_env("ON_SLOT_LOST"),
-    help="When the server invalidates the slot: rebuild it from the ledger table, or exit "
-    "with code 3 so you are paged.",
-)
-@option(
-    "--health-interval",
-    default=10.0,
-    show_default=True,
-    type=Interval(),
-    envvar=_env("HEALTH_INTERVAL"),
-    help="Seconds between checks of the slot's health and of the publication (0: off).",
-)
-@log_format_option()
-@option(
-    "--sink",
-    "sinks",
-    multiple=True,
-    default=("postgres",),
-    show_default=True,
-    envvar=_env("SINKS"),
-    help="Where batches go, repeatable: postgres (the projections, always on: the checkpoint "
-    "lives there) and nats://host:4222[,nats://…] (JetStream fan-out).",
-)
-@option(
-    "--publish-only",
-    is_flag=True,
-    envvar=_env("PUBLISH_ONLY"),
-    help="With --sink nats://…: publish the events to JetStream and keep only the checkpoint "
-    "in PostgreSQL; `ledger-cdc fold --from nats://… --partition K/N` workers build the "
-    "projections (the server decodes the WAL once, the folding scales with workers).",
-)
-@option(
-    "--shard",
-    type=click.IntRange(0),
-    default=None,
-    help="Stream shard K: slot <slot>_sK and publication <publication>_sK (init --shards).",
-)
-@option(
-    "--vacuum-interval",
-    default=2.0,
-    show_default=True,
-    type=Interval(),
-    help="Seconds between VACUUMs of agent_sessions, which every batch rewrites, while batches "
-    "are written (sooner after 200 rewritten rows; none while idle). 0: leave it to "
-    "autovacuum, whose one-minute naptime lets a busy table grow several times its data.",
-)
-@option(
-    "--standby-poll",
-    default=0.5,
-    show_default=True,
-    type=Finite(0.1, 3600),
-    help="Seconds between tries for a slot another consumer holds (hot standby); each try is a "
-    "connection to the server.",
-)
-@option(
-    "--sink-commit",
-    type=click.Choice(["async", "sync"]),
-    default="async",
-    show_default=True,
-    envvar=_env("SINK_COMMIT"),
-    help="async: projection transactions commit without waiting for their WAL flush (visible "
-    "sooner, no fsync per batch) and the slot is confirmed only past what the server has "
-    "flushed; after a server crash the consumer re-applies what was lost. sync: each commit "
-    "waits for its flush (and for synchronous standbys, if the server has them).",
-)
-@stop_timeout_option(
-    "a database or NATS server that does not answer, a bootstrap still under way",
-    "what it had not confirmed is read again at the next start (a bootstrap starts over)",
-)
-@click.pass_obj
-@handles_errors
-def consume(
-    state: State,
-    dsn: str,
-    slot: str,
-    publication: str,
-    target_dsn: str | None,
-    create_slot: bool,
-    failover: bool,
-    batch_size: int,
-    max_delay_ms: int,
-    snapshot_every: int,
-    heartbeat_interval: float,
-    metrics_port: int | None,
-    metrics_host: str,
-    memory_limit_mb: int,
-    spill_dir: str | None,
-    on_slot_lost: str,
-    health_interval: float,
-    log_format: str,
-    sinks: tuple[str, ...],
-    publish_only: bool,
-    shard: int | None,
-    vacuum_interval: float,
-    standby_poll: float,
-    sink_commit: str,
-    stop_timeout: float,
-) -> None:
-    """Stream the slot into per-session projections, exactly once, in commit order.
-
-    With --create-slot and no slot yet, the slot is created with an exported snapshot and the
-    ledger's existing rows are folded from that snapshot first (a bootstrap, with a progress
-    bar), so nothing written before, during or after it is lost or applied twice. The same
-    handoff rebuilds a slot the server invalidated (--on-slot-lost resync).
-
-    Runs until SIGINT, SIGTERM or SIGHUP, then finishes the current batch, commits, confirms and
-    exits 0 (or, past --stop-timeout with a server that does not answer, exits 4).
-    Reconnects by itself when the connection drops or the server restarts.
-
-    Run a second `consume` for the same slot as a hot standby: it waits while the slot is in
-    use and takes over within about a second of the active one's death; a consumer that lost
-    the slot is fenced (its checkpoint write is a compare-and-set) and cannot overwrite newer
-    projections. --shard K streams shard K (agent_slot_sK / agent_pub_sK, see init --shards).
-    --sink nats://… also publishes every event and projection change to JetStream;
-    with --publish-only it publishes the events only, for `ledger-cdc fold` workers.
-    """
-    from ledger_cdc.names import shard_names
-    from ledger_cdc.stream.transport import ReplicationStream
-
-    if shard is not None:
-        publication, slot = shard_names(shard, publication, slot)
-    # Streaming begins now, before the rest of the consumer loads (a fifth of a second here),
-    # so that the server decodes a backlog meanwhile; the consumer takes it over when it
-    # starts, after its checks (whatever failed here, it then meets and reports itself).
-    early = ReplicationStream(dsn, slot, publication)
-    early.prefetch(memory_limit_mb * 1024 * 1024 // 10)
-    try:
-        from ledger_cdc.admin.schema import validate_publication_name, validate_slot_name
-        from ledger_cdc.cli.runner import bootstrap_progress, run_consumer
-        from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
-        from ledger_cdc.stopping import ignore_stop_signals
-
-        validate_slot_name(slot)
-        validate_publication_name(publication)
-        extra = tuple(u for u in sinks if u != "postgres")
-        for i, u in enumerate(extra):
-            if not u.startswith(("nats://", "tls://")):
-                raise click.BadParameter(
-                    f"{u!r}: use postgres or nats://host:port", param_hint="--sink"
-                )
-            if u in extra[:i]:  # (a second publisher of every batch to the same stream)
-                raise click.BadParameter(f"{u!r} given twice", param_hint="--sink")
-        if publish_only and not extra:
-            raise click.BadParameter(
-                "--publish-only needs a --sink nats://host:port to publish to", param_hint="--sink"
-            )
-        config = ConsumerConfig(
-            dsn=dsn,
-            slot=slot,
-            publication=publication,
-            target_dsn=target_dsn,
-            create_slot=create_slot,
-            failover=failover,
-            batch_size=batch_size,
-            max_delay=max_delay_ms / 1000,
-            snapshot_every=snapshot_every,
-            heartbeat_interval=heartbeat_interval or None,
-            memory_limit=memory_limit_mb * 1024 * 1024,
-            spill_dir=spill_dir,
-            on_slot_lost=on_slot_lost,
-            health_interval=health_interval,
-            progress=bootstrap_progress(state.console, log_format),
-            sinks=extra,
-            fold=not publish_only,
-            standby_poll=standby_poll,
-            vacuum_interval=vacuum_interval,
-            sink_commit=sink_commit,
-        )
-        consumer = Consumer(config, prefetched=early)
-        consumer.install_signal_handlers()
-        try:
-            run_consumer(
-                consumer, state.console, log_format, metrics_port, metrics_host, stop_timeout
-            )
-        finally:
-            ignore_stop_signals()  # done: a late signal must not turn its exit status into -15
-    finally:
-        early.close()  # (the consumer's own stream, if it took it over: closed already)
-
-
-# -- fold --------------------------------------------------------------------------------------
-
-
-@cli.command()
-@dsn_option
-@option(
-    "--from",
-    "source",
-    required=True,
-    envvar=_env("FOLD_FROM"),
-    help="The JetStream stream a `consume --publish-only --sink nats://…` fills: "
-    "nats://host:4222[,nats://…][?stream=LEDGER&prefix=ledger].",
-)
-@option(
-    "--partition",
-    default="0/1",
-    show_default=True,
-    envvar=_env("PARTITION"),
-    help="Fold partition K of N: the sessions whose id's last byte is K modulo N (as "
-    "init --shards splits them). Run one worker per K, on any machines.",
-)
-@target_dsn_option
-@option(
-    "--fetch",
-    default=2000,
-    show_default=True,
-    type=click.IntRange(1, 100_000),
-    help="Messages asked of the stream at a time (a batch folds at most this many).",
-)
-@snapshot_every_option
-@option(
-    "--memory-limit-mb",
-    default=256,
-    show_default=True,
-    type=click.IntRange(1, 2**42),
-    envvar=_env("MEMORY_LIMIT_MB"),
-    help="Memory for the session cache and the batch in hand.",
-)
-@log_format_option()
-@stop_timeout_option(
-    "a database or NATS server that does not answer",
-    "what it had not committed is folded again at the next start",
-)
-@click.pass_obj
-@handles_errors
-def fold(
-    state: State,
-    dsn: str,
-    source: str,
-    partition: str,
-    target_dsn: str | None,
-    fetch: int,
-    snapshot_every: int,
-    memory_limit_mb: int,
-    log_format: str,
-    stop_timeout: float,
-) -> None:
-    """Fold one partition of the JetStream event stream into the projections, exactly once.
-
-    The scale-out path: one `consume --publish-only --sink nats://…` reads the slot (the server
-    decodes the WAL once) and N `fold --partition K/N` workers build the projections, snapshots
-    and memo rows a consumer builds, each for its share of the sessions. Each worker's
-    checkpoint (the stream sequence it folded up to, `nats:<stream>:K/N` in
-    ledger_checkpoints) commits with what it covers, so a worker killed at any point restarts
-    where it was. Runs until SIGINT, SIGTERM or SIGHUP (then finishes its batch and exits 0;
-    past --stop-timeout with a server that does not answer, exits 4).
-    """
-    from ledger_cdc.cli.runner import setup_logging, watch_stop
-    from ledger_cdc.consumer.fold_nats import FoldConfig, FoldWorker, parse_partition
-    from ledger_cdc.stopping import ignore_stop_signals, on_stop_signals
-
-    k, n = parse_partition(partition)
-    setup_logging(log_format)
-    worker = FoldWorker(
-        FoldConfig(
-            url=source,
-            dsn=dsn,
-            partition=k,
-            partitions=n,
-            target_dsn=target_dsn,
-            fetch=fetch,
-            snapshot_every=snapshot_every,
-            memory_limit=memory_limit_mb * 1024 * 1024,
-        )
-    )
-
-    on_stop_signals(worker.stop)
-    done = threading.Event()
-    watch_stop(
-        worker.wait_stop,
-        done,
-        stop_timeout,
-        "a database or NATS server that does not answer",
-        "the next start folds again from the stream",
-    )
-    try:
-        worker.run()
-    finally:
-        done.set()
-        ignore_stop_signals()  # done: a late signal must not turn its exit status into -15
-    click.echo(
-        f"fold {worker.name}: {worker.folded:,} events folded, stream sequence "
-        f"{worker.position:,} committed",
-        err=True,
-    )
 
 
 # -- lag ------------------------------------------------------------------------------------------
@@ -823,28 +245,18 @@ def lag(
     lost slot, as the ledger_cdc_slot_status metric does.) Needs no superuser: the consumer
     role is enough.
     """
-    import json as jsonlib
-
     import psycopg
 
-    from ledger_cdc.admin.health import CRITICAL, Thresholds, check_slots, has_ledger
+    from ledger_cdc.admin.health import Thresholds
     from ledger_cdc.admin.schema import validate_slot_name
     from ledger_cdc.connect import connect
-    from ledger_cdc.errors import DatabaseUnavailable, SchemaError, describe
+    from ledger_cdc.errors import DatabaseUnavailable, describe
 
     if slot is not None:
         validate_slot_name(slot)
-    for name, warn, crit in (
-        ("share", warn_share, crit_share),
-        ("bytes", warn_bytes, crit_bytes),
-        ("seconds", warn_seconds, crit_seconds),
-    ):
-        if warn > crit:
-            raise click.BadParameter(
-                f"--warn-{name} {warn} is above --crit-{name} {crit}: a warning comes first",
-                param_hint=f"--warn-{name}",
-            )
-    th = Thresholds(warn_share, crit_share, warn_bytes, crit_bytes, warn_seconds, crit_seconds)
+    th = _checked(
+        Thresholds(warn_share, crit_share, warn_bytes, crit_bytes, warn_seconds, crit_seconds)
+    )
     # (lift: its session sits idle while it samples and between refreshes; a database's
     # idle_session_timeout would end it there)
     conn = connect(dsn, autocommit=True, lift=True)
@@ -853,15 +265,7 @@ def lag(
             try:
                 if conn.closed:
                     conn = connect(dsn, autocommit=True, lift=True)
-                if not has_ledger(conn):
-                    # (another database's slots are not this one's health)
-                    raise SchemaError(
-                        f"database {conn.info.dbname!r} holds no ledger (no agent_events on "
-                        "the search path): nothing to judge; give the ledger database's DSN"
-                    )
-                slots = check_slots(
-                    conn, slot, thresholds=th, sample_seconds=sample_seconds, this_database=True
-                )
+                slots = _check_slots(conn, slot, th, sample_seconds)
             except (psycopg.OperationalError, DatabaseUnavailable) as e:
                 if not watch:
                     raise
@@ -870,25 +274,64 @@ def lag(
                 state.console.print(f"[yellow]{safe(describe(e, dsn))}[/]: trying again")
                 time.sleep(interval)
                 continue
-            if as_json:
-                click.echo(jsonlib.dumps([h.as_json() for h in slots], indent=2))
-            else:
-                if watch:
-                    state.console.clear()
-                _print_lag(state.console, slots)
-            # a lost slot (status 3) is critical; none at all too: no consumer streams the ledger
-            code = min(CRITICAL, max((h.status for h in slots), default=CRITICAL))
-            if not slots:
-                state.err.print(
-                    f"no logical replication slot in database {safe(conn.info.dbname)}: no "
-                    "consumer streams this ledger (`ledger-cdc consume --create-slot` makes one)",
-                    soft_wrap=True,
-                )
+            code = _show_lag(state, slots, str(conn.info.dbname), as_json, watch)
             if not watch:
                 sys.exit(code)
             time.sleep(interval)
     finally:
         conn.close()
+
+
+def _checked(th: Thresholds) -> Thresholds:
+    """``th``, each warning at or below its critical (else a usage error)."""
+    for name in ("share", "bytes", "seconds"):
+        warn, crit = getattr(th, f"warn_{name}"), getattr(th, f"crit_{name}")
+        if warn > crit:
+            raise click.BadParameter(
+                f"--warn-{name} {warn} is above --crit-{name} {crit}: a warning comes first",
+                param_hint=f"--warn-{name}",
+            )
+    return th
+
+
+def _check_slots(
+    conn: psycopg.Connection[Any], slot: str | None, th: Thresholds, sample_seconds: float
+) -> list[SlotHealth]:
+    """The health of this database's slots (or of ``slot``); a database without a ledger is
+    an error: another database's slots are not this one's health."""
+    from ledger_cdc.admin.health import check_slots, has_ledger
+    from ledger_cdc.errors import SchemaError
+
+    if not has_ledger(conn):
+        raise SchemaError(
+            f"database {conn.info.dbname!r} holds no ledger (no agent_events on "
+            "the search path): nothing to judge; give the ledger database's DSN"
+        )
+    return check_slots(conn, slot, thresholds=th, sample_seconds=sample_seconds, this_database=True)
+
+
+def _show_lag(
+    state: State, slots: list[SlotHealth], dbname: str, as_json: bool, watch: bool
+) -> int:
+    """Print the slots' health; its exit code: the worst slot's state, a lost slot (status 3)
+    critical, and none at all too (no consumer streams the ledger)."""
+    import json as jsonlib
+
+    from ledger_cdc.admin.health import CRITICAL
+
+    if as_json:
+        click.echo(jsonlib.dumps([h.as_json() for h in slots], indent=2))
+    else:
+        if watch:
+            state.console.clear()
+        _print_lag(state.console, slots)
+    if not slots:
+        state.err.print(
+            f"no logical replication slot in database {safe(dbname)}: no "
+            "consumer streams this ledger (`ledger-cdc consume --create-slot` makes one)",
+            soft_wrap=True,
+        )
+    return min(CRITICAL, max((h.status for h in slots), default=CRITICAL))
 
 
 def _print_lag(console: Console, slots: list[Any]) -> None:

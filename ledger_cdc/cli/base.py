@@ -387,3 +387,54 @@ def log_format_option(
         envvar=_env("LOG_FORMAT"),
         help=f"{what}.",
     )
+
+
+def options(*decorators: Callable[[F], F]) -> Callable[[F], F]:
+    """Several options as one decorator, listed as they appear in the help (the first on top):
+    a command's options declared once, in groups, where a stack of decorators would be long."""
+
+    def apply(fn: F) -> F:
+        for decorate in reversed(decorators):
+            fn = decorate(fn)
+        return fn
+
+    return apply
+
+
+# options that several commands share (init, slot create, consume, fold)
+failover_option = option(
+    "--failover",
+    is_flag=True,
+    envvar=_env("FAILOVER"),
+    help="Make a slot this creates a failover slot (PostgreSQL 17+): a standby with "
+    "sync_replication_slots keeps it in step, so it survives the standby's promotion.",
+)
+target_dsn_option = option(
+    "--target-dsn",
+    default=None,
+    type=DSN,
+    envvar=_env("TARGET_DSN"),
+    help="Database for the projections (default: the ledger database).",
+)
+snapshot_every_option = option(
+    "--snapshot-every",
+    default=100,
+    show_default=True,
+    type=click.IntRange(0, 2**31),
+    envvar=_env("SNAPSHOT_EVERY"),
+    help="Snapshot a session every N events (and at task end); 0: only at task end.",
+)
+
+
+def stop_timeout_option(holds: str, then: str) -> Callable[[F], F]:
+    """``--stop-timeout``: ``holds``, what may keep a stop from ending; ``then``, what becomes
+    of the work in hand when it is cut short."""
+    return option(
+        "--stop-timeout",
+        default=30.0,
+        show_default=True,
+        type=Finite(1, DAY),
+        envvar=_env("STOP_TIMEOUT"),
+        help=f"Seconds a stop (SIGINT, SIGTERM, SIGHUP) may take to finish the batch in hand: "
+        f"past them ({holds}), the process exits with status 4 and {then}.",
+    )

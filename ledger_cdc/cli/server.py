@@ -1,5 +1,6 @@
-"""``ledger-cdc server``: a throwaway local PostgreSQL with the ledger initialised, for trying
-ledger-cdc without a server of one's own. It prints the DSN to use and runs until stopped."""
+"""The commands on a throwaway local PostgreSQL, for trying ledger-cdc without a server of
+one's own: ``server`` (the ledger initialised; it prints the DSN to use and runs until
+stopped) and ``demo`` (:mod:`ledger_cdc.demo.show`: simulated agents, the consumer, a crash)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import click
 
 from ledger_cdc.cli.base import State, cli, handles_errors, option
 
-__all__ = ["server"]
+__all__ = ["demo", "server"]
 
 
 @cli.command()
@@ -93,3 +94,29 @@ def server(
         while not stop.wait(1.0):
             pass
         con.print("stopping the server")
+
+
+@cli.command()
+@option(
+    "--sessions",
+    default=6,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Number of simulated agent runs.",
+)
+@option("--seed", default=7, show_default=True, help="Seed of the simulation.")
+@option(
+    "--pg-major",
+    type=int,
+    default=None,
+    help="PostgreSQL major version of the throwaway cluster (default: first found).",
+)
+@option("--keep", is_flag=True, help="Keep the cluster running until Enter is pressed.")
+@click.pass_obj
+@handles_errors
+def demo(state: State, sessions: int, seed: int, pg_major: int | None, keep: bool) -> None:
+    """Start a throwaway PostgreSQL, init the ledger, let simulated agents write to it while
+    the consumer folds the slot into projections, and show both."""
+    from ledger_cdc.demo.show import run_demo
+
+    run_demo(state.console, sessions=sessions, seed=seed, pg_major=pg_major, keep=keep)

@@ -1,5 +1,5 @@
-"""What ``ledger-cdc demo`` runs: simulated agents (``agents``), the crash demonstration
-(``crash``) and the throwaway local PostgreSQL they run on (``embedded``)."""
+"""What ``ledger-cdc demo`` runs (``show``, start to end): simulated agents (``agents``), the
+crash demonstration (``crash``) and the throwaway local PostgreSQL they run on (``embedded``)."""
 
 from ledger_cdc.demo.agents import (
     DemoReport,
