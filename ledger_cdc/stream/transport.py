@@ -22,7 +22,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -34,6 +34,7 @@ import psycopg2.extras
 from ledger_cdc.connect import connect_timeout, merged_options
 from ledger_cdc.errors import (
     ConfigError,
+    LedgerError,
     SlotBusyError,
     SlotError,
     SlotLostError,
@@ -161,11 +162,7 @@ class ReplicationStream:
         self._prefetch: _Prefetch | None = None
         # (seconds since it began, bytes read ahead) of the prefetch the last start took over
         self.adopted: tuple[float, int] | None = None
-        # read ahead of the loop: what a prefetch read, then what the socket has ready while
-        # that is worked off (so the server goes on sending), up to a byte limit
-        self._ahead: collections.deque[XLogData] = collections.deque()
-        self._ahead_bytes = 0
-        self._ahead_limit = 0
+        self._ahead = _ReadAhead()
 
     def same_as(self, other: ReplicationStream) -> bool:
         """Whether ``other`` streams what this stream would (server, slot, options)."""
@@ -284,38 +281,10 @@ class ReplicationStream:
             cur = conn.cursor()
         try:
             self._start_replication(cur)
-        except psycopg2.errors.UndefinedObject as e:
-            conn.close()
-            self._conn = self._cur = None
-            raise SlotError(
-                f"replication slot {self.slot!r} does not exist; create it with --create-slot "
-                "or `ledger-cdc slot create`"
-            ) from e
-        except psycopg2.errors.ObjectInUse as e:
-            conn.close()
-            self._conn = self._cur = None
-            raise SlotBusyError(
-                f"slot {self.slot!r} is in use by another process: {first_line(e)}"
-            ) from e
-        except psycopg2.errors.ObjectNotInPrerequisiteState as e:
-            conn.close()
-            self._conn = self._cur = None
-            # PostgreSQL 15 says "cannot read from logical replication slot", 16+ "can no longer
-            # get changes from / access replication slot"; the DETAIL says "invalidated" in all
-            detail = getattr(getattr(e, "diag", None), "message_detail", None) or ""
-            text = f"{e} {detail}"
-            if "invalidated" in text or "can no longer" in text:
-                why = f"{first_line(e)} ({detail.strip()})" if detail else first_line(e)
-                raise SlotLostError(f"slot {self.slot!r} was invalidated: {why}") from e
-            raise SlotError(f"slot {self.slot!r} cannot be used: {first_line(e)}") from e
-        except psycopg2.errors.FeatureNotSupported as e:
-            conn.close()
-            self._conn = self._cur = None
-            raise SlotError(f"slot {self.slot!r}: {first_line(e)}") from e
         except psycopg2.Error as e:
             conn.close()
             self._conn = self._cur = None
-            raise self._failure(e, "START_REPLICATION failed") from e
+            raise _refused(self.slot, e) or self._failure(e, "START_REPLICATION failed") from e
         self.adopted = None
         self._started(conn, cur, start_lsn)
 
@@ -349,18 +318,15 @@ class ReplicationStream:
         if taken is None:
             return None
         conn, cur, ahead = taken
-        self._ahead = collections.deque(ahead)
-        self._ahead_bytes = sum(map(_held, ahead))
-        self._ahead_limit = pre.limit
-        self.adopted = (time.monotonic() - pre.began, self._ahead_bytes)
+        self._ahead = _ReadAhead(ahead, pre.limit)
+        self.adopted = (time.monotonic() - pre.began, self._ahead.size)
         return conn, cur
 
     def close(self) -> None:
         pre, self._prefetch = self._prefetch, None
         if pre is not None:
             pre.discard()
-        self._ahead.clear()
-        self._ahead_bytes = 0
+        self._ahead = _ReadAhead()
         if self._conn is not None:
             if self._owed:  # the last confirmation, before the connection goes
                 self._owed = False
@@ -387,18 +353,9 @@ class ReplicationStream:
         """
         out: list[XLogData] = []
         ahead = self._ahead
-        if ahead:
+        if ahead.messages:
             self._read_ahead()  # the server goes on sending while this is worked off
-            n = min(limit, len(ahead))
-            if n == len(ahead):
-                out = list(ahead)
-                ahead.clear()
-            else:
-                popleft = ahead.popleft
-                out = [popleft() for _ in range(n)]
-            # (_held of each, summed without a call per message)
-            self._ahead_bytes -= sum(map(len, map(_PAYLOAD, out))) + n * MESSAGE_OVERHEAD
-            return out
+            return ahead.take(limit)
         try:
             with self._lock:
                 read = self._cur.read_message
@@ -415,21 +372,12 @@ class ReplicationStream:
 
     def _read_ahead(self) -> None:
         """What the socket has ready, into the read-ahead buffer, up to its byte limit."""
-        append = self._ahead.append
-        size, limit = self._ahead_bytes, self._ahead_limit
         try:
             with self._lock:
-                read = self._cur.read_message
-                while size < limit:
-                    msg = read()
-                    if msg is None:
-                        break
-                    append(msg)
-                    size += len(msg.payload) + MESSAGE_OVERHEAD  # (_held, inline)
+                self._ahead.fill(self._cur.read_message)
         except (psycopg2.Error, AttributeError) as e:
             self.close()  # (the buffer goes with the connection)
             raise self._failure(e, "replication stream lost") from e
-        self._ahead_bytes = size
 
     def wait(self, timeout: float, *also: int) -> None:
         """Block until the socket (or one of the ``also`` descriptors) is readable, or
@@ -437,7 +385,7 @@ class ReplicationStream:
         if self._conn is None:
             time.sleep(timeout)
             return
-        if self._ahead:
+        if self._ahead.messages:
             return  # read ahead by a prefetch: ready now
         if self._owed:
             due = self._fed_at + FEEDBACK_EVERY - time.monotonic()
@@ -487,26 +435,96 @@ class ReplicationStream:
             self.close()
             raise TransportError(f"cannot send feedback: {first_line(e)}") from e
 
-    @contextlib.contextmanager
-    def keepalive_during(self) -> Iterator[None]:
+    def keepalive_during(self) -> contextlib.AbstractContextManager[None]:
         """Keep sending status updates from a helper thread while the caller is busy."""
-        done = threading.Event()
-
-        def beat() -> None:
-            while not done.wait(self.status_interval / 2):
-                with contextlib.suppress(TransportError):
-                    self._feedback(True)
-
-        t = threading.Thread(target=beat, name="ledger-cdc-keepalive", daemon=True)
-        t.start()
-        try:
-            yield
-        finally:
-            done.set()
-            t.join()
+        return _beating(lambda: self._feedback(True), self.status_interval / 2)
 
     def describe(self) -> str:
         return f"slot {self.slot} confirmed {format_lsn(self.confirmed)}"
+
+
+def _refused(slot: str, e: psycopg2.Error) -> LedgerError | None:
+    """What a START_REPLICATION refused because of its slot means (None: another cause)."""
+    if isinstance(e, psycopg2.errors.UndefinedObject):
+        return SlotError(
+            f"replication slot {slot!r} does not exist; create it with --create-slot "
+            "or `ledger-cdc slot create`"
+        )
+    if isinstance(e, psycopg2.errors.ObjectInUse):
+        return SlotBusyError(f"slot {slot!r} is in use by another process: {first_line(e)}")
+    if isinstance(e, psycopg2.errors.ObjectNotInPrerequisiteState):
+        # PostgreSQL 15 says "cannot read from logical replication slot", 16+ "can no longer
+        # get changes from / access replication slot"; the DETAIL says "invalidated" in all
+        detail = getattr(getattr(e, "diag", None), "message_detail", None) or ""
+        text = f"{e} {detail}"
+        if "invalidated" in text or "can no longer" in text:
+            why = f"{first_line(e)} ({detail.strip()})" if detail else first_line(e)
+            return SlotLostError(f"slot {slot!r} was invalidated: {why}")
+        return SlotError(f"slot {slot!r} cannot be used: {first_line(e)}")
+    if isinstance(e, psycopg2.errors.FeatureNotSupported):
+        return SlotError(f"slot {slot!r}: {first_line(e)}")
+    return None
+
+
+@contextlib.contextmanager
+def _beating(beat: Callable[[], None], every: float) -> Iterator[None]:
+    """Call ``beat`` every ``every`` seconds from a helper thread while the block runs (a
+    TransportError it raises is the next beat's to retry)."""
+    done = threading.Event()
+
+    def run() -> None:
+        while not done.wait(every):
+            with contextlib.suppress(TransportError):
+                beat()
+
+    t = threading.Thread(target=run, name="ledger-cdc-keepalive", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
+
+
+class _ReadAhead:
+    """Messages read ahead of the loop, up to a byte limit: what a prefetch read, then what the
+    socket has ready while that is worked off (so the server goes on sending). ``size`` counts
+    what they hold as :func:`_held` does."""
+
+    __slots__ = ("limit", "messages", "size")
+
+    def __init__(self, messages: Iterable[XLogData] = (), limit: int = 0) -> None:
+        self.messages: collections.deque[XLogData] = collections.deque(messages)
+        self.size = sum(map(_held, self.messages))
+        self.limit = limit
+
+    def fill(self, read: Callable[[], XLogData | None]) -> None:
+        """Messages from ``read`` (None: none ready) until the limit is reached."""
+        append = self.messages.append
+        size, limit = self.size, self.limit
+        try:
+            while size < limit:
+                msg = read()
+                if msg is None:
+                    break
+                append(msg)
+                size += len(msg.payload) + MESSAGE_OVERHEAD  # (_held, inline)
+        finally:
+            self.size = size
+
+    def take(self, limit: int) -> list[XLogData]:
+        """Up to ``limit`` messages, oldest first."""
+        ahead = self.messages
+        n = min(limit, len(ahead))
+        if n == len(ahead):
+            out = list(ahead)
+            ahead.clear()
+        else:
+            popleft = ahead.popleft
+            out = [popleft() for _ in range(n)]
+        # (_held of each, summed without a call per message)
+        self.size -= sum(map(len, map(_PAYLOAD, out))) + n * MESSAGE_OVERHEAD
+        return out
 
 
 class _Prefetch:

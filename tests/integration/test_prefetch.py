@@ -171,8 +171,8 @@ def test_the_read_ahead_counts_what_it_holds(db: Database) -> None:
         early.start(0)
 
         def counted() -> bool:
-            held = sum(len(m.payload) + MESSAGE_OVERHEAD for m in early._ahead)
-            assert early._ahead_bytes == held
+            held = sum(len(m.payload) + MESSAGE_OVERHEAD for m in early._ahead.messages)
+            assert early._ahead.size == held
             return held > 0
 
         until(counted)  # read ahead (by the early stream, then by the reads)
