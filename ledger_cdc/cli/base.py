@@ -85,7 +85,7 @@ def fail(e: BaseException) -> None:
         if ctx is not None and _ERROR_EXIT in ctx.meta:
             code = ctx.meta[_ERROR_EXIT]
     else:
-        logging.getLogger("ledger_cdc").debug("internal error", exc_info=e)
+        logging.getLogger(__name__).debug("internal error", exc_info=e)
         text = (
             f"internal error: {type(e).__name__}: {describe(e, dsn)} (a bug: please report it; "
             "LEDGER_CDC_DEBUG=1 shows the traceback)"
