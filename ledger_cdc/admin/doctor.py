@@ -19,7 +19,6 @@ disagree.
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,13 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ledger_cdc.admin.health import (
+    checkpoints,
+    failover_slot,
+    invalidated,
+    setting_amount,
+    standby_slots,
+)
 from ledger_cdc.admin.schema import slot_misfit
 from ledger_cdc.connect import connect, connect_timeout
 from ledger_cdc.errors import LedgerError, describe
@@ -58,7 +64,7 @@ CANNOT_TELL = 3
 """The doctor's exit code when it could not look: the ledger database would not connect."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Finding:
     """One thing checked: its ``level``, the ``check`` (a setting's or an object's name), what
     was found, and the ``fix`` (empty when ok, or when ``what`` says it)."""
@@ -82,7 +88,11 @@ None."""
 
 def _verdict(good: bool, check: str, ok: str, level: Level, what: str, fix: str) -> Finding:
     """``ok`` if ``good``, else ``what`` at ``level`` with its ``fix``."""
-    return Finding(Level.OK, check, ok) if good else Finding(level, check, what, fix)
+    return (
+        Finding(level=Level.OK, check=check, what=ok)
+        if good
+        else Finding(level=level, check=check, what=what, fix=fix)
+    )
 
 
 def exit_code(findings: list[Finding]) -> int:
@@ -101,20 +111,7 @@ _SETTINGS = (
     "wal_sender_timeout",
     "checkpoint_timeout",
     "idle_replication_slot_timeout",  # PostgreSQL 18
-    "synchronized_standby_slots",  # 17
 )
-_UNITS = {
-    "B": 1,
-    "kB": 1024,
-    "MB": 1024**2,
-    "GB": 1024**3,
-    "TB": 1024**4,
-    "ms": 0.001,
-    "s": 1,
-    "min": 60,
-    "h": 3600,
-    "d": 86400,
-}
 # a replication slot whose consumer stays away this long is lost to idle_replication_slot_timeout
 # at the next checkpoint: shorter than a deploy, a night's outage or a restore is a warning
 IDLE_TIMEOUT_LEAST = 3600.0
@@ -135,13 +132,7 @@ class _Server:
     def amount(self, name: str) -> float | None:
         """The setting in bytes or seconds (its unit may carry a factor: ``8kB``, ``16MB``)."""
         found = self.settings.get(name)
-        if found is None:
-            return None
-        value, unit = found
-        m = re.fullmatch(r"(\d*)\s*([A-Za-z]+)", unit or "")
-        if m is None:
-            return float(value)
-        return float(value) * int(m[1] or 1) * _UNITS.get(m[2], 1)
+        return None if found is None else setting_amount(*found)
 
 
 def _server(conn: psycopg.Connection[Any]) -> _Server:
@@ -182,11 +173,11 @@ def _count(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...] = 
 def _recovery(server: _Server) -> Iterator[Finding]:
     if server.in_recovery:
         yield Finding(
-            Level.FAIL,
-            "server",
-            f"database {server.database!r} is on a standby (in recovery): the consumer and the "
-            "writers need the primary",
-            "give the primary's DSN (a multi-host DSN with target_session_attrs=read-write "
+            level=Level.FAIL,
+            check="server",
+            what=f"database {server.database!r} is on a standby (in recovery): the consumer and "
+            "the writers need the primary",
+            fix="give the primary's DSN (a multi-host DSN with target_session_attrs=read-write "
             "follows a promotion)",
         )
 
@@ -215,21 +206,21 @@ def _senders(conn: psycopg.Connection[Any], server: _Server, slot: str) -> Itera
     raise_it = "raise max_wal_senders (ALTER SYSTEM SET max_wal_senders = …, then restart)"
     if free < need:
         yield Finding(
-            Level.FAIL,
-            "max_wal_senders",
-            f"{what}: the consumer's replication connection would be refused",
-            raise_it,
+            level=Level.FAIL,
+            check="max_wal_senders",
+            what=f"{what}: the consumer's replication connection would be refused",
+            fix=raise_it,
         )
     elif free - need < 1:
         yield Finding(
-            Level.WARN,
-            "max_wal_senders",
-            f"{what}: none beyond the consumer's, for a standby consumer, a physical standby "
+            level=Level.WARN,
+            check="max_wal_senders",
+            what=f"{what}: none beyond the consumer's, for a standby consumer, a physical standby "
             "reconnecting or pg_basebackup",
-            raise_it,
+            fix=raise_it,
         )
     else:
-        yield Finding(Level.OK, "max_wal_senders", f"{what} ({free} free)")
+        yield Finding(level=Level.OK, check="max_wal_senders", what=f"{what} ({free} free)")
 
 
 def _slots_room(conn: psycopg.Connection[Any], server: _Server, slot: str) -> Iterator[Finding]:
@@ -245,20 +236,20 @@ def _slots_room(conn: psycopg.Connection[Any], server: _Server, slot: str) -> It
     )
     if free < need:
         yield Finding(
-            Level.FAIL,
-            "max_replication_slots",
-            f"{what}: slot {slot!r} cannot be created",
-            fix,
+            level=Level.FAIL,
+            check="max_replication_slots",
+            what=f"{what}: slot {slot!r} cannot be created",
+            fix=fix,
         )
     elif free - need < 1:
         yield Finding(
-            Level.WARN,
-            "max_replication_slots",
-            f"{what}: none free for a shard, a standby or a slot made again after a loss",
-            fix,
+            level=Level.WARN,
+            check="max_replication_slots",
+            what=f"{what}: none free for a shard, a standby or a slot made again after a loss",
+            fix=fix,
         )
     else:
-        yield Finding(Level.OK, "max_replication_slots", f"{what} ({free} free)")
+        yield Finding(level=Level.OK, check="max_replication_slots", what=f"{what} ({free} free)")
 
 
 def _keep_size(conn: psycopg.Connection[Any], server: _Server) -> Iterator[Finding]:
@@ -276,17 +267,19 @@ def _keep_size(conn: psycopg.Connection[Any], server: _Server) -> Iterator[Findi
         disk += f": keep at least max_slot_wal_keep_size + max_wal_size ({_bytes(spare)}) free"
     if keep < 0:
         yield Finding(
-            Level.WARN,
-            "max_slot_wal_keep_size",
-            f"unbounded (-1): a stalled or abandoned slot holds WAL until the disk fills and "
+            level=Level.WARN,
+            check="max_slot_wal_keep_size",
+            what=f"unbounded (-1): a stalled or abandoned slot holds WAL until the disk fills and "
             f"the server stops; {now}; {disk}",
-            "ALTER SYSTEM SET max_slot_wal_keep_size = '…' (what the WAL disk can spare), "
+            fix="ALTER SYSTEM SET max_slot_wal_keep_size = '…' (what the WAL disk can spare), "
             "then SELECT pg_reload_conf(); past it the slot is invalidated and the consumer "
             "resyncs from the ledger table",
         )
     else:
         yield Finding(
-            Level.OK, "max_slot_wal_keep_size", f"bounded at {_bytes(keep)}; {now}; {disk}"
+            level=Level.OK,
+            check="max_slot_wal_keep_size",
+            what=f"bounded at {_bytes(keep)}; {now}; {disk}",
         )
 
 
@@ -297,23 +290,23 @@ def _sender_timeout(server: _Server) -> Iterator[Finding]:
     fix = "ALTER SYSTEM SET wal_sender_timeout = '60s', then SELECT pg_reload_conf()"
     if timeout == 0:
         yield Finding(
-            Level.WARN,
-            "wal_sender_timeout",
-            "0 (off): a consumer gone without closing its connection (host down, network cut) "
+            level=Level.WARN,
+            check="wal_sender_timeout",
+            what="0 (off): a consumer gone without closing its connection (host down, network cut) "
             "keeps the slot active until TCP notices, hours later, and a standby consumer "
             "cannot take it over",
-            fix,
+            fix=fix,
         )
     elif timeout < SENDER_TIMEOUT_LEAST:
         yield Finding(
-            Level.WARN,
-            "wal_sender_timeout",
-            f"{_seconds(timeout)}: a consumer paused for a moment (a long commit, a busy host) "
-            "is cut off and reconnects",
-            fix,
+            level=Level.WARN,
+            check="wal_sender_timeout",
+            what=f"{_seconds(timeout)}: a consumer paused for a moment (a long commit, a busy "
+            "host) is cut off and reconnects",
+            fix=fix,
         )
     else:
-        yield Finding(Level.OK, "wal_sender_timeout", _seconds(timeout))
+        yield Finding(level=Level.OK, check="wal_sender_timeout", what=_seconds(timeout))
 
 
 def _idle_timeout(server: _Server) -> Iterator[Finding]:
@@ -321,7 +314,7 @@ def _idle_timeout(server: _Server) -> Iterator[Finding]:
     if timeout is None:  # (before PostgreSQL 18)
         return
     if timeout == 0:
-        yield Finding(Level.OK, "idle_replication_slot_timeout", "0 (off)")
+        yield Finding(level=Level.OK, check="idle_replication_slot_timeout", what="0 (off)")
         return
     checkpoint = server.amount("checkpoint_timeout") or 0
     what = (
@@ -332,95 +325,75 @@ def _idle_timeout(server: _Server) -> Iterator[Finding]:
     )
     if timeout < IDLE_TIMEOUT_LEAST:
         yield Finding(
-            Level.WARN,
-            "idle_replication_slot_timeout",
-            f"{what}: shorter than a deploy or an outage may keep the consumer away",
-            f"ALTER SYSTEM SET idle_replication_slot_timeout = '{IDLE_TIMEOUT_LEAST / 3600:g}h' "
-            "or more (0: off), then SELECT pg_reload_conf()",
+            level=Level.WARN,
+            check="idle_replication_slot_timeout",
+            what=f"{what}: shorter than a deploy or an outage may keep the consumer away",
+            fix="ALTER SYSTEM SET idle_replication_slot_timeout = "
+            f"'{IDLE_TIMEOUT_LEAST / 3600:g}h' or more (0: off), then SELECT pg_reload_conf()",
         )
     else:
-        yield Finding(Level.OK, "idle_replication_slot_timeout", what)
+        yield Finding(level=Level.OK, check="idle_replication_slot_timeout", what=what)
 
 
 # physical slots a standby streams now: a standby of this server (as far as SQL shows)
 _STANDBYS = "SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'physical' AND active"
 
 
-def _standby_slots(conn: psycopg.Connection[Any], server: _Server, slot: str) -> Iterator[Finding]:
-    """synchronized_standby_slots (17+): each name a physical slot a standby streams; a name
-    that is not there stalls the logical decoding of every failover slot for ever (the
-    promoted standby of pg_basebackup inherits the primary's setting)."""
-    setting = server.text("synchronized_standby_slots")
-    if setting is None:  # (before PostgreSQL 17)
+def _standby_slots(conn: psycopg.Connection[Any], slot: str) -> Iterator[Finding]:
+    """synchronized_standby_slots (17+), as :func:`~ledger_cdc.admin.health.standby_slots`
+    judges it for ``lag``: each name a physical slot a standby streams."""
+    standbys = standby_slots(conn)
+    if standbys is None:  # (before PostgreSQL 17)
         return
-    names = [n.strip().strip('"') for n in setting.split(",") if n.strip()]
-    rows = {
-        r[0]: (r[1], bool(r[2]))
-        for r in conn.execute(
-            "SELECT slot_name, slot_type, active FROM pg_replication_slots WHERE slot_name = "
-            "ANY(%s)",
-            (names,),
-        )
-    }
     reset = (
         "ALTER SYSTEM SET synchronized_standby_slots = '<the standbys' physical slots>' "
         "(or ALTER SYSTEM RESET synchronized_standby_slots), then SELECT pg_reload_conf()"
     )
-    if not names:
-        failover = _failover_of(conn, server, slot)
-        standbys = _count(
-            conn,
-            "SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'physical' AND active",
-        )
-        if failover and standbys:
+    if not standbys.slots:
+        if failover_slot(conn, slot) and _count(conn, _STANDBYS):
             yield Finding(
-                Level.WARN,
-                "synchronized_standby_slots",
-                f"empty while slot {slot!r} is a failover slot: the consumer may confirm what "
+                level=Level.WARN,
+                check="synchronized_standby_slots",
+                what=f"empty while slot {slot!r} is a failover slot: the consumer may confirm what "
                 "the standby has not received, and after a promotion the synced slot is behind "
                 "the projections",
-                "ALTER SYSTEM SET synchronized_standby_slots = '<the standby's physical slot>', "
-                "then SELECT pg_reload_conf()",
+                fix="ALTER SYSTEM SET synchronized_standby_slots = '<the standby's physical "
+                "slot>', then SELECT pg_reload_conf()",
             )
         return
-    for name in names:
-        found = rows.get(name)
-        if found is None:
+    for s in standbys.slots:
+        if s.slot_type is None:
             yield Finding(
-                Level.FAIL,
-                "synchronized_standby_slots",
-                f"names slot {name!r}, which does not exist on this server: logical decoding of "
-                "failover slots waits for it for ever (the server logs 'waiting on the standby "
-                "associated with replication slot …'); after a promotion, pg_basebackup's copy "
-                "of the old primary's setting does this",
-                reset,
+                level=Level.FAIL,
+                check="synchronized_standby_slots",
+                what=f"names slot {s.name!r}, which does not exist on this server: logical "
+                "decoding of failover slots waits for it for ever (the server logs 'waiting on the "
+                "standby associated with replication slot …'); after a promotion, "
+                "pg_basebackup's copy of the old primary's setting does this",
+                fix=reset,
             )
-        elif found[0] != "physical":
+        elif s.slot_type != "physical":
             yield Finding(
-                Level.FAIL,
-                "synchronized_standby_slots",
-                f"names slot {name!r}, a {found[0]} slot: it must name standbys' physical slots",
-                reset,
+                level=Level.FAIL,
+                check="synchronized_standby_slots",
+                what=f"names slot {s.name!r}, a {s.slot_type} slot: it must name standbys' "
+                "physical slots",
+                fix=reset,
             )
-        elif not found[1]:
+        elif not s.active:
             yield Finding(
-                Level.WARN,
-                "synchronized_standby_slots",
-                f"names slot {name!r}, which no standby streams now: logical decoding of "
+                level=Level.WARN,
+                check="synchronized_standby_slots",
+                what=f"names slot {s.name!r}, which no standby streams now: logical decoding of "
                 "failover slots waits until one does",
-                "start the standby, or take its slot out: " + reset,
+                fix="start the standby, or take its slot out: " + reset,
             )
         else:
-            yield Finding(Level.OK, "synchronized_standby_slots", f"{name!r}: a standby streams it")
-
-
-def _failover_of(conn: psycopg.Connection[Any], server: _Server, slot: str) -> bool:
-    if server.version < 170000:
-        return False
-    row = conn.execute(
-        "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (slot,)
-    ).fetchone()
-    return bool(row and row[0])
+            yield Finding(
+                level=Level.OK,
+                check="synchronized_standby_slots",
+                what=f"{s.name!r}: a standby streams it",
+            )
 
 
 _ROLE = """
@@ -450,39 +423,40 @@ def _role(conn: psycopg.Connection[Any], server: _Server) -> Iterator[Finding]:
     name, superuser, replication, group, member, inherits, temporary = row
     if superuser:
         yield Finding(
-            Level.WARN,
-            "role",
-            f"the consumer's role {name!r} is a superuser: a bug or a stolen password can do "
+            level=Level.WARN,
+            check="role",
+            what=f"the consumer's role {name!r} is a superuser: a bug or a stolen password can do "
             "anything to the database",
-            "give the consumer a role of its own: CREATE ROLE cdc LOGIN REPLICATION IN ROLE "
+            fix="give the consumer a role of its own: CREATE ROLE cdc LOGIN REPLICATION IN ROLE "
             "ledger_consumer",
         )
         return  # (a superuser has every grant below)
     if not group:
         yield Finding(
-            Level.FAIL,
-            "role",
-            "the group role ledger_consumer does not exist",
-            "`ledger-cdc init --dsn …` creates it, with its grants",
+            level=Level.FAIL,
+            check="role",
+            what="the group role ledger_consumer does not exist",
+            fix="`ledger-cdc init --dsn …` creates it, with its grants",
         )
     elif not member:
         yield Finding(
-            Level.FAIL,
-            "role",
-            f"role {name!r} is not a member of ledger_consumer: the consumer may not write its "
-            "projections or checkpoint",
-            f"GRANT ledger_consumer TO {name}",
+            level=Level.FAIL,
+            check="role",
+            what=f"role {name!r} is not a member of ledger_consumer: the consumer may not write "
+            "its projections or checkpoint",
+            fix=f"GRANT ledger_consumer TO {name}",
         )
     elif not inherits:
         yield Finding(
-            Level.FAIL,
-            "role",
-            f"role {name!r} is a member of ledger_consumer but does not inherit its privileges",
-            f"ALTER ROLE {name} INHERIT (or GRANT ledger_consumer TO {name} WITH INHERIT TRUE, "
+            level=Level.FAIL,
+            check="role",
+            what=f"role {name!r} is a member of ledger_consumer but does not inherit its "
+            "privileges",
+            fix=f"ALTER ROLE {name} INHERIT (or GRANT ledger_consumer TO {name} WITH INHERIT TRUE, "
             "PostgreSQL 16+)",
         )
     else:
-        yield Finding(Level.OK, "role", f"{name!r} is a member of ledger_consumer")
+        yield Finding(level=Level.OK, check="role", what=f"{name!r} is a member of ledger_consumer")
     yield _verdict(
         replication,
         "REPLICATION",
@@ -494,11 +468,11 @@ def _role(conn: psycopg.Connection[Any], server: _Server) -> Iterator[Finding]:
     )
     if not temporary:
         yield Finding(
-            Level.FAIL,
-            "TEMPORARY",
-            f"role {name!r} may not create temporary tables in {server.database!r}, where the "
+            level=Level.FAIL,
+            check="TEMPORARY",
+            what=f"role {name!r} may not create temporary tables in {server.database!r}, where the "
             "consumer stages a large batch",
-            f"GRANT TEMPORARY ON DATABASE {server.database} TO ledger_consumer",
+            fix=f"GRANT TEMPORARY ON DATABASE {server.database} TO ledger_consumer",
         )
     yield from _vacuum(conn, server, name)
 
@@ -558,17 +532,17 @@ def _replication_connection(
                 "'replication'), and keep max_wal_senders above those in use"
             )
         yield Finding(
-            Level.FAIL,
-            "replication connection",
-            f"refused: {describe(e, dsn)}",
-            fix,
+            level=Level.FAIL,
+            check="replication connection",
+            what=f"refused: {describe(e, dsn)}",
+            fix=fix,
         )
         return
     timeline = row[1] if row is not None else "?"
     yield Finding(
-        Level.OK,
-        "replication connection",
-        f"made to {server.database!r} as the consumer's role (timeline {timeline})",
+        level=Level.OK,
+        check="replication connection",
+        what=f"made to {server.database!r} as the consumer's role (timeline {timeline})",
     )
 
 
@@ -580,10 +554,12 @@ def _schema(conn: psycopg.Connection[Any], judge: SchemaJudge) -> Iterator[Findi
     try:
         judge(applied, "the ledger database")
     except LedgerError as e:
-        yield Finding(Level.FAIL, "schema", str(e))
+        yield Finding(level=Level.FAIL, check="schema", what=str(e))
         return
     assert applied is not None
-    yield Finding(Level.OK, "schema", f"every migration applied (up to {max(applied):04d})")
+    yield Finding(
+        level=Level.OK, check="schema", what=f"every migration applied (up to {max(applied):04d})"
+    )
 
 
 def _publication(
@@ -594,20 +570,21 @@ def _publication(
     ).fetchone()
     if not row or not row[0]:
         yield Finding(
-            Level.FAIL,
-            "publication",
-            f"publication {publication!r} does not exist: nothing reaches the slot",
-            "`ledger-cdc init --dsn …` creates it (with --shards N, the shards' too)",
+            level=Level.FAIL,
+            check="publication",
+            what=f"publication {publication!r} does not exist: nothing reaches the slot",
+            fix="`ledger-cdc init --dsn …` creates it (with --shards N, the shards' too)",
         )
         return
     problem = judge(conn, publication, LEDGER_TABLE)
     if problem is not None:
-        yield Finding(Level.FAIL, "publication", problem)
+        yield Finding(level=Level.FAIL, check="publication", what=problem)
     else:
         yield Finding(
-            Level.OK,
-            "publication",
-            f"{publication!r} streams the INSERTs of {LEDGER_TABLE!r}, every column the fold reads",
+            level=Level.OK,
+            check="publication",
+            what=f"{publication!r} streams the INSERTs of {LEDGER_TABLE!r}, every column the "
+            "fold reads",
         )
 
 
@@ -627,84 +604,72 @@ def _slot(conn: psycopg.Connection[Any], server: _Server, slot: str) -> Iterator
         (slot,),
     ).fetchone()
     if row is None:
-        if _checkpointed(conn, slot):
+        if slot in checkpoints(conn):  # (a consumer has committed one in this database)
             yield Finding(
-                Level.FAIL,
-                "slot",
-                f"slot {slot!r} does not exist, but the consumer has a checkpoint for it: the "
+                level=Level.FAIL,
+                check="slot",
+                what=f"slot {slot!r} does not exist, but the consumer has a checkpoint for it: the "
                 "slot was dropped, and what was written since reached no slot",
-                "`ledger-cdc consume --create-slot` makes it again and folds the ledger table "
+                fix="`ledger-cdc consume --create-slot` makes it again and folds the ledger table "
                 "from a snapshot: nothing is lost",
             )
         else:
             yield Finding(
-                Level.OK,
-                "slot",
-                f"slot {slot!r} does not exist yet: `ledger-cdc consume --create-slot` (or "
+                level=Level.OK,
+                check="slot",
+                what=f"slot {slot!r} does not exist yet: `ledger-cdc consume --create-slot` (or "
                 "`init --create-slot`) makes it",
             )
         return
     misfit = slot_misfit(conn, slot)
     if misfit is not None:
-        yield Finding(Level.FAIL, "slot", misfit)
+        yield Finding(level=Level.FAIL, check="slot", what=misfit)
         return
     _, _, _, active, wal_status, failover, reason = row
-    if wal_status == "lost" or reason:
+    lost = invalidated(wal_status, reason)
+    if lost is not None:
         yield Finding(
-            Level.FAIL,
-            "slot",
-            f"slot {slot!r} was invalidated ({reason or 'wal_status lost'}): the WAL it needed "
-            "is gone",
-            "a running consumer resyncs from the ledger table (--on-slot-lost resync); else "
+            level=Level.FAIL,
+            check="slot",
+            what=f"slot {slot!r} was invalidated ({lost}): the WAL it needed is gone",
+            fix="a running consumer resyncs from the ledger table (--on-slot-lost resync); else "
             "`ledger-cdc slot drop` it and `consume --create-slot`",
         )
         return
     state = "streamed now" if active else "not streamed now"
     if wal_status == "unreserved":
         yield Finding(
-            Level.WARN,
-            "slot",
-            f"slot {slot!r} ({state}) retains more WAL than max_slot_wal_keep_size: it is "
+            level=Level.WARN,
+            check="slot",
+            what=f"slot {slot!r} ({state}) retains more WAL than max_slot_wal_keep_size: it is "
             "invalidated at the next checkpoint",
-            "let the consumer catch up (see `ledger-cdc lag`)",
+            fix="let the consumer catch up (see `ledger-cdc lag`)",
         )
     else:
-        yield Finding(Level.OK, "slot", f"slot {slot!r}: pgoutput, {state}, WAL {wal_status}")
+        yield Finding(
+            level=Level.OK, check="slot", what=f"slot {slot!r}: pgoutput, {state}, WAL {wal_status}"
+        )
     if not v17:
         return
     standbys = _count(conn, _STANDBYS)
     if failover:
-        yield Finding(Level.OK, "failover", f"slot {slot!r} is a failover slot")
+        yield Finding(level=Level.OK, check="failover", what=f"slot {slot!r} is a failover slot")
     elif standbys:
         yield Finding(
-            Level.WARN,
-            "failover",
-            f"slot {slot!r} is not a failover slot while a standby streams from this server: "
+            level=Level.WARN,
+            check="failover",
+            what=f"slot {slot!r} is not a failover slot while a standby streams from this server: "
             "a promotion loses it, and the consumer then resyncs the whole ledger",
-            f"stop the consumer, then ALTER_REPLICATION_SLOT {slot} (FAILOVER true) on a "
+            fix=f"stop the consumer, then ALTER_REPLICATION_SLOT {slot} (FAILOVER true) on a "
             "replication connection; on the standby sync_replication_slots = on, "
             "hot_standby_feedback = on and a dbname in primary_conninfo",
         )
     else:
         yield Finding(
-            Level.OK, "failover", f"slot {slot!r} is not a failover slot (no standby streams)"
+            level=Level.OK,
+            check="failover",
+            what=f"slot {slot!r} is not a failover slot (no standby streams)",
         )
-
-
-def _checkpointed(conn: psycopg.Connection[Any], slot: str) -> bool:
-    """Whether a consumer has committed a checkpoint for ``slot`` in this database."""
-    row = conn.execute("SELECT to_regclass('ledger_checkpoints') IS NOT NULL").fetchone()
-    if not row or not row[0]:
-        return False
-    try:
-        return bool(
-            conn.execute(
-                "SELECT EXISTS (SELECT FROM ledger_checkpoints WHERE slot_name = %s)", (slot,)
-            ).fetchone()
-            == (True,)
-        )
-    except psycopg.errors.InsufficientPrivilege:
-        return False
 
 
 # -- the whole ------------------------------------------------------------------------------------
@@ -731,9 +696,9 @@ def diagnose(
         server = _server(conn)
         out.append(
             Finding(
-                Level.OK,
-                "server",
-                f"PostgreSQL {server.version // 10000}.{server.version % 10000}, database "
+                level=Level.OK,
+                check="server",
+                what=f"PostgreSQL {server.version // 10000}.{server.version % 10000}, database "
                 f"{server.database!r}",
             )
         )
@@ -745,7 +710,7 @@ def diagnose(
             _keep_size(conn, server),
             _sender_timeout(server),
             _idle_timeout(server),
-            _standby_slots(conn, server, slot),
+            _standby_slots(conn, slot),
         ):
             out.extend(check)
         as_consumer = consumer_dsn or dsn
@@ -755,10 +720,10 @@ def diagnose(
         except LedgerError as e:
             out.append(
                 Finding(
-                    Level.FAIL,
-                    "role",
-                    f"cannot connect as the consumer's role: {e}",
-                    "fix --consumer-dsn, the role's LOGIN or password, or pg_hba.conf",
+                    level=Level.FAIL,
+                    check="role",
+                    what=f"cannot connect as the consumer's role: {e}",
+                    fix="fix --consumer-dsn, the role's LOGIN or password, or pg_hba.conf",
                 )
             )
             own = None
@@ -797,10 +762,10 @@ def _checked(check: str, findings: Iterator[Finding], dsn: str) -> list[Finding]
     except psycopg.Error as e:
         done.append(
             Finding(
-                Level.FAIL,
-                check,
-                f"could not be checked: {describe(e, dsn)}",
-                "log in as a member of ledger_consumer (see the role finding)",
+                level=Level.FAIL,
+                check=check,
+                what=f"could not be checked: {describe(e, dsn)}",
+                fix="log in as a member of ledger_consumer (see the role finding)",
             )
         )
     return done

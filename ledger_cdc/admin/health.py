@@ -15,6 +15,7 @@ Works with the consumer role (no superuser): everything read here is readable by
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -33,9 +34,17 @@ __all__ = [
     "RateWatch",
     "Rates",
     "SlotHealth",
+    "StandbySlot",
+    "StandbySlots",
     "Thresholds",
     "check_slots",
+    "checkpoints",
+    "failover_slot",
+    "failover_state",
     "has_ledger",
+    "invalidated",
+    "setting_amount",
+    "standby_slots",
 ]
 
 HEALTHY, WARNING, CRITICAL, LOST = 0, 1, 2, 3
@@ -106,14 +115,36 @@ ORDER BY slot_name
 """
 
 
+_UNITS = {
+    "B": 1,
+    "kB": 1024,
+    "MB": 1024**2,
+    "GB": 1024**3,
+    "TB": 1024**4,
+    "ms": 0.001,
+    "s": 1,
+    "min": 60,
+    "h": 3600,
+    "d": 86400,
+}
+
+
+def setting_amount(setting: str, unit: str | None) -> float:
+    """A numeric server setting (``pg_settings``' ``setting`` and ``unit``) in bytes or seconds:
+    the unit may carry a factor (``8kB``, ``16MB``)."""
+    m = re.fullmatch(r"(\d*)\s*([A-Za-z]+)", unit or "")
+    if m is None:
+        return float(setting)
+    return float(setting) * int(m[1] or 1) * _UNITS.get(m[2], 1)
+
+
 def _keep_size(conn: psycopg.Connection[Any]) -> int | None:
     row = conn.execute(
-        "SELECT setting::int8, unit FROM pg_settings WHERE name = 'max_slot_wal_keep_size'"
+        "SELECT setting, unit FROM pg_settings WHERE name = 'max_slot_wal_keep_size'"
     ).fetchone()
     if row is None or int(row[0]) < 0:
         return None
-    value, unit = int(row[0]), row[1]
-    return value * (1024 * 1024 if unit == "MB" else 1)
+    return int(setting_amount(row[0], row[1]))
 
 
 def current_wal_lsn(conn: psycopg.Connection[Any]) -> int:
@@ -125,7 +156,10 @@ def current_wal_lsn(conn: psycopg.Connection[Any]) -> int:
 _Checkpoint = tuple[str, float | None, float | None, int, str | None]
 
 
-def _checkpoints(conn: psycopg.Connection[Any]) -> dict[str, _Checkpoint]:
+def checkpoints(conn: psycopg.Connection[Any]) -> dict[str, _Checkpoint]:
+    """The consumers' checkpoints in this database by slot: (LSN, seconds since it moved,
+    seconds since the heartbeat, folded seq, publication); none where there is no
+    ledger_checkpoints or the role may not read it."""
     exists = conn.execute("SELECT to_regclass('ledger_checkpoints') IS NOT NULL").fetchone()
     if not exists or not exists[0]:
         return {}
@@ -181,52 +215,106 @@ def has_ledger(conn: psycopg.Connection[Any]) -> bool:
     return bool(row and row[0])
 
 
-_FAILOVER = """
-SELECT s.failover, current_setting('synchronized_standby_slots'),
-       (SELECT array_agg(name) FROM unnest(string_to_array(
-            replace(current_setting('synchronized_standby_slots'), ' ', ''), ',')) AS name
-        WHERE name <> '' AND NOT EXISTS (SELECT FROM pg_replication_slots p
-                                         WHERE p.slot_name = name AND p.slot_type = 'physical')),
-       (SELECT array_agg(name) FROM unnest(string_to_array(
-            replace(current_setting('synchronized_standby_slots'), ' ', ''), ',')) AS name
-        WHERE EXISTS (SELECT FROM pg_replication_slots p WHERE p.slot_name = name
-                      AND p.slot_type = 'physical' AND NOT p.active))
-FROM pg_replication_slots s WHERE s.slot_name = %s
-"""
-
-
-_STANDBYS = """
-SELECT p.slot_name || coalesce(' (' || nullif(r.application_name, '') || ')', '')
+# the slots synchronized_standby_slots names, each with the standby streaming it (if one does)
+_STANDBY_SLOTS = """
+SELECT p.slot_name, p.slot_type, p.active, nullif(r.application_name, '')
 FROM pg_replication_slots p LEFT JOIN pg_stat_replication r ON r.pid = p.active_pid
-WHERE p.slot_type = 'physical' AND p.active AND p.slot_name = ANY(string_to_array(
-      replace(current_setting('synchronized_standby_slots'), ' ', ''), ','))
-ORDER BY 1
+WHERE p.slot_name = ANY(%s)
 """
+
+
+@dataclass(frozen=True, kw_only=True)
+class StandbySlot:
+    """A name in ``synchronized_standby_slots`` and the slot of that name on this server."""
+
+    name: str
+    slot_type: str | None = None  # None: this server has no slot of that name
+    active: bool = False  # a standby streams it now
+    application: str | None = None  # that standby's application_name
+
+    @property
+    def label(self) -> str:
+        return self.name + ("" if self.application is None else f" ({self.application})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StandbySlots:
+    """``synchronized_standby_slots`` (PostgreSQL 17+), judged against this server's slots: the
+    logical decoding of every failover slot waits until each standby named has received what
+    it sends, so a name that is not a physical slot here stalls it for ever (a promoted
+    standby inherits the setting from pg_basebackup), and one no standby streams until it
+    does."""
+
+    slots: tuple[StandbySlot, ...] = ()  # in the setting's order
+
+    @property
+    def missing(self) -> list[str]:
+        """Names that are not a physical slot of this server."""
+        return [s.name for s in self.slots if s.slot_type != "physical"]
+
+    @property
+    def idle(self) -> list[str]:
+        """Physical slots named that no standby streams now."""
+        return [s.name for s in self.slots if s.slot_type == "physical" and not s.active]
+
+    @property
+    def streaming(self) -> list[str]:
+        """The standbys that keep failover slots: their slots, with their application_name."""
+        return sorted(s.label for s in self.slots if s.slot_type == "physical" and s.active)
+
+    @property
+    def stall(self) -> str | None:
+        """What stalls logical decoding, with its fix; None when nothing does."""
+        if self.missing:
+            return (
+                f"synchronized_standby_slots names {', '.join(self.missing)}, which this server "
+                "does not have: logical decoding waits for it for ever (a promoted standby "
+                "inherits the setting from pg_basebackup); ALTER SYSTEM RESET "
+                "synchronized_standby_slots; SELECT pg_reload_conf(); on this server"
+            )
+        if self.idle:
+            return (
+                f"the standby of slot(s) {', '.join(self.idle)} named in "
+                "synchronized_standby_slots is not connected: logical decoding waits until it "
+                "is (start the standby, or remove it from synchronized_standby_slots)"
+            )
+        return None
+
+
+def standby_slots(conn: psycopg.Connection[Any]) -> StandbySlots | None:
+    """``synchronized_standby_slots`` against this server's slots; None before PostgreSQL 17."""
+    row = conn.execute(
+        "SELECT setting FROM pg_settings WHERE name = 'synchronized_standby_slots'"
+    ).fetchone()
+    if row is None:
+        return None
+    names = [n.strip().strip('"') for n in str(row[0]).split(",") if n.strip()]
+    found = {
+        str(r[0]): StandbySlot(name=str(r[0]), slot_type=r[1], active=bool(r[2]), application=r[3])
+        for r in conn.execute(_STANDBY_SLOTS, (names,))
+    }
+    return StandbySlots(slots=tuple(found.get(n, StandbySlot(name=n)) for n in names))
+
+
+def failover_slot(conn: psycopg.Connection[Any], slot: str) -> bool | None:
+    """Whether ``slot`` is a failover slot (None: no such slot, or before PostgreSQL 17)."""
+    if conn.info.server_version < 170000:
+        return None
+    row = conn.execute(
+        "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+    ).fetchone()
+    return None if row is None else bool(row[0])
 
 
 def failover_state(conn: psycopg.Connection[Any], slot: str) -> tuple[bool, str | None]:
     """(whether ``slot`` is ready to survive a failover: a failover slot whose standbys in
     ``synchronized_standby_slots`` have their physical slots in use, what stalls its logical
     decoding or None). PostgreSQL 17+."""
-    row = conn.execute(_FAILOVER, (slot,)).fetchone()
-    if row is None:
+    failover, standbys = failover_slot(conn, slot), standby_slots(conn)
+    if failover is None or standbys is None:
         return False, None
-    failover, named, missing, inactive = row
-    stall = None
-    if missing:
-        stall = (
-            f"synchronized_standby_slots names {', '.join(missing)}, which this server does not "
-            "have: logical decoding waits for it for ever (a promoted standby inherits the "
-            "setting from pg_basebackup); ALTER SYSTEM RESET synchronized_standby_slots; "
-            "SELECT pg_reload_conf(); on this server"
-        )
-    elif inactive:
-        stall = (
-            f"the standby of slot(s) {', '.join(inactive)} named in synchronized_standby_slots "
-            "is not connected: logical decoding waits until it is (start the standby, or remove "
-            "it from synchronized_standby_slots)"
-        )
-    return bool(failover) and bool(named.strip()) and not missing and not inactive, stall
+    stall = standbys.stall
+    return failover and bool(standbys.slots) and stall is None, stall
 
 
 def check_slots(
@@ -247,61 +335,91 @@ def check_slots(
     if this_database and slot:
         misfit = slot_misfit(conn, slot)
         if misfit is not None:
-            h = SlotHealth(slot=slot, exists=True, status=LOST, status_name=STATUS_NAMES[LOST])
-            h.reasons.append(misfit)
-            return [h]
+            return [_lost(SlotHealth(slot=slot, exists=True), misfit)]
     elif this_database:
         where = "AND database = current_database()"
-    rate = inserts = None
-    if sample_seconds > 0:
-        watch = RateWatch()
-        watch.sample(conn)
-        time.sleep(sample_seconds)
-        sampled = watch.sample(conn)
-        if sampled is not None:
-            rate, inserts = sampled.wal_bytes_per_s, sampled.inserts_per_s
+    rate, inserts = _sample(conn, sample_seconds)
     rows = conn.execute(
         _SLOTS.format(reason=reason, where=where).encode(), (slot,) if slot else ()
     ).fetchall()
     current = format_lsn(current_wal_lsn(conn))
-    keep = _keep_size(conn)
-    checkpoints = _checkpoints(conn)
-    inactive: dict[str, float | None] = {}
-    if version >= 170000:  # the server knows since when (before 17: the checkpoint's age)
-        inactive = {
-            r[0]: r[1]
-            for r in conn.execute(
-                "SELECT slot_name, extract(epoch FROM now() - inactive_since)::float8 "
-                "FROM pg_replication_slots WHERE inactive_since IS NOT NULL"
-            )
-        }
-    out: list[SlotHealth] = []
     if slot and not rows:
-        h = SlotHealth(slot=slot, exists=False, current_wal_lsn=current, status=LOST)
         other = conn.execute(
             "SELECT slot_type FROM pg_replication_slots WHERE slot_name = %s", (slot,)
         ).fetchone()
-        h.reasons.append(
-            "slot does not exist" if other is None else f"a {other[0]} slot, not a logical one"
-        )
-        h.status_name = STATUS_NAMES[LOST]
-        return [h]
+        missing = SlotHealth(slot=slot, exists=False, current_wal_lsn=current)
+        return [
+            _lost(
+                missing,
+                "slot does not exist" if other is None else f"a {other[0]} slot, not a logical one",
+            )
+        ]
+    server = _Server(
+        conn=conn,
+        current=current,
+        keep=_keep_size(conn),
+        checkpoints=checkpoints(conn),
+        inactive=_inactive_since(conn),
+        standbys=standby_slots(conn),
+        rate=rate,
+        inserts=inserts,
+    )
+    out = []
     for r in rows:
-        (
-            name,
-            plugin,
-            _,
-            database,
-            active,
-            pid,
-            wal_status,
-            safe,
-            restart,
-            confirmed,
-            retained,
-            lag,
-            why,
-        ) = r
+        h = server.health(r)
+        _classify(h, th)
+        out.append(h)
+    return out
+
+
+def _lost(h: SlotHealth, why: str) -> SlotHealth:
+    h.status, h.status_name = LOST, STATUS_NAMES[LOST]
+    h.reasons.append(why)
+    return h
+
+
+def _sample(conn: psycopg.Connection[Any], seconds: float) -> tuple[float | None, float | None]:
+    """(WAL bytes, ledger inserts) per second over ``seconds`` (none when 0)."""
+    if seconds <= 0:
+        return None, None
+    watch = RateWatch()
+    watch.sample(conn)
+    time.sleep(seconds)
+    sampled = watch.sample(conn)
+    return (None, None) if sampled is None else (sampled.wal_bytes_per_s, sampled.inserts_per_s)
+
+
+def _inactive_since(conn: psycopg.Connection[Any]) -> dict[str, float | None]:
+    """Seconds since each slot was last streamed, as the server knows it (PostgreSQL 17+;
+    before, the checkpoint's age stands for it)."""
+    if conn.info.server_version < 170000:
+        return {}
+    return {
+        r[0]: r[1]
+        for r in conn.execute(
+            "SELECT slot_name, extract(epoch FROM now() - inactive_since)::float8 "
+            "FROM pg_replication_slots WHERE inactive_since IS NOT NULL"
+        )
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Server:
+    """What is read once for every slot of :func:`check_slots`."""
+
+    conn: psycopg.Connection[Any]
+    current: str  # the WAL's end
+    keep: int | None  # max_slot_wal_keep_size in bytes (None: unbounded)
+    checkpoints: dict[str, _Checkpoint]
+    inactive: dict[str, float | None]
+    standbys: StandbySlots | None  # (None before PostgreSQL 17)
+    rate: float | None
+    inserts: float | None
+
+    def health(self, row: tuple[Any, ...]) -> SlotHealth:
+        """One slot's figures (not yet classified) from its row of ``_SLOTS``."""
+        name, plugin, _, database, active, pid, wal_status, safe = row[:8]
+        restart, confirmed, retained, lag, why = row[8:]
         h = SlotHealth(
             slot=name,
             exists=True,
@@ -313,46 +431,57 @@ def check_slots(
             safe_wal_size=None if safe is None else int(safe),
             restart_lsn=restart,
             confirmed_flush_lsn=confirmed,
-            current_wal_lsn=current,
+            current_wal_lsn=self.current,
             retained_bytes=None if retained is None else int(retained),
             lag_bytes=None if lag is None else max(0, int(lag)),
-            max_slot_wal_keep_size=keep,
+            max_slot_wal_keep_size=self.keep,
             invalidation_reason=why,
-            wal_rate_bytes_per_s=rate,
-            ledger_insert_rate=inserts,
+            wal_rate_bytes_per_s=self.rate,
+            ledger_insert_rate=self.inserts,
         )
-        if keep and h.retained_bytes is not None:
-            h.keep_size_share = h.retained_bytes / keep
-        ck = checkpoints.get(name)
+        if self.keep and h.retained_bytes is not None:
+            h.keep_size_share = h.retained_bytes / self.keep
+        self._consumer(h)
+        if not h.active:
+            h.inactive_seconds = self.inactive.get(name, h.checkpoint_age_seconds)
+        if h.safe_wal_size is not None and self.rate:
+            h.seconds_to_invalidation = max(0.0, h.safe_wal_size / self.rate)
+        if self.standbys is not None:
+            h.failover = failover_slot(self.conn, name)
+            h.standby_stall = self.standbys.stall
+            h.failover_ready = (
+                bool(h.failover) and bool(self.standbys.slots) and not h.standby_stall
+            )
+            if h.failover:
+                h.failover_standbys = self.standbys.streaming
+        return h
+
+    def _consumer(self, h: SlotHealth) -> None:
+        """What the slot's consumer committed, and how far behind the ledger it is."""
+        ck = self.checkpoints.get(h.slot)
         if ck is not None:
             h.checkpoint_lsn, h.checkpoint_age_seconds, h.heartbeat_age_seconds = ck[:3]
-            if confirmed is not None:
-                h.checkpoint_behind_slot_bytes = max(0, parse_lsn(confirmed) - parse_lsn(ck[0]))
-            behind = _unfolded(conn, ck[3], ck[4])
+            if h.confirmed_flush_lsn is not None:
+                h.checkpoint_behind_slot_bytes = max(
+                    0, parse_lsn(h.confirmed_flush_lsn) - parse_lsn(ck[0])
+                )
+            behind = _unfolded(self.conn, ck[3], ck[4])
             if behind is not None:
                 h.lag_seconds, h.unfolded_events = behind
-        elif h.lag_bytes and database == conn.info.dbname:
+        elif h.lag_bytes and h.database == self.conn.info.dbname:
             # never consumed (no checkpoint yet): every ledger event waits, the oldest first
             # (before PostgreSQL 17 nothing else tells how long the slot has stood unread)
-            behind = _unfolded(conn, 0, None)
+            behind = _unfolded(self.conn, 0, None)
             if behind is not None and behind[1]:
                 h.lag_seconds, h.unfolded_events = behind
-        if not h.active:
-            h.inactive_seconds = inactive.get(name, h.checkpoint_age_seconds)
-        if h.safe_wal_size is not None and rate:
-            h.seconds_to_invalidation = max(0.0, h.safe_wal_size / rate)
-        if version >= 170000:
-            ready, stall = failover_state(conn, name)
-            h.failover_ready, h.standby_stall = ready, stall
-            row = conn.execute(
-                "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (name,)
-            ).fetchone()
-            h.failover = None if row is None else bool(row[0])
-            if h.failover:
-                h.failover_standbys = [str(r[0]) for r in conn.execute(_STANDBYS).fetchall()]
-        _classify(h, th)
-        out.append(h)
-    return out
+
+
+def invalidated(wal_status: str | None, reason: str | None) -> str | None:
+    """Why a slot was invalidated (the WAL it needs is gone): the server's reason (PostgreSQL
+    17+), else ``wal_status lost``; None while the slot is usable."""
+    if reason:
+        return reason
+    return "wal_status lost" if wal_status == "lost" else None
 
 
 def _classify(h: SlotHealth, th: Thresholds) -> None:
@@ -360,10 +489,9 @@ def _classify(h: SlotHealth, th: Thresholds) -> None:
         h.status = max(h.status, level)
         h.reasons.append(why)
 
-    if h.wal_status == "lost" or h.invalidation_reason:
-        flag(
-            LOST, f"slot invalidated ({h.invalidation_reason or 'wal_status lost'}): resync needed"
-        )
+    lost = invalidated(h.wal_status, h.invalidation_reason)
+    if lost is not None:
+        flag(LOST, f"slot invalidated ({lost}): resync needed")
     elif h.wal_status == "unreserved":
         flag(CRITICAL, "WAL past max_slot_wal_keep_size: invalidated at the next checkpoint")
     if h.max_slot_wal_keep_size is None:
@@ -402,7 +530,7 @@ def _classify(h: SlotHealth, th: Thresholds) -> None:
 # -- WAL discipline: generation and insert rates, and spikes ------------------------------------
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Rates:
     wal_bytes_per_s: float
     inserts_per_s: float
@@ -444,7 +572,10 @@ class RateWatch:
         if prev is None or now <= prev[0]:
             return None
         dt_s = now - prev[0]
-        rates = Rates(max(0.0, (lsn - prev[1]) / dt_s), max(0.0, (seq - prev[2]) / dt_s))
+        rates = Rates(
+            wal_bytes_per_s=max(0.0, (lsn - prev[1]) / dt_s),
+            inserts_per_s=max(0.0, (seq - prev[2]) / dt_s),
+        )
         if self._avg is not None and self._samples >= 3:
             wal_avg, ins_avg = self._avg
             if rates.inserts_per_s >= self.min_inserts and rates.inserts_per_s > self.factor * max(
