@@ -152,7 +152,7 @@ _ELSEWHERE = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Store:
     """Where the stored objects are read. In the ledger's database, what they reference of its
     events (a context window, long messages, a call's result or content) is read back by SQL,
@@ -535,7 +535,7 @@ def verify(
             stack.enter_context(target)
         run = _Run(
             ledger=ledger,
-            store=_Store(ledger if target is None else target, by_reference=target is None),
+            store=_Store(conn=ledger if target is None else target, by_reference=target is None),
             report=report,
             version=reducer_version(),
             limit=fields_per_object,
@@ -678,7 +678,7 @@ FROM pg_replication_slots WHERE database = current_database() AND slot_type = 'l
 """
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Slot:
     """A consumer's checkpoint joined with its slot on the ledger's server."""
 
@@ -725,13 +725,13 @@ def _slots(
         passed, active = on_server.get(str(name), (False, False))
         joined.append(
             _Slot(
-                str(name),
-                publication,
-                bool(bootstrapping),
-                bool(relay),
-                str(name) in on_server,
-                passed,
-                active,
+                name=str(name),
+                publication=publication,
+                bootstrapping=bool(bootstrapping),
+                relay=bool(relay),
+                exists=str(name) in on_server,
+                passed=passed,
+                active=active,
             )
         )
     unknown = sorted(set(on_server) - {str(c[0]) for c in checkpoints})
@@ -994,7 +994,7 @@ def _archive_base(
     """The first snapshot at or after the archived bound that rebuild_context would trust: in
     the ledger's own database (``conn``), where the archive cuts its snapshots, their memo rows
     with them (consumer.resync bootstraps from it too)."""
-    store = _Store(conn, by_reference=True)
+    store = _Store(conn=conn, by_reference=True)
     for row in conn.execute(
         "SELECT upto_seq, upto_position, content_hash, data, true FROM agent_snapshots "
         "WHERE session_id = %s AND upto_position >= %s AND format_version = ANY(%s) "
