@@ -367,7 +367,7 @@ def check_slots(
     out = []
     for r in rows:
         h = server.health(r)
-        _classify(h, th)
+        _classify(h, th, for_ever=bool(server.standbys and server.standbys.missing))
         out.append(h)
     return out
 
@@ -484,7 +484,10 @@ def invalidated(wal_status: str | None, reason: str | None) -> str | None:
     return "wal_status lost" if wal_status == "lost" else None
 
 
-def _classify(h: SlotHealth, th: Thresholds) -> None:
+def _classify(h: SlotHealth, th: Thresholds, *, for_ever: bool = False) -> None:
+    """``h``'s status and reasons by ``th``; ``for_ever``: its standby stall is one by a standby
+    slot the server does not have (see :class:`StandbySlots`)."""
+
     def flag(level: int, why: str) -> None:
         h.status = max(h.status, level)
         h.reasons.append(why)
@@ -523,7 +526,7 @@ def _classify(h: SlotHealth, th: Thresholds) -> None:
     if h.standby_stall is not None:
         # a standby slot the server lacks holds decoding back for ever; one not connected, until
         # its standby returns
-        flag(CRITICAL if "does not have" in h.standby_stall else WARNING, h.standby_stall)
+        flag(CRITICAL if for_ever else WARNING, h.standby_stall)
     h.status_name = STATUS_NAMES[h.status]
 
 
