@@ -150,14 +150,14 @@ def folded(conn: psycopg.Connection[Any]) -> int:
 
 def consumer_role(dsn: str, out: str) -> None:
     sys.path.insert(0, str(ROOT))
-    from ledger_cdc.consumer import Consumer, ConsumerConfig
+    from ledger_cdc.consumer import ConsumerConfig, build_consumer
 
     lat: list[float] = []
 
     def on_batch(batch: Any, m: Any) -> None:
         lat.extend(batch.committed_at - (PG_EPOCH + ts / 1e6) for ts in batch.commit_times)
 
-    c = Consumer(ConsumerConfig(dsn=dsn, slot="live_slot"), on_batch=on_batch)
+    c = build_consumer(ConsumerConfig(dsn=dsn, slot="live_slot"), on_batch=on_batch)
     signal.signal(signal.SIGTERM, lambda *_: c.stop())
     c.run()
     Path(out).write_text(json.dumps(lat))

@@ -51,7 +51,7 @@ import psycopg
 from common import PGBENCH_SCRIPT, ROOT, percentile, pgbench_argv, proc_cpu_seconds, wait_until
 
 from ledger_cdc.admin.schema import create_slot, init
-from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+from ledger_cdc.consumer import ConsumerConfig, build_consumer
 from ledger_cdc.demo.embedded import EmbeddedPostgres
 
 PG_EPOCH = 946684800.0
@@ -73,7 +73,7 @@ def consumer_role(dsn: str, out: str) -> None:
         if len(times) == 1:  # the send time of the last message read is this transaction's
             sent.append(c._sent_at - (PG_EPOCH + times[0] / 1e6))
 
-    c = Consumer(ConsumerConfig(dsn=dsn), on_batch=on_batch)
+    c = build_consumer(ConsumerConfig(dsn=dsn), on_batch=on_batch)
     c.install_signal_handlers()
     c.run()
     ru = resource.getrusage(resource.RUSAGE_SELF)

@@ -203,6 +203,8 @@ class SlotGuard:
         metrics: Metrics,
         publication: str | None = None,
         table: str = LEDGER_TABLE,
+        *,
+        lost: threading.Event | None = None,
     ) -> None:
         self.slot = slot
         self.thresholds = thresholds
@@ -212,7 +214,7 @@ class SlotGuard:
         self._unpublished: str | None = None
 
         self._unpublished_log = 0.0
-        self.lost = threading.Event()
+        self.lost = lost if lost is not None else threading.Event()
         self._last_status = 0
         self._last_log = 0.0
         self._last_spike = 0.0

@@ -36,7 +36,7 @@ from ledger_cdc.fold import (
 )
 from ledger_cdc.lsn import format_lsn
 from ledger_cdc.names import SESSIONS_CHANNEL
-from ledger_cdc.sink.base import BOOTSTRAPPING
+from ledger_cdc.sink.base import BOOTSTRAPPING, Publisher
 from ledger_cdc.sink.shape import (
     MEMO,
     AgentMemoRow,
@@ -231,8 +231,9 @@ class MemorySink:
         self.store = store if store is not None else MemoryStore()
         self.checkpoint: int | None = None
         self.epoch: int | None = None
-        self.publishers: list[Any] = []
+        self.publishers: list[Publisher] = []
         self.by_reference = True  # the store keeps what stored contexts reference
+        self.unusable: dict[uuid.UUID, str] = {}  # (it stores contexts as objects: none is)
         self.fail_next: BaseException | None = None
         self.before_commit: Callable[[Batch], None] | None = None  # a hook for fault tests
         self._open: MemoryStore | None = None  # inside commit_chunked: the state being built

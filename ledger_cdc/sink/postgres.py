@@ -17,7 +17,7 @@ import struct
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import psycopg
@@ -26,27 +26,19 @@ from psycopg.adapt import Transformer
 from psycopg.pq import DiagnosticField, ExecStatus, TransactionStatus
 from psycopg.pq.abc import PGconn, PGresult
 
+from ledger_cdc.batching import Batch, DeadLetter, SnapshotRow, context_size
 from ledger_cdc.connect import connect
-from ledger_cdc.errors import (
-    FencedError,
-    WindowMissingError,
-    first_line,
-    format_lsn,
-    parse_lsn,
-    translate,
-)
+from ledger_cdc.errors import FencedError, WindowMissingError, first_line, translate
 from ledger_cdc.fold import PROJECTION_FORMATS, SessionContext, attach, decode_context
+from ledger_cdc.lsn import format_lsn, parse_lsn
 from ledger_cdc.names import SESSIONS_CHANNEL
-from ledger_cdc.sink.base import BOOTSTRAPPING
-from ledger_cdc.sink.batch import Batch, DeadLetter, SnapshotRow, context_size
+from ledger_cdc.sink.base import BOOTSTRAPPING, Publisher, Publishing
 from ledger_cdc.sink.durable import DurableTracker
 from ledger_cdc.sink.shape import (
     MEMO,
     SESSIONS,
     SNAPSHOTS,
-    AgentMemoRow,
     AgentSessionRow,
-    AgentSnapshotRow,
     Column,
     Table,
     memo_row,
@@ -339,13 +331,8 @@ def _translated(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-class _Publishing(Protocol):
-    def wait(self) -> None: ...
-    def cancel(self) -> None: ...
-
-
 class _AllPublishing:
-    def __init__(self, parts: list[_Publishing]) -> None:
+    def __init__(self, parts: list[Publishing]) -> None:
         self.parts = parts
 
     def wait(self) -> None:
@@ -358,6 +345,67 @@ class _AllPublishing:
 
 
 _NOTHING = _AllPublishing([])
+
+
+_FLUSH_PATIENCE = 2.0  # seconds the WAL writer is given before a synchronous commit of ours
+
+
+class _Statements:
+    """The hot path's statements, straight through libpq: prepared once per connection, then
+    sent with their parameters as text, their results checked as psycopg checks one (an
+    error is raised as psycopg raises it). A small batch's commit costs the client much less
+    CPU than through a cursor."""
+
+    def __init__(self) -> None:
+        self._for: PGconn | None = None  # the connection _names were prepared on
+        self._names: set[bytes] = set()
+
+    def run(
+        self,
+        conn: psycopg.Connection[Any],
+        name: bytes,
+        query: bytes,
+        args: tuple[bytes | None, ...],
+    ) -> PGresult:
+        """One statement of the hot path, straight through libpq: prepared once per
+        connection, then sent with its parameters as text, its result checked as psycopg
+        checks one (an error is raised as psycopg raises it). A small batch's commit costs the
+        client much less CPU than through a cursor."""
+        pgconn = conn.pgconn
+        if self._for is not pgconn:
+            self._for, self._names = pgconn, set()
+        with conn.lock:
+            for again in (False, True):
+                if name not in self._names:
+                    pgconn.send_prepare(name, query)
+                    self._result(conn.wait(generators.execute(pgconn)), conn)
+                    self._names.add(name)
+                pgconn.send_query_prepared(name, args)
+                results = conn.wait(generators.execute(pgconn))
+                if (
+                    again
+                    or not _unprepared(results)
+                    or pgconn.transaction_status != TransactionStatus.IDLE
+                ):
+                    break
+                self._names.clear()  # deallocated by someone (DISCARD ALL): prepared anew
+            return self._result(results, conn)
+
+    @staticmethod
+    def rows(conn: psycopg.Connection[Any], res: PGresult) -> list[tuple[Any, ...]]:
+        """A result's rows loaded as a cursor loads them (psycopg's loaders)."""
+        tx = Transformer(conn)
+        tx.set_pgresult(res)
+        return tx.load_rows(0, res.ntuples, tuple)
+
+    @staticmethod
+    def _result(results: list[PGresult], conn: psycopg.Connection[Any]) -> PGresult:
+        for res in results:
+            if res.status == ExecStatus.FATAL_ERROR:
+                raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
+        if not results or results[-1].status not in (ExecStatus.TUPLES_OK, ExecStatus.COMMAND_OK):
+            raise psycopg.OperationalError("unexpected result from the server")
+        return results[-1]
 
 
 class PgSink:
@@ -383,8 +431,7 @@ class PgSink:
         self.durable_commits = durable_commits
         self.tracker = DurableTracker()
         self._observed_at = 0.0  # when the server's WAL positions were last read
-        self._raw_for: PGconn | None = None  # the connection _raw_names were prepared on
-        self._raw_names: set[bytes] = set()
+        self._statements = _Statements()
         # False when this database is not the ledger's (--target-dsn): what stored contexts and
         # memo rows would reference of the ledger's events is copied instead
         self.by_reference = by_reference
@@ -396,7 +443,7 @@ class PgSink:
         self._staged = False
         self.checkpoint: int | None = None
         self.epoch: int | None = None
-        self.publishers: list[Any] = []  # e.g. JetStreamPublisher: begin(events, sessions)
+        self.publishers: list[Publisher] = []  # e.g. JetStreamPublisher
         # sessions whose projection load_contexts_sized could not use, and why
         self.unusable: dict[uuid.UUID, str] = {}
 
@@ -451,7 +498,7 @@ class PgSink:
             # asynchronous, before a lost connection). On disk before streaming starts from it:
             # the replication driver itself confirms keepalive positions past the start point
             # until the first change arrives.
-            self._await_flush()
+            _await_flush(self._cursor(), self.conn, self.slot)
             self.tracker.durable = max(self.tracker.durable, self.checkpoint)
         return self.checkpoint
 
@@ -463,7 +510,7 @@ class PgSink:
         if not self.durable_commits:
             # on disk before the slot is dropped and rebuilt (its end LSN is 0: the tracker,
             # which follows LSNs, cannot tell it from nothing)
-            self._flush_wal()
+            _flush_wal(self.conn, self.slot)
 
     @_translated
     def unmark_bootstrap(self) -> None:
@@ -500,24 +547,14 @@ class PgSink:
             return {}
         out: dict[uuid.UUID, tuple[SessionContext, int]] = {}
         ids_text = ("{" + ",".join(map(str, ids)) + "}").encode()
-        res = self._prepared(_LOAD_NAME, _LOAD_RAW, (ids_text,))
-        rows = self._rows(res)
-        for sid, version, text, window, said, last, count in rows:
-            if version not in PROJECTION_FORMATS:
-                self.unusable[sid] = f"format {version}, which this version does not read"
-                continue
-            try:
-                ctx = decode_context(text)
-                attach(ctx, window, said)
-            except (msgspec.DecodeError, WindowMissingError, ValueError, TypeError) as e:
-                self.unusable[sid] = f"cannot be read back ({first_line(e)})"
-                continue
-            if (ctx.session_id, ctx.last_position, ctx.event_count) != (sid, last, count) or not (
-                0 <= ctx.last_seq < _BIGINT and 0 <= ctx.memo_position <= last
-            ):
-                self.unusable[sid] = "its counters disagree with its row or pass a bigint"
-                continue
-            out[sid] = (ctx, context_size(ctx, text))
+        res = self._statements.run(self.conn, _LOAD_NAME, _LOAD_RAW, (ids_text,))
+        rows = self._statements.rows(self.conn, res)
+        for row in rows:
+            loaded = _loaded(*row)
+            if isinstance(loaded, str):
+                self.unusable[row[0]] = loaded
+            else:
+                out[row[0]] = loaded
         return out
 
     def load_contexts(self, session_ids: Iterable[uuid.UUID]) -> dict[uuid.UUID, SessionContext]:
@@ -542,12 +579,12 @@ class PgSink:
             with conn.transaction():
                 with conn.cursor() as cur:
                     self._observe(cur)
-                    self._stage(cur, batch)
+                    _stage_rows(cur, batch, self.by_reference)
                     # Only now, with every row staged, take locks on shared rows: a consumer
                     # frozen mid-COPY (its backend waiting for data, not idle) must not hold
                     # them, or it would block the standby that took its slot; frozen between
                     # the statements below, it is ended by idle_in_transaction_session_timeout.
-                    self._merge(cur, batch)
+                    _merge_rows(cur, batch, self.slot)
                     self._notices(cur, batch)
                 self._checkpoint(conn, batch)
                 # the rows were written while JetStream stored the batch; the commit waits
@@ -579,13 +616,13 @@ class PgSink:
                 self._observe(cur)
                 for chunk in chunks:
                     self._publish(chunk).wait()
-                    self._stage(cur, chunk)
-                    self._merge(cur, chunk)
+                    _stage_rows(cur, chunk, self.by_reference)
+                    _merge_rows(cur, chunk, self.slot)
                     cur.execute(_CLEAR_STAGES)
                 final = finish(ChunkedTail(self, conn))
                 self._publish(final).wait()
-                self._stage(cur, final)
-                self._merge(cur, final)
+                _stage_rows(cur, final, self.by_reference)
+                _merge_rows(cur, final, self.slot)
                 self._notices(cur, final)
                 cur.execute(_CLEAR_STAGES)
             self._checkpoint(conn, final)
@@ -597,13 +634,13 @@ class PgSink:
         (its events published first, like every chunk's)."""
         self._publish(batch).wait()
         with self.conn.cursor() as cur:
-            self._stage(cur, batch)
-            self._merge(cur, batch)
+            _stage_rows(cur, batch, self.by_reference)
+            _merge_rows(cur, batch, self.slot)
             cur.execute(_CLEAR_STAGES)
 
     # -- the parts of a commit ------------------------------------------------------------------
 
-    def _publish(self, batch: Batch) -> _Publishing:
+    def _publish(self, batch: Batch) -> Publishing:
         """Starts publishing the batch to every publisher (JetStream); ``wait()`` before the
         commit."""
         if not self.publishers:
@@ -622,16 +659,18 @@ class PgSink:
 
     def _apply(self, batch: Batch) -> None:
         """A small batch in one statement (ledger_apply_batch): no staging, one round trip."""
-        params = self._checkpoint_params(batch)
+        params = _checkpoint_params(self.slot, self.checkpoint, self.publication, batch)
         prev = params["prev"]
         doc = _batch_doc(batch, self.by_reference, params)
         args = (self.slot.encode(), None if prev is None else prev.encode(), doc)
         try:
             now = time.monotonic()
             if self.durable_commits or now - self._observed_at < OBSERVE_EVERY:
-                self._prepared(_APPLY_NAME, _APPLY_RAW, args)
+                self._statements.run(self.conn, _APPLY_NAME, _APPLY_RAW, args)
             else:  # (the slot hears of it at most every 0.1 s anyway: no need to look more)
-                res = self._prepared(_APPLY_OBSERVED_NAME, _APPLY_OBSERVED_RAW, args)
+                res = self._statements.run(
+                    self.conn, _APPLY_OBSERVED_NAME, _APPLY_OBSERVED_RAW, args
+                )
                 row = None
                 if res.ntuples:
                     insert, flush = res.get_value(0, 0), res.get_value(0, 1)
@@ -642,47 +681,6 @@ class PgSink:
             if e.sqlstate == _FENCED:
                 raise self._fenced(prev) from None
             raise
-
-    def _prepared(self, name: bytes, query: bytes, args: tuple[bytes | None, ...]) -> PGresult:
-        """One statement of the hot path, straight through libpq: prepared once per
-        connection, then sent with its parameters as text, its result checked as psycopg
-        checks one (an error is raised as psycopg raises it). A small batch's commit costs the
-        client much less CPU than through a cursor."""
-        conn = self.conn
-        pgconn = conn.pgconn
-        if self._raw_for is not pgconn:
-            self._raw_for, self._raw_names = pgconn, set()
-        with conn.lock:
-            for again in (False, True):
-                if name not in self._raw_names:
-                    pgconn.send_prepare(name, query)
-                    self._result(conn.wait(generators.execute(pgconn)), conn)
-                    self._raw_names.add(name)
-                pgconn.send_query_prepared(name, args)
-                results = conn.wait(generators.execute(pgconn))
-                if (
-                    again
-                    or not _unprepared(results)
-                    or pgconn.transaction_status != TransactionStatus.IDLE
-                ):
-                    break
-                self._raw_names.clear()  # deallocated by someone (DISCARD ALL): prepared anew
-            return self._result(results, conn)
-
-    def _rows(self, res: PGresult) -> list[tuple[Any, ...]]:
-        """A result's rows loaded as a cursor loads them (psycopg's loaders)."""
-        tx = Transformer(self.conn)
-        tx.set_pgresult(res)
-        return tx.load_rows(0, res.ntuples, tuple)
-
-    @staticmethod
-    def _result(results: list[PGresult], conn: psycopg.Connection[Any]) -> PGresult:
-        for res in results:
-            if res.status == ExecStatus.FATAL_ERROR:
-                raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
-        if not results or results[-1].status not in (ExecStatus.TUPLES_OK, ExecStatus.COMMAND_OK):
-            raise psycopg.OperationalError("unexpected result from the server")
-        return results[-1]
 
     # -- durability (durable_commits=False) -----------------------------------------------------
 
@@ -706,39 +704,8 @@ class PgSink:
     def flush(self) -> None:
         """Until every committed batch is on disk (one synchronous commit)."""
         if self.tracker.pending:
-            self._flush_wal()
+            _flush_wal(self.conn, self.slot)
             self.tracker.flushed()
-
-    def _await_flush(self, patience: float = 2.0) -> None:
-        """Until everything committed so far is on disk: the flush position passing the insert
-        position read now (the WAL writer or any synchronous commit gets it there, usually at
-        once); after ``patience`` seconds, by a synchronous commit of our own. No transaction id
-        is used up in the usual case (a standby starts every 0.5 s)."""
-        cur = self._cursor()
-        row = cur.execute(_WAL_POSITIONS).fetchone()
-        if row is None:
-            return
-        target = parse_lsn(row[0])
-        flushed = parse_lsn(row[1])
-        deadline = time.monotonic() + patience
-        while flushed < target and time.monotonic() < deadline:
-            time.sleep(0.01)
-            row = cur.execute(_WAL_POSITIONS).fetchone()
-            flushed = parse_lsn(row[1]) if row is not None else flushed
-        if flushed < target:
-            self._flush_wal()
-
-    def _flush_wal(self) -> None:
-        # a transaction that wrote WAL, committed synchronously, is flushed and with it every
-        # record before it (one that only took an xid is not: PostgreSQL commits it
-        # asynchronously). Rewriting our checkpoint row unchanged is the write: nothing else
-        # reads a difference, and no logical slot of this database sees it.
-        conn = self.conn
-        with conn.transaction():
-            conn.execute("SET LOCAL synchronous_commit = on")
-            conn.execute(
-                "UPDATE ledger_checkpoints SET lsn = lsn WHERE slot_name = %s", (self.slot,)
-            )
 
     def _observe(self, cur: psycopg.Cursor[Any]) -> None:
         if not self.durable_commits:
@@ -764,84 +731,14 @@ class PgSink:
             self._staged = True
         return conn
 
-    def _stage(self, cur: psycopg.Cursor[Any], batch: Batch) -> None:
-        """COPY the batch's rows into the session's staging tables (no lock taken yet). A row
-        holding a large JSON value goes by a statement of its own with the value as a binary
-        parameter: COPY's text form would copy and escape it twice more in memory."""
-        if batch.sessions:
-            large: list[AgentSessionRow] = []
-            with cur.copy(_COPY_SESSIONS) as copy:
-                for sid, (ctx, data, commit_lsn, head) in batch.sessions.items():
-                    row = session_row(sid, ctx, data, commit_lsn, head)
-                    if len(data) > _LARGE:
-                        large.append(row)
-                    else:
-                        copy.write_row(_as_text(row, _SESSION_TEXT))
-            for big in large:
-                _copy_binary(cur, _COPY_SESSIONS_BINARY, _SESSION_TYPES, big)
-                # staged: let go of the JSON now, before the next large value is built
-                ctx, _, commit_lsn, head = batch.sessions[big[0]]
-                batch.sessions[big[0]] = (ctx, b"", commit_lsn, head)
-            large.clear()
-        if batch.memo:
-            big_memo: list[AgentMemoRow] = []
-            with cur.copy(_COPY_MEMO) as copy:
-                for sid, position, done in batch.memo:
-                    memo = memo_row(sid, position, done, self.by_reference)
-                    if len(memo.entry) > _LARGE:
-                        big_memo.append(memo)
-                    else:
-                        copy.write_row(_as_text(memo, _MEMO_TEXT))
-            for memo_big in big_memo:
-                _copy_binary(cur, _COPY_MEMO_BINARY, _MEMO_TYPES, memo_big)
-        if batch.snapshots:
-            big_snaps: list[AgentSnapshotRow] = []
-            with cur.copy(_COPY_SNAPSHOTS) as copy:
-                for snap in batch.snapshots:
-                    srow = snapshot_row(snap)
-                    if len(srow.data) > _LARGE:
-                        big_snaps.append(srow)
-                    else:
-                        copy.write_row(_as_text(srow, _SNAPSHOT_TEXT))
-            for srow_big in big_snaps:
-                _copy_binary(cur, _COPY_SNAPSHOTS_BINARY, _SNAPSHOT_TYPES, srow_big)
-        if batch.touched:
-            with cur.copy(_COPY_TOUCHED) as copy:
-                for touched in batch.touched:
-                    copy.write_row(touched)
-
-    def _merge(self, cur: psycopg.Cursor[Any], batch: Batch) -> None:
-        if batch.touched:  # before the sessions change: what they were is what is recorded
-            cur.execute(_MERGE_TOUCHED)
-        if batch.sessions:
-            cur.execute(_MERGE_SESSIONS)
-        if batch.memo:
-            cur.execute(_MERGE_MEMO)  # before the snapshots that leave their memo to it
-        if batch.snapshots:
-            cur.execute(_MERGE_SNAPSHOTS)
-        if batch.dead_letters:
-            cur.execute(_INSERT_DEAD, _dead_params(self.slot, batch.dead_letters))
-
     def _notices(self, cur: psycopg.Cursor[Any], batch: Batch) -> None:
         notices = _owed_notices(batch)
         if notices:
             # delivered by PostgreSQL only when this transaction commits
             cur.execute(_NOTIFY, ([c for c, _ in notices], [p for _, p in notices]))
 
-    def _checkpoint_params(self, batch: Batch) -> dict[str, Any]:
-        return {
-            "slot": self.slot,
-            "lsn": format_lsn(batch.end_lsn),
-            "heartbeat_at": batch.heartbeat_at,
-            "prev": None if self.checkpoint is None else format_lsn(self.checkpoint),
-            "epoch": batch.epoch,
-            "folded_seq": batch.max_seq,
-            "publication": self.publication,
-            "applied_commit_at": _commit_time(batch.last_commit_ts),
-        }
-
     def _checkpoint(self, conn: psycopg.Connection[Any], batch: Batch) -> None:
-        params = self._checkpoint_params(batch)
+        params = _checkpoint_params(self.slot, self.checkpoint, self.publication, batch)
         if conn.execute(_CHECKPOINT, params).fetchone() is None:
             raise self._fenced(params["prev"])
 
@@ -1041,3 +938,134 @@ def _batch_doc(batch: Batch, by_reference: bool, checkpoint: dict[str, Any]) -> 
     if notices:
         doc["notify"] = [{"channel": c, "payload": p} for c, p in notices]
     return _doc.encode(doc)
+
+
+def _stage_rows(cur: psycopg.Cursor[Any], batch: Batch, by_reference: bool) -> None:
+    """COPY the batch's rows into the session's staging tables (no lock taken yet). A row
+    holding a large JSON value goes by a statement of its own with the value as a binary
+    parameter: COPY's text form would copy and escape it twice more in memory."""
+    if batch.sessions:
+        large: list[AgentSessionRow] = []
+        with cur.copy(_COPY_SESSIONS) as copy:
+            for sid, (ctx, data, commit_lsn, head) in batch.sessions.items():
+                row = session_row(sid, ctx, data, commit_lsn, head)
+                if len(data) > _LARGE:
+                    large.append(row)
+                else:
+                    copy.write_row(_as_text(row, _SESSION_TEXT))
+        for big in large:
+            _copy_binary(cur, _COPY_SESSIONS_BINARY, _SESSION_TYPES, big)
+            # staged: let go of the JSON now, before the next large value is built
+            ctx, _, commit_lsn, head = batch.sessions[big[0]]
+            batch.sessions[big[0]] = (ctx, b"", commit_lsn, head)
+        large.clear()
+    if batch.memo:
+        memos = (memo_row(sid, at, done, by_reference) for sid, at, done in batch.memo)
+        statements = (_COPY_MEMO, _COPY_MEMO_BINARY)
+        _copy_rows(cur, statements, _MEMO_TYPES, _MEMO_TEXT, ((m, len(m.entry)) for m in memos))
+    if batch.snapshots:
+        snaps = (snapshot_row(snap) for snap in batch.snapshots)
+        statements = (_COPY_SNAPSHOTS, _COPY_SNAPSHOTS_BINARY)
+        sized = ((r, len(r.data)) for r in snaps)
+        _copy_rows(cur, statements, _SNAPSHOT_TYPES, _SNAPSHOT_TEXT, sized)
+    if batch.touched:
+        with cur.copy(_COPY_TOUCHED) as copy:
+            for touched in batch.touched:
+                copy.write_row(touched)
+
+
+def _copy_rows(
+    cur: psycopg.Cursor[Any],
+    statements: tuple[str, str],
+    types: tuple[str, ...],
+    text: tuple[int, ...],
+    rows: Iterable[tuple[tuple[Any, ...], int]],
+) -> None:
+    """COPY ``rows`` (each with the size of its large value) in text (``statements[0]``), but
+    those whose value is large after, one by one in binary (``statements[1]``)."""
+    large: list[tuple[Any, ...]] = []
+    with cur.copy(statements[0]) as copy:
+        for row, size in rows:
+            if size > _LARGE:
+                large.append(row)
+            else:
+                copy.write_row(_as_text(row, text))
+    for row in large:
+        _copy_binary(cur, statements[1], types, row)
+
+
+def _merge_rows(cur: psycopg.Cursor[Any], batch: Batch, slot: str) -> None:
+    if batch.touched:  # before the sessions change: what they were is what is recorded
+        cur.execute(_MERGE_TOUCHED)
+    if batch.sessions:
+        cur.execute(_MERGE_SESSIONS)
+    if batch.memo:
+        cur.execute(_MERGE_MEMO)  # before the snapshots that leave their memo to it
+    if batch.snapshots:
+        cur.execute(_MERGE_SNAPSHOTS)
+    if batch.dead_letters:
+        cur.execute(_INSERT_DEAD, _dead_params(slot, batch.dead_letters))
+
+
+def _await_flush(cur: psycopg.Cursor[Any], conn: psycopg.Connection[Any], slot: str) -> None:
+    """Until everything committed so far is on disk: the flush position passing the insert
+    position read now (the WAL writer or any synchronous commit gets it there, usually at
+    once); after ``_FLUSH_PATIENCE`` seconds, by a synchronous commit of our own. No transaction id
+    is used up in the usual case (a standby starts every 0.5 s)."""
+    row = cur.execute(_WAL_POSITIONS).fetchone()
+    if row is None:
+        return
+    target = parse_lsn(row[0])
+    flushed = parse_lsn(row[1])
+    deadline = time.monotonic() + _FLUSH_PATIENCE
+    while flushed < target and time.monotonic() < deadline:
+        time.sleep(0.01)
+        row = cur.execute(_WAL_POSITIONS).fetchone()
+        flushed = parse_lsn(row[1]) if row is not None else flushed
+    if flushed < target:
+        _flush_wal(conn, slot)
+
+
+def _flush_wal(conn: psycopg.Connection[Any], slot: str) -> None:
+    # a transaction that wrote WAL, committed synchronously, is flushed and with it every
+    # record before it (one that only took an xid is not: PostgreSQL commits it
+    # asynchronously). Rewriting our checkpoint row unchanged is the write: nothing else
+    # reads a difference, and no logical slot of this database sees it.
+    with conn.transaction():
+        conn.execute("SET LOCAL synchronous_commit = on")
+        conn.execute("UPDATE ledger_checkpoints SET lsn = lsn WHERE slot_name = %s", (slot,))
+
+
+def _loaded(
+    sid: uuid.UUID, version: int, text: bytes, window: Any, said: Any, last: int, count: int
+) -> tuple[SessionContext, int] | str:
+    """A stored projection read back (its context and estimated size), or why it cannot be
+    used."""
+    if version not in PROJECTION_FORMATS:
+        return f"format {version}, which this version does not read"
+    try:
+        ctx = decode_context(text)
+        attach(ctx, window, said)
+    except (msgspec.DecodeError, WindowMissingError, ValueError, TypeError) as e:
+        return f"cannot be read back ({first_line(e)})"
+    if (ctx.session_id, ctx.last_position, ctx.event_count) != (sid, last, count) or not (
+        0 <= ctx.last_seq < _BIGINT and 0 <= ctx.memo_position <= last
+    ):
+        return "its counters disagree with its row or pass a bigint"
+    return ctx, context_size(ctx, text)
+
+
+def _checkpoint_params(
+    slot: str, prev: int | None, publication: str | None, batch: Batch
+) -> dict[str, Any]:
+    """The checkpoint row a batch writes, fenced on ``prev`` (the one read)."""
+    return {
+        "slot": slot,
+        "lsn": format_lsn(batch.end_lsn),
+        "heartbeat_at": batch.heartbeat_at,
+        "prev": None if prev is None else format_lsn(prev),
+        "epoch": batch.epoch,
+        "folded_seq": batch.max_seq,
+        "publication": publication,
+        "applied_commit_at": _commit_time(batch.last_commit_ts),
+    }

@@ -37,8 +37,8 @@ def test_a_stop_signal_while_the_main_thread_holds_the_stop_lock_does_not_hang(
     # the lock itself would wait for itself forever
     code = textwrap.dedent("""
         import os, signal, sys
-        from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
-        c = Consumer(ConsumerConfig(dsn=sys.argv[1]))
+        from ledger_cdc.consumer import ConsumerConfig, build_consumer
+        c = build_consumer(ConsumerConfig(dsn=sys.argv[1]))
         c.install_signal_handlers()
         with c._stop._cond:
             os.kill(os.getpid(), signal.SIGTERM)

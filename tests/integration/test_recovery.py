@@ -33,7 +33,7 @@ from ledger_cdc.client.recovery import (
     retry_tool_async,
 )
 from ledger_cdc.client.writer import Ledger
-from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+from ledger_cdc.consumer import Consumer, ConsumerConfig, build_consumer
 from ledger_cdc.errors import InvalidEventError, MemoNotLoadedError
 from ledger_cdc.fold import SessionContext, encode_context, fold
 from tests.support.cdc import ROOT, wait_caught_up, wait_streaming
@@ -45,7 +45,7 @@ register_event_type("x.unknown")  # free-form: kept in the log, ignored by the c
 
 class RunningConsumer:
     def __init__(self, dsn: str, snapshot_every: int = 3) -> None:
-        self.consumer = Consumer(
+        self.consumer = build_consumer(
             ConsumerConfig(
                 dsn=dsn, create_slot=True, snapshot_every=snapshot_every, max_delay=0.005
             )

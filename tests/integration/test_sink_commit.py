@@ -15,8 +15,9 @@ import pytest
 from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.batching import Batch
 from ledger_cdc.client.writer import Ledger
-from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+from ledger_cdc.consumer import ConsumerConfig, build_consumer
 from ledger_cdc.lsn import parse_lsn
+from ledger_cdc.sink import postgres
 from ledger_cdc.sink.postgres import PgSink
 from tests.support.cdc import until, wait_streaming
 from tests.support.harness import Database
@@ -133,15 +134,15 @@ def test_the_bootstrap_mark_is_on_disk_before_the_slot_is_dropped(
     bootstrap."""
     sink = PgSink(db.dsn, "s_boot", durable_commits=False)
     marked_upto: list[int] = []
-    flush_wal = sink._flush_wal
+    flush_wal = postgres._flush_wal
 
-    def watched() -> None:  # the mark is committed by now: where its WAL ends, at most
-        with db.connect() as conn:
-            (ins,) = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()  # type: ignore[misc]
+    def watched(conn: Any, slot: str) -> None:  # the mark is committed by now: where its WAL
+        with db.connect() as c:  # ends, at most
+            (ins,) = c.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()  # type: ignore[misc]
         marked_upto.append(parse_lsn(str(ins)))
-        flush_wal()
+        flush_wal(conn, slot)
 
-    monkeypatch.setattr(sink, "_flush_wal", watched)
+    monkeypatch.setattr(postgres, "_flush_wal", watched)
     try:
         sink.load_checkpoint()
         marked_upto.clear()
@@ -173,7 +174,7 @@ def test_an_idle_consumer_confirms_everything_it_committed(db: Database, mode: s
     slot = f"agent_slot_{mode}"
     with db.connect() as conn:
         create_slot(conn, slot)
-    consumer = Consumer(
+    consumer = build_consumer(
         ConsumerConfig(
             dsn=db.dsn,
             slot=slot,

@@ -18,7 +18,7 @@ import ledger_cdc.sink.postgres as pg_sink
 from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.batching import Batch
 from ledger_cdc.client.writer import Ledger
-from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+from ledger_cdc.consumer import ConsumerConfig, build_consumer
 from ledger_cdc.errors import FencedError
 from ledger_cdc.fold import SessionContext, encode_stored
 from tests.support.cdc import turn_events, until
@@ -47,7 +47,7 @@ def targets(db: Database) -> Iterator[list[str]]:
 
 def _consume(dsn: str, slot: str, target: str, head: int) -> None:
     """A consumer of ``slot`` into ``target`` until it has folded (or refused) seq ``head``."""
-    consumer = Consumer(
+    consumer = build_consumer(
         ConsumerConfig(dsn=dsn, slot=slot, target_dsn=target, snapshot_every=5, max_delay=0.001)
     )
     thread = threading.Thread(target=consumer.run, daemon=True)

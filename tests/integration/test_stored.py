@@ -15,7 +15,7 @@ from ledger_cdc.admin.verify import verify
 from ledger_cdc.client.read import projected_contexts
 from ledger_cdc.client.recovery import fold_all, memoised_tool, rebuild_context
 from ledger_cdc.client.writer import Ledger
-from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+from ledger_cdc.consumer import ConsumerConfig, build_consumer
 from ledger_cdc.fold import decode_context, encode_context
 from tests.support.cdc import assert_projections_equal_refold, wait_caught_up, wait_streaming
 from tests.support.harness import Database
@@ -23,7 +23,7 @@ from tests.support.harness import Database
 
 @pytest.fixture
 def consumed(db: Database) -> Iterator[Database]:
-    consumer = Consumer(
+    consumer = build_consumer(
         ConsumerConfig(dsn=db.dsn, create_slot=True, snapshot_every=4, max_delay=0.005)
     )
     thread = threading.Thread(target=consumer.run, daemon=True)

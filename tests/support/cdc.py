@@ -24,7 +24,7 @@ from ledger_cdc.cli.app import cli
 from ledger_cdc.client.read import projected_contexts
 from ledger_cdc.client.recovery import fold_all, load_events, load_memo
 from ledger_cdc.client.writer import Ledger
-from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+from ledger_cdc.consumer import Consumer, ConsumerConfig, build_consumer
 from ledger_cdc.events import LedgerEvent
 from ledger_cdc.fold import SessionContext, decode_context, encode_snapshot, fold
 from tests.support.wait import until
@@ -260,7 +260,7 @@ class InThread:
     def __init__(self, dsn: str, *, precreate_slot: bool = True, **kw: Any) -> None:
         kw.setdefault("create_slot", True)
         self.precreate_slot = precreate_slot
-        self.consumer = Consumer(ConsumerConfig(dsn=dsn, **kw))
+        self.consumer = build_consumer(ConsumerConfig(dsn=dsn, **kw))
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 

@@ -228,6 +228,7 @@ class FakeTransport:
     def __init__(self, slot: FakeSlot) -> None:
         self.slot = slot
         self.confirmed = 0
+        self.adopted: tuple[float, int] | None = None
         self._queue: list[XLog] = []
         self._next = 0
         self._sent = 0

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from ledger_cdc.client.dispatch import DispatchConfig, Dispatcher
+from ledger_cdc.consumer import build_consumer
 from ledger_cdc.consumer.config import ConsumerConfig
-from ledger_cdc.consumer.loop import Consumer
 from ledger_cdc.errors import ConfigError
 
 DSN = "host=127.0.0.1 port=1 connect_timeout=1"  # never reached: refused before any connection
@@ -38,7 +38,7 @@ DSN = "host=127.0.0.1 port=1 connect_timeout=1"  # never reached: refused before
 def test_a_consumer_setting_out_of_range_is_refused_by_name(field: str, value: object) -> None:
     config = ConsumerConfig(dsn=DSN, **{field: value})  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=field):
-        Consumer(config)
+        build_consumer(config)
 
 
 def test_the_default_consumer_settings_and_the_tests_own_pass() -> None:

@@ -7,6 +7,7 @@ import random
 import uuid
 
 from ledger_cdc.consumer import Consumer
+from ledger_cdc.consumer.server import NoLedgerServer
 from ledger_cdc.sink.durable import DurableTracker
 from ledger_cdc.sink.memory import MemorySink, MemoryStore
 from tests.support.fakestream import FakeSlot, Wal, running
@@ -75,7 +76,7 @@ def test_the_loop_confirms_the_slot_only_past_what_the_sink_has_on_disk() -> Non
     store = MemoryStore()
     sink = _LaggingSink(store)
     slot = FakeSlot(wal)
-    c = Consumer(config(), sink=sink, transport=slot.transport())
+    c = Consumer(config(), sink=sink, transport=slot.transport(), server=NoLedgerServer())
     with running(c):
         until(lambda: store.checkpoint == wal.commits[-1])  # all of it visible …
         assert slot.confirmed <= sink.on_disk < wal.commits[-1]  # … none of it confirmed

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from ledger_cdc.batching import Batch, frozen
 from ledger_cdc.consumer import Consumer, ConsumerConfig
+from ledger_cdc.consumer.server import NoLedgerServer
 from ledger_cdc.errors import DatabaseUnavailable
 from ledger_cdc.events import LedgerEvent, decode_payload, encode_payload
 from ledger_cdc.fold import SessionContext, decode_context, encode_stored, fold_one
@@ -110,6 +111,7 @@ def test_the_loop_folds_every_transaction_exactly_once(batch_size: int, memory_k
         config(batch_size=batch_size, memory_limit=memory_kb * 1024, snapshot_every=3),
         sink=MemorySink(store),
         transport=slot.transport(),
+        server=NoLedgerServer(),
     )
     with running(c):
         until(lambda: store.checkpoint == wal.commits[-1])
@@ -132,7 +134,10 @@ def test_snapshots_are_cut_between_transactions_and_at_a_session_end() -> None:
     ends.add(last.position)
     store = MemoryStore()
     c = Consumer(
-        config(snapshot_every=3), sink=MemorySink(store), transport=FakeSlot(wal).transport()
+        config(snapshot_every=3),
+        sink=MemorySink(store),
+        transport=FakeSlot(wal).transport(),
+        server=NoLedgerServer(),
     )
     with running(c):
         until(lambda: store.checkpoint == wal.commits[-1])
@@ -149,7 +154,12 @@ def test_dropped_connections_resume_from_the_checkpoint_without_a_double() -> No
     rng = random.Random(4)
     slot.drops = [rng.randint(0, 60) for _ in range(25)]  # 25 connections end mid-stream
     store = MemoryStore()
-    c = Consumer(config(batch_size=5), sink=MemorySink(store), transport=slot.transport())
+    c = Consumer(
+        config(batch_size=5),
+        sink=MemorySink(store),
+        transport=slot.transport(),
+        server=NoLedgerServer(),
+    )
     with running(c):
         until(lambda: store.checkpoint == wal.commits[-1])
     assert slot.connections > 20 and c.metrics.reconnects > 20
@@ -182,11 +192,11 @@ def test_a_consumer_that_dies_mid_batch_is_replaced_without_loss_or_double(
 
     first.before_commit = crash
     cfg = config(batch_size=4, memory_limit=memory_kb * 1024, snapshot_every=2)
-    a = Consumer(cfg, sink=first, transport=slot.transport())
+    a = Consumer(cfg, sink=first, transport=slot.transport(), server=NoLedgerServer())
     with running(a) as thread:
         until(lambda: not thread.is_alive())
     assert store.checkpoint != wal.commits[-1]
-    b = Consumer(cfg, sink=MemorySink(store), transport=slot.transport())
+    b = Consumer(cfg, sink=MemorySink(store), transport=slot.transport(), server=NoLedgerServer())
     with running(b):
         until(lambda: store.checkpoint == wal.commits[-1])
     assert_matches(store, wal)
@@ -271,7 +281,7 @@ def test_hostile_rows_and_messages_never_stop_the_loop(
     slot = FakeSlot(wal)
     slot.drops = [rng.randint(0, 10)]  # and once, a restart in the middle of it
     cfg = config(batch_size=rng.choice([1, 3, 100]), snapshot_every=2)
-    c = Consumer(cfg, sink=MemorySink(store), transport=slot.transport())
+    c = Consumer(cfg, sink=MemorySink(store), transport=slot.transport(), server=NoLedgerServer())
     with running(c) as thread:
         until(lambda: store.checkpoint == wal.commits[-1] or not thread.is_alive())
         assert thread.is_alive()
@@ -298,7 +308,7 @@ def test_a_trickle_is_committed_by_the_loop_itself_and_a_backlog_by_the_sink_thr
     sid = uuid.uuid4()
     store = MemoryStore()
     sink = _ThreadRecordingSink(store)
-    c = Consumer(config(), sink=sink, transport=FakeSlot(wal).transport())
+    c = Consumer(config(), sink=sink, transport=FakeSlot(wal).transport(), server=NoLedgerServer())
     with running(c) as loop_thread:
         for t in range(3):  # one at a time, each committed before the next is written
             wal.transaction([wal.row(sid, "tool.invoked", {"call_id": f"c{t}", "tool": "x"})])
@@ -357,7 +367,7 @@ def test_the_loop_folds_the_next_batch_while_the_sink_writes_one() -> None:
     store = MemoryStore()
     sink = MemorySink(store)
     slot = FakeSlot(wal)
-    c = Consumer(config(), sink=sink, transport=slot.transport())
+    c = Consumer(config(), sink=sink, transport=slot.transport(), server=NoLedgerServer())
     sink.before_commit, seen = _held_write(wal, sid, c, 30, fail=False)
     with running(c):
         until(lambda: len(wal.commits) == 80 and store.checkpoint == wal.commits[-1])
@@ -386,7 +396,7 @@ def test_a_failed_write_drops_what_was_folded_ahead_without_loss_or_double() -> 
         wal.transaction([wal.row(sid, "tool.invoked", {"call_id": f"c{t}", "tool": "x"})])
     store = MemoryStore()
     sink = MemorySink(store)
-    c = Consumer(config(), sink=sink, transport=FakeSlot(wal).transport())
+    c = Consumer(config(), sink=sink, transport=FakeSlot(wal).transport(), server=NoLedgerServer())
     sink.before_commit, seen = _held_write(wal, sid, c, 30, fail=True)
     with running(c):
         until(lambda: len(wal.commits) == 80 and store.checkpoint == wal.commits[-1])

@@ -202,11 +202,11 @@ def test_a_consumer_that_publishes_never_holds_a_backlog_batch() -> None:
     """Publishing costs the sink per event: with a JetStream sink the batch goes as soon as the
     sink is free, backlog or not; PostgreSQL alone holds it for more."""
     pytest.importorskip("nats")
-    from ledger_cdc.consumer.loop import Consumer, ConsumerConfig
+    from ledger_cdc.consumer import ConsumerConfig, build_consumer
 
     dsn = "postgresql://ledger@127.0.0.1:9/ledger"  # nothing is connected to
-    alone = Consumer(ConsumerConfig(dsn=dsn))
-    fanned = Consumer(ConsumerConfig(dsn=dsn, sinks=("nats://127.0.0.1:9",)))
+    alone = build_consumer(ConsumerConfig(dsn=dsn))
+    fanned = build_consumer(ConsumerConfig(dsn=dsn, sinks=("nats://127.0.0.1:9",)))
     try:
         assert alone.flush_policy.catch_up_delay == CATCH_UP_DELAY
         assert fanned.flush_policy.catch_up_delay == 0
