@@ -67,7 +67,8 @@ GRANT EXECUTE ON FUNCTION
     ledger_payload(UUID, BIGINT, TEXT), ledger_window(UUID, BIGINT),
     ledger_message(UUID, BIGINT), ledger_messages(UUID, BIGINT[]), ledger_memo_key(TEXT),
     ledger_memo_entry(UUID, TEXT, BIGINT, JSONB), ledger_full_context(UUID, JSONB),
-    ledger_session_context(UUID), ledger_apply_batch(TEXT, PG_LSN, JSONB)
+    ledger_session_context(UUID), ledger_apply_batch(TEXT, PG_LSN, JSONB),
+    ledger_langgraph_checkpoint(UUID, TEXT, TEXT, TEXT[], TEXT[])
     TO ledger_writer, ledger_reader, ledger_consumer, ledger_dispatcher;
 REVOKE ALL ON FUNCTION ledger_before_insert(), ledger_before_insert_partitioned(),
     ledger_refuse_change(), ledger_session_head(UUID),

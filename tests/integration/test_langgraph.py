@@ -545,3 +545,62 @@ def test_call_once_gives_the_call_its_key_and_the_result_back_in_its_order(db: D
     with db.connect() as conn:
         ctx = rebuild_context(conn, thread_session(thread))
     assert ctx.completed_tools["charge"].result == result  # the ledger's memo has it too
+
+
+class Topic(TypedDict):
+    topic: str  # set by the input only: its value is stored once, at the start
+    steps: Annotated[list[str], operator.add]
+
+
+_WINDOW = "SELECT event_position, event_type, payload FROM ledger_langgraph_checkpoint(%s, '', %s)"
+
+
+def test_a_saver_that_never_saw_a_thread_reads_a_checkpoint_from_its_recent_events(
+    db: Database,
+) -> None:
+    """A new saver (a process resuming after a crash) reads the latest checkpoint, and one asked
+    for by id, from the thread's last few dozen events: the same tuple as the whole thread's fold
+    gives, a channel set only at the start included (it is stored again with every channel's
+    full value, at least every 32 checkpoints), pending writes included."""
+    graph_mod = pytest.importorskip("langgraph.graph")
+    steps = 90
+
+    def talk(state: Topic) -> dict[str, Any]:
+        return {"steps": [f"{state['topic']} {len(state['steps'])}: " + "y" * 100]}
+
+    g = graph_mod.StateGraph(Topic)
+    g.add_node("talk", talk)
+    g.add_edge(graph_mod.START, "talk")
+    g.add_conditional_edges("talk", lambda s: graph_mod.END if len(s["steps"]) >= steps else "talk")
+    thread = f"topic-{uuid.uuid4()}"
+    config = {"configurable": {"thread_id": thread}, "recursion_limit": 500}
+    saver = LedgerSaver.from_dsn(db.dsn)
+    try:
+        g.compile(checkpointer=saver).invoke({"topic": "tides", "steps": []}, config)
+        history = list(saver.list(config))  # the whole thread folded, as before
+        middle = history[len(history) // 2].config
+        saver.put_writes(middle, [("steps", ["pending"])], "task-1")
+        for asked in ({"configurable": {"thread_id": thread}}, middle):
+            folded = saver.get_tuple(asked)
+            fresh = LedgerSaver.from_dsn(db.dsn)
+            try:
+                got = fresh.get_tuple(asked)
+            finally:
+                fresh.close()
+            assert got is not None and folded is not None
+            assert got.checkpoint["channel_values"]["topic"] == "tides"
+            assert len(got.checkpoint["channel_values"]["steps"]) == len(
+                folded.checkpoint["channel_values"]["steps"]
+            )
+            assert got == folded
+        assert ("task-1", "steps", ["pending"]) in got.pending_writes
+        with db.connect() as conn:  # the walk stopped well short of the thread's start
+            latest = conn.execute(_WINDOW, (thread_session(thread), None)).fetchall()
+            (count,) = conn.execute(  # type: ignore[misc]
+                "SELECT count(*) FROM agent_events WHERE session_id = %s",
+                (thread_session(thread),),
+            ).fetchone()
+        assert latest[-1][1:] == ("langgraph.window", "part")
+        assert min(r[0] for r in latest) > count // 2 and count > 2 * steps
+    finally:
+        saver.close()
