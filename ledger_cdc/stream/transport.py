@@ -95,6 +95,9 @@ class Transport(Protocol):
     stream of prepared bytes in tests)."""
 
     confirmed: int  # the last LSN confirmed to the server
+    # a stream begun before its consumer took it (:meth:`ReplicationStream.prefetch`): seconds
+    # since it began and bytes read ahead by then; None otherwise
+    adopted: tuple[float, int] | None
 
     def create_slot_exported(self) -> tuple[int, str]: ...
 
