@@ -364,7 +364,7 @@ def _lineage(items: Sequence[LedgerEvent | Rejected], ns: str) -> list[_Step]:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ThreadDiff:
     """Where two threads part: ``step`` (None: they do not), the ``channel`` that differs there
     (``nodes`` when different nodes ran), both values, and their checkpoints' positions."""
@@ -395,28 +395,28 @@ def diff_threads(
             ended, other = ("A", sb) if sa is None else ("B", sa)
             assert other is not None
             return ThreadDiff(
-                len(la),
-                len(lb),
-                i,
-                other.step,
-                None,
-                f"thread {ended} ends before step {other.step}; the other goes on"
+                steps_a=len(la),
+                steps_b=len(lb),
+                common=i,
+                step=other.step,
+                channel=None,
+                reason=f"thread {ended} ends before step {other.step}; the other goes on"
                 + (f" (ran {', '.join(other.ran)})" if other.ran else ""),
                 position_a=None if sa is None else sa.position,
                 position_b=None if sb is None else sb.position,
             )
         if sa.ran != sb.ran:
             return ThreadDiff(
-                len(la),
-                len(lb),
-                i,
-                sa.step,
-                "nodes",
-                f"different nodes ran at step {sa.step}",
-                ", ".join(sa.ran) or "—",
-                ", ".join(sb.ran) or "—",
-                sa.position,
-                sb.position,
+                steps_a=len(la),
+                steps_b=len(lb),
+                common=i,
+                step=sa.step,
+                channel="nodes",
+                reason=f"different nodes ran at step {sa.step}",
+                a=", ".join(sa.ran) or "—",
+                b=", ".join(sb.ran) or "—",
+                position_a=sa.position,
+                position_b=sb.position,
             )
         for ch in sorted(set(sa.values) | set(sb.values)):
             va, vb = sa.values.get(ch, MISSING), sb.values.get(ch, MISSING)
@@ -425,16 +425,18 @@ def diff_threads(
             shown_a = "(no value)" if va is MISSING else va
             shown_b = "(no value)" if vb is MISSING else vb
             return ThreadDiff(
-                len(la),
-                len(lb),
-                i,
-                sa.step,
-                ch,
-                f"channel {ch} differs at step {sa.step}",
-                shown_a,
-                shown_b,
-                sa.position,
-                sb.position,
-                tuple(field_differences(shown_a, shown_b, ch, limit=8)),
+                steps_a=len(la),
+                steps_b=len(lb),
+                common=i,
+                step=sa.step,
+                channel=ch,
+                reason=f"channel {ch} differs at step {sa.step}",
+                a=shown_a,
+                b=shown_b,
+                position_a=sa.position,
+                position_b=sb.position,
+                fields=tuple(field_differences(shown_a, shown_b, ch, limit=8)),
             )
-    return ThreadDiff(len(la), len(lb), len(la), None, None, "same")
+    return ThreadDiff(
+        steps_a=len(la), steps_b=len(lb), common=len(la), step=None, channel=None, reason="same"
+    )

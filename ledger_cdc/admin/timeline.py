@@ -227,7 +227,7 @@ def _steps(events: Sequence[LedgerEvent | Rejected]) -> list[LedgerEvent]:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Divergence:
     step: int  # 1-based step number in both runs
     a: LedgerEvent | None  # None: run A ended before this step
@@ -236,7 +236,7 @@ class Divergence:
     fields: list[tuple[str, Any, Any]]  # (path, in A, in B)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DiffResult:
     steps_a: int
     steps_b: int
@@ -277,15 +277,15 @@ def diff_runs(
             other = eb if ea is None else ea
             assert other is not None
             return DiffResult(
-                len(sa),
-                len(sb),
-                i,
-                Divergence(
-                    i + 1,
-                    ea,
-                    eb,
-                    f"run {ended} ends here; the other goes on with {other.event_type}",
-                    [],
+                steps_a=len(sa),
+                steps_b=len(sb),
+                common=i,
+                divergence=Divergence(
+                    step=i + 1,
+                    a=ea,
+                    b=eb,
+                    reason=f"run {ended} ends here; the other goes on with {other.event_type}",
+                    fields=[],
                 ),
             )
         pa, pb = _strip(_payload(ea)), _strip(_payload(eb))
@@ -296,7 +296,11 @@ def diff_runs(
             fields.insert(0, ("agent_id", ea.agent_id, eb.agent_id))
         if ea.event_type != eb.event_type:
             fields.insert(0, ("event_type", ea.event_type, eb.event_type))
+        reason = _reason(ea, eb, fields)
         return DiffResult(
-            len(sa), len(sb), i, Divergence(i + 1, ea, eb, _reason(ea, eb, fields), fields)
+            steps_a=len(sa),
+            steps_b=len(sb),
+            common=i,
+            divergence=Divergence(step=i + 1, a=ea, b=eb, reason=reason, fields=fields),
         )
-    return DiffResult(len(sa), len(sb), len(sa), None)
+    return DiffResult(steps_a=len(sa), steps_b=len(sb), common=len(sa), divergence=None)
