@@ -251,7 +251,7 @@ class LedgerStream:
             if rows is None:
                 return []
             ev = rows.event(msg.new, lsn)  # type: ignore[union-attr]
-            item = ev if type(ev) is LedgerEvent else Quarantined(lsn, ev)  # type: ignore[arg-type]
+            item = Quarantined(lsn, ev) if isinstance(ev, Rejected) else ev
         elif kind is Relation:
             assert isinstance(msg, Relation)
             self._relation(msg)
