@@ -372,7 +372,7 @@ class FoldWorker:
         for seq, ev, lsn, size in rows:
             if ev is None:
                 continue
-            item: Item = ev if type(ev) is LedgerEvent else Quarantined(lsn, ev)  # type: ignore[arg-type]
+            item: Item = Quarantined(lsn, ev) if isinstance(ev, Rejected) else ev
             t = txns[-1] if txns else None
             if t is not None and lsn and t.commit_lsn == lsn:
                 assert isinstance(t.items, list)
