@@ -600,39 +600,40 @@ def _roles_exist(conn: psycopg.Connection[Any]) -> bool:
     return bool(row and row[0])
 
 
-def drop_slot(dsn: str, name: str, *, force: bool = False) -> bool:
+def drop_slot(conn: psycopg.Connection[Any], name: str, *, force: bool = False) -> bool:
     """Drop a slot; an active one only with ``force`` (its walsender is terminated first).
-    Returns False if there was no such slot."""
+    Returns False if there was no such slot. Each attempt runs in a transaction of its own (a
+    savepoint inside the caller's), so a slot still in use leaves ``conn`` usable for the next."""
     validate_slot_name(name)
     try:
-        return _drop_slot(dsn, name, force)
+        return _drop_slot(conn, name, force)
     except psycopg.Error as e:
-        raise translate(e, dsn=dsn, doing=f"dropping slot {name}") from e
+        raise translate(e, doing=f"dropping slot {name}") from e
 
 
-def _drop_slot(dsn: str, name: str, force: bool) -> bool:
-    with open_session(dsn, autocommit=True) as conn:
-        for _ in range(50):
-            row = conn.execute(
-                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (name,)
-            ).fetchone()
-            if row is None:
-                return False
-            if row[0] is not None:
-                if not force:
-                    raise ConfigError(
-                        f"slot {name!r} is active (walsender pid {row[0]}): stop its consumer "
-                        "first, or pass --force to terminate it"
-                    )
-                conn.execute("SELECT pg_terminate_backend(%s)", (row[0],))
-                time.sleep(0.1)
-                continue
-            try:
+def _drop_slot(conn: psycopg.Connection[Any], name: str, force: bool) -> bool:
+    for _ in range(50):
+        row = conn.execute(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (name,)
+        ).fetchone()
+        if row is None:
+            return False
+        if row[0] is not None:
+            if not force:
+                raise ConfigError(
+                    f"slot {name!r} is active (walsender pid {row[0]}): stop its consumer "
+                    "first, or pass --force to terminate it"
+                )
+            conn.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+            time.sleep(0.1)
+            continue
+        try:
+            with conn.transaction():
                 conn.execute("SELECT pg_drop_replication_slot(%s)", (name,))
-            except psycopg.errors.UndefinedObject:
-                return False
-            except psycopg.errors.ObjectInUse:
-                time.sleep(0.1)
-                continue
-            return True
+        except psycopg.errors.UndefinedObject:
+            return False
+        except psycopg.errors.ObjectInUse:
+            time.sleep(0.1)
+            continue
+        return True
     raise ConfigError(f"slot {name!r} stayed active; could not drop it")

@@ -438,8 +438,11 @@ def slot_failover(state: State, dsn: str, name: str, off: bool) -> None:
 def slot_drop(state: State, dsn: str, name: str, force: bool) -> None:
     """Drop slot NAME. An active slot (a consumer is streaming it) is refused without --force."""
     from ledger_cdc.admin.schema import drop_slot
+    from ledger_cdc.connect import connect
 
-    if not drop_slot(dsn, name, force=force):
+    with connect(dsn, autocommit=True) as conn:
+        dropped = drop_slot(conn, name, force=force)
+    if not dropped:
         from ledger_cdc.errors import SlotError
 
         raise SlotError(f"slot {name!r} does not exist")

@@ -180,7 +180,8 @@ class PgLedgerServer:
             raise SlotError(misfit) from cause
 
     def drop_slot(self) -> None:
-        drop_slot(self.config.dsn, self.config.slot, force=True)
+        with connected(self.config.dsn, "ledger database (the slot)") as conn:
+            drop_slot(conn, self.config.slot, force=True)
 
     @contextlib.contextmanager
     def snapshot(self, name: str) -> Iterator[psycopg.Connection[Any]]:

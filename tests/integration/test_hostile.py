@@ -320,7 +320,7 @@ def run(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ru
                     assert consumer.alive(), log.read_text()[-3000:]
                     assert consumer.terminate() == 0
                     # a consumer bootstrapping a new slot over the whole hostile history finishes
-                    drop_slot(db.dsn, "agent_slot", force=True)
+                    drop_slot(owner, "agent_slot", force=True)
                     owner.execute(
                         "TRUNCATE agent_sessions, agent_snapshots, agent_memo, ledger_checkpoints, "
                         "ledger_dead_letters"
@@ -343,7 +343,8 @@ def run(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ru
                 finally:
                     if consumer.alive():
                         consumer.terminate()
-            drop_slot(db.dsn, "agent_slot", force=True)  # slot names are cluster-wide
+            with db.connect() as conn:  # slot names are cluster-wide
+                drop_slot(conn, "agent_slot", force=True)
             yield r
         finally:
             with psycopg.connect(server.dsn(), autocommit=True) as admin:
@@ -643,7 +644,8 @@ def test_a_database_whose_sessions_speak_latin1_streams_utf8(db: Database, tmp_p
     finally:
         if consumer.alive():
             consumer.terminate()
-        drop_slot(db.dsn, "agent_slot", force=True)
+        with db.connect() as conn:
+            drop_slot(conn, "agent_slot", force=True)
     with db.connect() as conn:
         conn.execute("SET client_encoding = 'UTF8'")  # (a LATIN1 reader cannot hold the arrow)
         (dead,) = conn.execute("SELECT count(*) FROM ledger_dead_letters").fetchone()  # type: ignore[misc]
@@ -702,7 +704,8 @@ def test_a_database_that_prints_times_another_way_is_read(db: Database, tmp_path
     finally:
         if consumer.alive():
             consumer.terminate()
-        drop_slot(db.dsn, "agent_slot", force=True)
+        with db.connect() as conn:
+            drop_slot(conn, "agent_slot", force=True)
 
 
 def test_the_replication_session_keeps_the_dsns_options_and_reads_iso(
@@ -771,7 +774,8 @@ def test_a_statement_timeout_set_for_applications_stops_no_consumer(
     assert_clean_exit(r, 4)
     assert "options='-c statement_timeout=0'" in r.output
     assert_clean_exit(run_cli("verify", "--all", "--dsn", unbounded))
-    drop_slot(unbounded, "agent_slot", force=True)
+    with psycopg.connect(unbounded, autocommit=True) as conn:
+        drop_slot(conn, "agent_slot", force=True)
 
 
 def _alter(db: Database, setting: str, value: str) -> None:
@@ -897,7 +901,9 @@ def test_an_idle_session_timeout_ends_no_session_of_the_consumers(
             tail.kill()
         if consumer.alive():
             consumer.terminate()
-        drop_slot(f"{db.dsn} options='-c idle_session_timeout=0'", "agent_slot", force=True)
+        quiet_dsn = f"{db.dsn} options='-c idle_session_timeout=0'"
+        with psycopg.connect(quiet_dsn, autocommit=True) as conn:
+            drop_slot(conn, "agent_slot", force=True)
     assert "idle-session timeout" not in log.read_text()
 
 
@@ -924,7 +930,8 @@ def test_a_database_that_takes_no_writes_is_said_so(db: Database, tmp_path: Path
     finally:
         if consumer.alive():
             consumer.terminate()
-        drop_slot(writable, "agent_slot", force=True)
+        with psycopg.connect(writable, autocommit=True) as conn:
+            drop_slot(conn, "agent_slot", force=True)
 
 
 def test_the_consumers_sessions_lift_every_timeout_the_database_sets(db: Database) -> None:

@@ -450,14 +450,15 @@ def test_archived_sessions_go_on(empty_db: Database, tmp_path: Path) -> None:
         before = stored_projections(conn)
         # the slot is lost and the projections with it: a bootstrap rebuilds them, archived
         # sessions from their archive snapshot
-        drop_slot(empty_db.dsn, "agent_slot", force=True)
+        drop_slot(conn, "agent_slot", force=True)
         conn.execute("TRUNCATE agent_sessions, ledger_checkpoints")
     with InThread(empty_db.dsn, precreate_slot=False):
         wait_caught_up(empty_db.dsn)
     with empty_db.connect() as conn:
         assert stored_projections(conn) == before
     assert verify(empty_db.dsn).ok
-    drop_slot(empty_db.dsn, "agent_slot", force=True)
+    with empty_db.connect() as conn:
+        drop_slot(conn, "agent_slot", force=True)
 
 
 def test_a_bootstrap_into_another_database_refuses_archived_history(
@@ -470,7 +471,8 @@ def test_a_bootstrap_into_another_database_refuses_archived_history(
         wait_caught_up(empty_db.dsn)
         with empty_db.connect() as conn:
             archive(conn, dt.timedelta(days=90), tmp_path / "a")
-    drop_slot(empty_db.dsn, "agent_slot", force=True)
+    with empty_db.connect() as conn:
+        drop_slot(conn, "agent_slot", force=True)
     r = run_cli(
         "consume",
         "--dsn",

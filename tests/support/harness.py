@@ -144,8 +144,8 @@ def _new_database(server: Server, template: str | None) -> Iterator[Database]:
                     "SELECT slot_name FROM pg_replication_slots WHERE database = %s", (name,)
                 ).fetchall()
             ]
-        for slot in slots:
-            drop_slot(server.dsn(), slot, force=True)  # terminates a walsender, retries
+            for slot in slots:
+                drop_slot(conn, slot, force=True)  # terminates a walsender, retries
         with psycopg.connect(server.dsn(), autocommit=True) as conn:
             conn.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))

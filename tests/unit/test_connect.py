@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 import ledger_cdc.connect as connect_module
-from ledger_cdc.admin.schema import drop_slot
+from ledger_cdc.admin.schema import set_failover
 from ledger_cdc.client.read import pending_runs
 from ledger_cdc.client.tail import _omitted_event
 from ledger_cdc.connect import connect, connect_timeout
@@ -100,12 +100,16 @@ def test_a_dsn_s_timeout_is_not_overridden(
 def test_the_other_connections_give_up_on_a_server_that_never_answers(
     silent_port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Dropping a slot, waiting for runs, reading back an event published without its payload
-    and the LangGraph saver's migration: each fails within the timeout instead of hanging."""
+    """The connection a slot is dropped on (the CLI's and the consumer's: ``drop_slot`` takes
+    it), changing a slot's failover (a connection of its own), waiting for runs, reading back an
+    event published without its payload and the LangGraph saver's migration: each fails within
+    the timeout instead of hanging."""
     monkeypatch.setattr(connect_module, "CONNECT_TIMEOUT", 1)
     dsn = f"host=127.0.0.1 port={silent_port} dbname=x user=x"
 
-    err = _fails_within(lambda: drop_slot(dsn, "agent_slot"), 8)
+    err = _fails_within(lambda: connect(dsn, autocommit=True), 8)
+    assert isinstance(err, LedgerError), err
+    err = _fails_within(lambda: set_failover(dsn, "agent_slot"), 8)
     assert isinstance(err, LedgerError), err
     err = _fails_within(lambda: asyncio.run(anext(pending_runs(dsn))), 8)
     assert isinstance(err, psycopg.OperationalError), err
