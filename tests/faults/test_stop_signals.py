@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ledger_cdc.admin.schema import create_slot
 from tests.support.cdc import ROOT, ConsumerProcess, until, wait_streaming
+from tests.support.cli import start_cli
 from tests.support.harness import Database
 
 
@@ -91,15 +92,11 @@ def test_a_closed_terminal_drains_consume_like_a_stop(db: Database, tmp_path: Pa
 def test_a_burst_of_stop_signals_ends_dispatch_with_status_0(db: Database, tmp_path: Path) -> None:
     log = tmp_path / "d.log"
     with open(log, "wb") as out:
-        p = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "ledger_cdc", "dispatch", "--dsn", db.dsn),
-                *("--log-format", "text", "--poll-interval", "0.05"),
-                *("--target", "tool:search=http://127.0.0.1:9/"),
-            ],
+        p = start_cli(
+            *("dispatch", "--dsn", db.dsn, "--log-format", "text", "--poll-interval", "0.05"),
+            *("--target", "tool:search=http://127.0.0.1:9/"),
             stdout=out,
             stderr=subprocess.STDOUT,
-            cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:

@@ -8,7 +8,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import click
@@ -18,6 +17,7 @@ from click.testing import CliRunner
 from ledger_cdc import __version__
 from ledger_cdc.cli import cli
 from tests.support.cdc import assert_clean_exit, run_cli, until
+from tests.support.cli import run_cli_process, start_cli
 from tests.support.harness import Database
 
 
@@ -47,19 +47,7 @@ def test_init_twice_then_bad_slot(empty_db: Database) -> None:
 
 
 def test_connection_error_is_one_line_and_exit_4() -> None:
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ledger_cdc.cli",
-            "init",
-            "--dsn",
-            "host=127.0.0.1 port=1 connect_timeout=2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    p = run_cli_process("init", "--dsn", "host=127.0.0.1 port=1 connect_timeout=2")
     assert p.returncode == 4
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and "Connection refused" in lines[0]
@@ -73,12 +61,7 @@ def test_missing_dsn_is_a_usage_error() -> None:
 
 @pytest.mark.server
 def test_demo_runs_end_to_end() -> None:
-    p = subprocess.run(
-        [sys.executable, "-m", "ledger_cdc.cli", "demo", "--sessions", "3"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    p = run_cli_process("demo", "--sessions", "3", timeout=180)
     assert p.returncode == 0, p.stderr
     assert "agent_events" in p.stdout and "events in 3 sessions" in p.stdout
     out = " ".join(p.stdout.split())  # rich wraps long lines
@@ -96,8 +79,8 @@ def test_a_demo_ended_by_a_signal_takes_its_cluster_with_it(
 ) -> None:
     log = tmp_path / "demo.log"
     with open(log, "wb") as out:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "ledger_cdc.cli", "demo", "--sessions", "2"],
+        p = start_cli(
+            *("demo", "--sessions", "2"),
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

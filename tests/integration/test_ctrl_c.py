@@ -6,24 +6,22 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.support.cdc import ROOT
+from tests.support.cli import start_cli
 from tests.support.harness import Database
 
 pytestmark = pytest.mark.server
 
 
 def test_lag_watch_stops_on_sigint_though_started_with_it_ignored(db: Database) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ledger_cdc.cli", "lag", "--dsn", db.dsn, "--watch"],
+    proc = start_cli(
+        *("lag", "--dsn", db.dsn, "--watch"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cwd=ROOT,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -26,7 +25,8 @@ from ledger_cdc.client.dispatch import (
 )
 from ledger_cdc.client.writer import Ledger, OutboxItem
 from ledger_cdc.errors import AppendError
-from tests.support.cdc import ROOT, run_cli, until
+from tests.support.cdc import run_cli, until
+from tests.support.cli import run_cli_process, start_cli
 from tests.support.harness import Database
 from tests.support.httptarget import Target
 
@@ -52,26 +52,12 @@ def _outbox_rows(db: Database, n: int, target: str = "tool:search") -> list[str]
 def _dispatcher(
     db: Database, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ledger_cdc",
-            "dispatch",
-            "--dsn",
-            db.dsn,
-            "--log-format",
-            "text",
-            "--poll-interval",
-            "0.05",
-            "--backoff",
-            "0.05",
-            *args,
-        ],
+    return start_cli(
+        *("dispatch", "--dsn", db.dsn, "--log-format", "text"),
+        *("--poll-interval", "0.05", "--backoff", "0.05", *args),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cwd=ROOT,
         env={**os.environ, **(env or {})},
     )
 
@@ -191,33 +177,10 @@ def test_a_target_that_always_fails_is_parked_and_reported(db: Database) -> None
             and "HTTP 500" in error
         )
     assert out.count("parked after 3 attempts") == 3
-    listed = subprocess.run(
-        [sys.executable, "-m", "ledger_cdc", "outbox", "--dsn", db.dsn, "--parked", "--json"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-        check=True,
-    )
+    listed = run_cli_process("outbox", "--dsn", db.dsn, "--parked", "--json", check=True)
     rows = json.loads(listed.stdout)
     assert sorted(r["idempotency_key"] for r in rows) == sorted(keys)
-    requeue = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ledger_cdc",
-            "outbox",
-            "--dsn",
-            db.dsn,
-            "requeue",
-            str(rows[0]["id"]),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-        check=True,
-    )
+    requeue = run_cli_process("outbox", "--dsn", db.dsn, "requeue", str(rows[0]["id"]), check=True)
     assert "requeued 1" in requeue.stdout
     assert sum(1 for r in _rows(db).values() if r[1]) == 2
 
@@ -463,22 +426,9 @@ def test_the_dispatcher_role_is_enough(db: Database) -> None:
         )
     try:
         with Target() as target:
-            p = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "ledger_cdc",
-                    "dispatch",
-                    "--dsn",
-                    db.dsn_as(role),
-                    "--target",
-                    f"tool:search={target.url}",
-                    "--until-idle",
-                ],
-                capture_output=True,
-                text=True,
-                cwd=ROOT,
-                timeout=60,
+            p = run_cli_process(
+                *("dispatch", "--dsn", db.dsn_as(role)),
+                *("--target", f"tool:search={target.url}", "--until-idle"),
             )
             assert p.returncode == 0, p.stderr
             assert target.seen == {k: 1 for k in keys}

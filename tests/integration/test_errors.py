@@ -9,7 +9,6 @@ which retries only what passes; unknown session ids are exit 1; malformed argume
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +19,8 @@ import pytest
 from ledger_cdc.admin.schema import migrate
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.demo.embedded import EmbeddedPostgres
-from tests.support.cdc import ROOT, assert_clean_exit, run_cli
+from tests.support.cdc import assert_clean_exit, run_cli
+from tests.support.cli import run_cli_process
 from tests.support.harness import _INSTALLS, Database
 
 # one worker runs the module: a cluster with logical decoding off is a module fixture
@@ -85,13 +85,7 @@ def test_bad_dsns_through_every_command(db: Database) -> None:
 
 
 def _consume(dsn: str, *extra: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ledger_cdc.cli", "consume", "--dsn", dsn, *extra],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    return run_cli_process("consume", "--dsn", dsn, *extra, timeout=timeout)
 
 
 def test_the_consumer_stops_at_once_on_a_permanent_cause(db: Database, empty_db: Database) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -24,7 +22,6 @@ from ledger_cdc.consumer.fold_nats import FoldConfig, FoldWorker
 from ledger_cdc.lsn import parse_lsn
 from ledger_cdc.sink.jetstream import JetStreamPublisher, JetStreamSettings
 from tests.support.cdc import (
-    ROOT,
     ConsumerProcess,
     Writers,
     assert_projections_equal_refold,
@@ -34,6 +31,7 @@ from tests.support.cdc import (
     wait_caught_up,
     write_rows_without_a_session,
 )
+from tests.support.cli import run_cli_process
 from tests.support.harness import Database
 from tests.support.natsserver import NatsServer, jetstream_server, publish, wait_jetstream
 
@@ -297,23 +295,9 @@ def test_a_payload_left_out_of_the_stream_is_read_from_the_ledger_not_the_target
 
 
 def test_fold_refuses_a_bad_partition_in_one_line(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ledger_cdc.cli",
-            "fold",
-            "--dsn",
-            "postgresql://127.0.0.1:1/none",
-            "--from",
-            "nats://127.0.0.1:1",
-            "--partition",
-            "4/4",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
+    out = run_cli_process(
+        *("fold", "--dsn", "postgresql://127.0.0.1:1/none"),
+        *("--from", "nats://127.0.0.1:1", "--partition", "4/4"),
     )
     assert out.returncode != 0
     assert "0 <= K < N" in out.stderr + out.stdout

@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,7 +38,6 @@ from ledger_cdc.events import MAX_TIME, MIN_TIME, READ_MAX_DEPTH, Limits
 from ledger_cdc.fold import SessionContext, memo_key
 from ledger_cdc.stream.transport import ReplicationStream
 from tests.support.cdc import (
-    ROOT,
     ConsumerProcess,
     InThread,
     assert_clean_exit,
@@ -50,6 +48,7 @@ from tests.support.cdc import (
     wait_caught_up,
     wait_streaming,
 )
+from tests.support.cli import start_cli
 from tests.support.harness import Database, Server, _new_database
 
 # one worker runs the module: its consumer and hostile inputs are a module-scoped fixture
@@ -868,13 +867,12 @@ def test_an_idle_session_timeout_ends_no_session_of_the_consumers(
     # until the next event, however long that takes)
     quiet = ("--vacuum-interval", "0", "--health-interval", "0")
     consumer = ConsumerProcess(db.dsn, "--create-slot", *quiet, log=log).start()
-    tail = subprocess.Popen(
-        [sys.executable, "-m", "ledger_cdc.cli", "tail", str(sid), "--count", "2", "--json"],
+    tail = start_cli(
+        *("tail", str(sid), "--count", "2", "--json"),
         env={**os.environ, "LEDGER_CDC_DSN": db.dsn},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=ROOT,
     )
     try:
         wait_streaming(db.dsn)

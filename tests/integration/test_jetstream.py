@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -23,7 +21,8 @@ import pytest
 from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.client.recovery import load_events
 from ledger_cdc.sink.jetstream import JetStreamPublisher, JetStreamSettings
-from tests.support.cdc import ROOT, ConsumerProcess, Writers, until, wait_caught_up
+from tests.support.cdc import ConsumerProcess, Writers, until, wait_caught_up
+from tests.support.cli import run_cli_process
 from tests.support.harness import Database
 from tests.support.natsserver import (
     NatsServer,
@@ -810,25 +809,10 @@ def test_a_stream_whose_settings_cannot_change_stops_consume_before_any_event(
     made = JetStreamPublisher(JetStreamSettings.from_url(srv.url), "agent_slot")
     made.connect()  # R1
     made.close()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ledger_cdc.cli",
-            "consume",
-            "--dsn",
-            db.dsn,
-            "--log-format",
-            "text",
-            "--sink",
-            "postgres",
-            "--sink",
-            srv.url + "?replicas=3",
-        ],
-        capture_output=True,
-        text=True,
+    out = run_cli_process(
+        *("consume", "--dsn", db.dsn, "--log-format", "text"),
+        *("--sink", "postgres", "--sink", srv.url + "?replicas=3"),
         timeout=120,
-        cwd=ROOT,
     )
     assert out.returncode == 4, out.stderr
     assert "Traceback" not in out.stderr and "exists with other settings" in out.stderr

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,6 @@ from ledger_cdc.client.writer import Ledger
 from ledger_cdc.errors import ConfigError, IdempotencyConflictError, InvalidEventError
 from ledger_cdc.fold import FORMAT_VERSION, encode_context
 from tests.support.cdc import (
-    ROOT,
     ConsumerProcess,
     Writers,
     assert_clean_exit,
@@ -46,6 +43,7 @@ from tests.support.cdc import (
     until,
     wait_caught_up,
 )
+from tests.support.cli import run_cli_process
 from tests.support.harness import Database
 
 OLD = dt.timedelta(days=120)
@@ -243,24 +241,9 @@ def test_archive_under_load_loses_nothing(empty_db: Database, tmp_path: Path) ->
             _old_event(conn, sessions[0], 99, now - OLD + dt.timedelta(minutes=30))
             with pytest.raises(ArchiveRefusedError, match="not folded"):
                 archive(conn, dt.timedelta(days=90), tmp_path / "refused")
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "ledger_cdc",
-                    "partitions",
-                    "archive",
-                    "--dsn",
-                    dsn,
-                    "--older-than",
-                    "90d",
-                    "--to",
-                    str(tmp_path / "refused"),
-                ],
-                capture_output=True,
-                text=True,
-                cwd=ROOT,
-                timeout=60,
+            out = run_cli_process(
+                *("partitions", "archive", "--dsn", dsn, "--older-than", "90d"),
+                *("--to", str(tmp_path / "refused")),
             )
             assert out.returncode == 5 and "archive refused" in out.stderr
             assert len(list_partitions(conn)) == 5  # nothing dropped

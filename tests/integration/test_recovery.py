@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -36,7 +35,8 @@ from ledger_cdc.client.writer import Ledger
 from ledger_cdc.consumer import Consumer, ConsumerConfig, build_consumer
 from ledger_cdc.errors import InvalidEventError, MemoNotLoadedError
 from ledger_cdc.fold import SessionContext, encode_context, fold
-from tests.support.cdc import ROOT, wait_caught_up, wait_streaming
+from tests.support.cdc import wait_caught_up, wait_streaming
+from tests.support.cli import run_cli_process
 from tests.support.harness import Database
 from tests.unit.test_fold import event_strategy
 
@@ -477,11 +477,10 @@ def test_fork_copies_the_prefix_and_diff_starts_at_the_fork_point(db: Database) 
 
 
 def _cli(db: Database, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ledger_cdc", *args, "--dsn", db.dsn],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    return run_cli_process(
+        *args,
+        "--dsn",
+        db.dsn,
         timeout=120,
         env={**os.environ, "COLUMNS": "200"},
     )

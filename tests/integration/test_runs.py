@@ -6,7 +6,6 @@ import asyncio
 import datetime as dt
 import json
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -26,7 +25,8 @@ from ledger_cdc.client.runs import (
 )
 from ledger_cdc.client.writer import AsyncLedger
 from ledger_cdc.errors import ConcurrentAppendError
-from tests.support.cdc import ROOT, ConsumerProcess, wait_caught_up, wait_streaming
+from tests.support.cdc import ConsumerProcess, wait_caught_up, wait_streaming
+from tests.support.cli import run_cli_process
 from tests.support.harness import Database
 
 
@@ -173,13 +173,7 @@ def test_runs_and_signal_commands(db: Database, consumer: ConsumerProcess) -> No
     wait_caught_up(db.dsn)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "ledger_cdc", *args, "--dsn", db.dsn],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            timeout=60,
-        )
+        return run_cli_process(*args, "--dsn", db.dsn)
 
     out = cli("runs", "--status", "suspended", "--json")
     rows = json.loads(out.stdout)

@@ -7,25 +7,23 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from tests.support.cdc import ROOT
+from tests.support.cli import start_cli
 
 pytestmark = pytest.mark.server
 
 
 def test_server_prints_a_dsn_to_an_initialised_ledger_and_cleans_up() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ledger_cdc.cli", "server"],
+    proc = start_cli(
+        "server",
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cwd=ROOT,
         env={**os.environ, "COLUMNS": "200"},
     )
     try:

@@ -35,6 +35,7 @@ from tests.support.cdc import (
     until,
     wait_caught_up,
 )
+from tests.support.cli import run_cli_process
 from tests.support.harness import _INSTALLS, _REQUIRED, Database
 
 # one worker runs the module: its small-WAL clusters are module fixtures
@@ -106,24 +107,7 @@ def small_wal(request: pytest.FixtureRequest) -> Iterator[EmbeddedPostgres]:
 
 
 def lag(dsn: str, *extra: str) -> tuple[int, list[dict[str, Any]]]:
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ledger_cdc.cli",
-            "lag",
-            "--dsn",
-            dsn,
-            "--json",
-            "--sample-seconds",
-            "0.2",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    p = run_cli_process("lag", "--dsn", dsn, "--json", "--sample-seconds", "0.2", *extra)
     assert p.returncode in (0, 1, 2, 3), p.stderr
     return p.returncode, json.loads(p.stdout)
 
@@ -326,13 +310,7 @@ def test_interrupted_bootstrap_is_redone(db: Database, tmp_path: Path) -> None:
 
 def test_slot_commands(db: Database) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "ledger_cdc.cli", "slot", *args, "--dsn", db.dsn],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-        )
+        return run_cli_process("slot", *args, "--dsn", db.dsn)
 
     assert "created" in cli("create", "s1").stdout
     assert "exists" in cli("create", "s1").stdout
@@ -447,13 +425,7 @@ START = ("--create-slot", "--log-format", "text")
 
 def _consume_once(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``consume --create-slot`` run to its end (each caller expects it to refuse at start)."""
-    return subprocess.run(
-        [sys.executable, "-m", "ledger_cdc.cli", "consume", "--dsn", dsn, *START, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    return run_cli_process("consume", "--dsn", dsn, *START, *args)
 
 
 @pytest.mark.parametrize(

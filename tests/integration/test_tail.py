@@ -5,36 +5,23 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 from ledger_cdc.client.writer import Ledger
-from tests.support.cdc import ROOT, ConsumerProcess, until
+from tests.support.cdc import ConsumerProcess, until
+from tests.support.cli import run_cli_process, start_cli
 from tests.support.harness import Database
 from tests.support.natsserver import NatsServer, publish, stream_config, wait_jetstream
 
 
 def _tail(db: Database, sid: uuid.UUID, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ledger_cdc",
-            "tail",
-            str(sid),
-            "--dsn",
-            db.dsn,
-            "--json",
-            "--count",
-            "4",
-            *extra,
-        ],
+    return start_cli(
+        *("tail", str(sid), "--dsn", db.dsn, "--json", "--count", "4", *extra),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=ROOT,
     )
 
 
@@ -142,22 +129,9 @@ def _stream_window(url: str) -> float:
 
 
 def test_tail_from_an_unreachable_nats_fails_in_one_line(db: Database) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ledger_cdc.cli",
-            "tail",
-            str(uuid.uuid4()),
-            "--dsn",
-            db.dsn,
-            "--nats",
-            "nats://127.0.0.1:1",
-        ],
-        capture_output=True,
-        text=True,
+    out = run_cli_process(
+        *("tail", str(uuid.uuid4()), "--dsn", db.dsn, "--nats", "nats://127.0.0.1:1"),
         timeout=120,
-        cwd=ROOT,
     )
     assert out.returncode == 4, out.stderr
     assert "Traceback" not in out.stderr and "ConnectionRefusedError" not in out.stderr

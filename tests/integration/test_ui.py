@@ -12,7 +12,6 @@ import operator
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -27,6 +26,7 @@ from ledger_cdc.client.writer import Ledger
 from ledger_cdc.ui import Gate, Store, make_app, serve
 from ledger_cdc.ui.web import CSP
 from tests.support.cdc import ROOT, ConsumerProcess, wait_caught_up
+from tests.support.cli import run_cli_process, start_cli
 from tests.support.harness import Database
 
 pytestmark = pytest.mark.server
@@ -141,30 +141,11 @@ def test_a_token_is_required_beyond_loopback(db: Database) -> None:
     assert call(cookie="ledger_cdc_ui=s3cret")[0].startswith("200")
     assert call(authorization="Bearer s3cret")[0].startswith("200")
     # the command: every address needs --allow-host; beyond loopback a token is made up
-    out = subprocess.run(
-        [sys.executable, "-m", "ledger_cdc.cli", "ui", "--dsn", db.dsn, "--host", "0.0.0.0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_cli_process("ui", "--dsn", db.dsn, "--host", "0.0.0.0")
     assert out.returncode == 4 and "--allow-host" in out.stderr
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ledger_cdc.cli",
-            "ui",
-            "--dsn",
-            db.dsn,
-            "--host",
-            "0.0.0.0",
-            "--port",
-            "0",
-            "--allow-host",
-            "view.example",
-            "--sample-interval",
-            "0",
-        ],
+    proc = start_cli(
+        *("ui", "--dsn", db.dsn, "--host", "0.0.0.0", "--port", "0"),
+        *("--allow-host", "view.example", "--sample-interval", "0"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -8,7 +8,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -27,9 +26,9 @@ from ledger_cdc.client.writer import Ledger
 from ledger_cdc.consumer import Consumer, ConsumerConfig, build_consumer
 from ledger_cdc.events import LedgerEvent
 from ledger_cdc.fold import SessionContext, decode_context, encode_snapshot, fold
+from tests.support.cli import ROOT as ROOT  # (tests import it from here too)
+from tests.support.cli import start_cli
 from tests.support.wait import until
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class ConsumerProcess:
@@ -47,21 +46,10 @@ class ConsumerProcess:
 
     def start(self) -> ConsumerProcess:
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ledger_cdc.cli",
-                self.command,
-                "--dsn",
-                self.dsn,
-                "--log-format",
-                "text",
-                *self.args,
-            ],
+        self.proc = start_cli(
+            *(self.command, "--dsn", self.dsn, "--log-format", "text", *self.args),
             stdout=out,
             stderr=out,
-            cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         return self
