@@ -17,15 +17,18 @@
 -- guess and asks again with the versions when it was wrong. The walk stops once every blob is
 -- found and the checkpoint's parent is passed (its writes are appended after that).
 -- Rows: (position, event type, payload) of the checkpoint (without its blobs) and of its
--- writes, (position, 'blob', [channel, version, value type, base], value data) of each value,
+-- writes, (position, 'blob', [channel, version, value type, base], value bytes) of each value,
 -- and last (the position the walk started from, 'langgraph.window', 'whole' when it reached the
 -- thread's first event: what was not found is not stored, else 'part').
 CREATE OR REPLACE FUNCTION ledger_langgraph_checkpoint(
     p_session UUID, p_ns TEXT, p_checkpoint TEXT,
     p_channels TEXT[] DEFAULT NULL, p_versions TEXT[] DEFAULT NULL
-) RETURNS TABLE (event_position BIGINT, event_type TEXT, payload TEXT, data TEXT)
+) RETURNS TABLE (event_position BIGINT, event_type TEXT, payload TEXT, data BYTEA)
 LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, @schema@, pg_temp AS $$
+SET search_path = pg_catalog, @schema@, pg_temp
+-- one plan per statement, made once per session: the walk's (the index read backwards, then
+-- each row's payload) does not depend on the session asked for
+SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     r RECORD;
     b JSONB;
@@ -33,7 +36,7 @@ DECLARE
     ch TEXT;
     base TEXT;
     below BIGINT := 9223372036854775807;  -- the walk reads the positions below this
-    step INTEGER := 1;  -- rows read at a time (a LIMIT: the index read backwards)
+    step INTEGER := 8;  -- rows read at a time (a LIMIT: the index read backwards)
     n INTEGER;
     whole BOOLEAN := true;  -- the walk reached the thread's first event
     head BIGINT := NULL;  -- where it started
@@ -137,7 +140,7 @@ BEGIN
                 payload := jsonb_build_array(
                     ch, r.blobs #>> ARRAY[j::TEXT, '1'], r.blobs #>> ARRAY[j::TEXT, '2', '0'],
                     base)::TEXT;
-                data := r.blobs #>> ARRAY[j::TEXT, '2', '1'];
+                data := decode(r.blobs #>> ARRAY[j::TEXT, '2', '1'], 'base64');
                 RETURN NEXT;
                 got := got || k;
                 need := array_remove(need, k);
@@ -155,12 +158,12 @@ BEGIN
             END IF;
         END LOOP;
         EXIT walk WHEN n < step;
-        step := least(step * 4, 64);
+        step := least(step * 4, 128);
     END LOOP;
     IF target IS NOT NULL THEN
         FOR j IN 1 .. coalesce(array_length(w_pos, 1), 0) LOOP
             IF w_ids[j] = target AND (hid IS NULL OR w_pos[j] > hid_pos[hid]) THEN
-                RETURN QUERY SELECT e.position, e.event_type, e.payload::TEXT, NULL::TEXT
+                RETURN QUERY SELECT e.position, e.event_type, e.payload::TEXT, NULL::BYTEA
                     FROM agent_events e
                     WHERE e.session_id = p_session AND e.position = w_pos[j];
             END IF;

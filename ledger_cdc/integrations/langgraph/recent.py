@@ -33,6 +33,15 @@ _NEWER = (
 _blob_head = msgspec.json.Decoder(tuple[str, str, str, str | None])
 
 
+class _Bytes(Typed, frozen=True):
+    """A value as the function gives it: its bytes, decoded from base64 by the server."""
+
+    raw: bytes = b""
+
+    def pair(self) -> tuple[str, bytes]:
+        return self.type, self.raw
+
+
 def _position(row: tuple[Any, ...]) -> int:
     return -1 if row[0] is None else int(row[0])
 
@@ -45,7 +54,7 @@ def _folded(thread_id: str, ns: str, rows: list[tuple[Any, ...]]) -> tuple[Threa
     for position, event_type, payload, data in sorted(rows, key=_position):  # writes in order
         if event_type == "blob":
             channel, version, kind, base = _blob_head.decode(payload)
-            t.blobs[(ns, channel, version)] = Blob(channel, version, Typed(kind, data), base)
+            t.blobs[(ns, channel, version)] = Blob(channel, version, _Bytes(kind, "", data), base)
         elif event_type == "langgraph.window":
             whole, head = payload == "whole", position or 0
         else:
