@@ -329,11 +329,11 @@ def consume(state: State, /, **given: Any) -> None:
     early.prefetch(o.memory_limit_mb * 1024 * 1024 // 10)
     try:
         from ledger_cdc.cli.runner import bootstrap_progress, run_consumer
-        from ledger_cdc.consumer import Consumer
+        from ledger_cdc.consumer import build_consumer
         from ledger_cdc.stopping import ignore_stop_signals
 
         config = o.config(bootstrap_progress(state.console, o.log_format))
-        consumer = Consumer(config, prefetched=early)
+        consumer = build_consumer(config, prefetched=early)
         consumer.install_signal_handlers()
         try:
             run_consumer(

@@ -18,7 +18,7 @@ from rich.table import Table
 from ledger_cdc.admin.schema import init
 from ledger_cdc.admin.timeline import summarise
 from ledger_cdc.admin.verify import VerifyReport, verify
-from ledger_cdc.consumer import Consumer, ConsumerConfig
+from ledger_cdc.consumer import ConsumerConfig, build_consumer
 from ledger_cdc.demo.agents import (
     DemoReport,
     ledger_rows,
@@ -82,7 +82,7 @@ def _demo_on(con: Console, dsn: str, sessions: int, seed: int) -> None:
         f"ledger initialised: migrations {', '.join(f'{v:04d}' for v in res.applied)}, "
         "publication agent_pub, slot agent_slot"
     )
-    consumer = Consumer(ConsumerConfig(dsn=dsn, snapshot_every=5, heartbeat_interval=1.0))
+    consumer = build_consumer(ConsumerConfig(dsn=dsn, snapshot_every=5, heartbeat_interval=1.0))
     runner = threading.Thread(target=consumer.run, name="demo-consumer", daemon=True)
     runner.start()
     with con.status(f"running {sessions} simulated agents, consumer streaming agent_slot…"):
