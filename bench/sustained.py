@@ -71,7 +71,7 @@ def consumer_role(dsn: str, out: str) -> None:
         times = batch.commit_times  # type: ignore[attr-defined]
         lat.extend(done - (PG_EPOCH + ts / 1e6) for ts in times)
         if len(times) == 1:  # the send time of the last message read is this transaction's
-            sent.append(c._sent_at - (PG_EPOCH + times[0] / 1e6))
+            sent.append(c.flow.sent_at - (PG_EPOCH + times[0] / 1e6))
 
     c = build_consumer(ConsumerConfig(dsn=dsn), on_batch=on_batch)
     c.install_signal_handlers()
