@@ -36,8 +36,19 @@ import msgspec
 import psycopg
 
 from ledger_cdc.client.read import COLUMNS, events_query, fold_all, load_events, row_event
-from ledger_cdc.client.steps import Step, Steps, first, run, run_async
-from ledger_cdc.client.writer import AppendResult, OutboxItem, append, append_async
+from ledger_cdc.client.steps import (
+    Op,
+    Ops,
+    Step,
+    Steps,
+    drive,
+    drive_async,
+    first,
+    run,
+    run_async,
+    steps_op,
+)
+from ledger_cdc.client.writer import AppendResult, OutboxItem, append, append_op
 from ledger_cdc.errors import (
     ConcurrentAppendError,
     HistoryArchivedError,
@@ -342,6 +353,11 @@ def rebuild_context(
     return run(conn, _rebuild_steps(_session(session_id), _upto(upto_seq), memo))
 
 
+def rebuild_op(session_id: uuid.UUID | str) -> Op[SessionContext]:
+    """:func:`rebuild_context` (at the head) as an op of a higher protocol."""
+    return steps_op(lambda: _rebuild_steps(_session(session_id), None, False))
+
+
 async def rebuild_context_async(
     conn: psycopg.AsyncConnection[Any],
     session_id: uuid.UUID | str,
@@ -562,9 +578,19 @@ def _retry_request(ctx: SessionContext, call_id: str) -> tuple[ToolInvoked, str]
     return payload, f"{pending.idempotency_key or call_id}#retry-{pending.attempts}"
 
 
-def _record(
-    ctx: SessionContext, res: AppendResult, agent_id: str, payload: ToolInvoked, key: str
-) -> None:
+def _retry_ops(
+    ctx: SessionContext, call_id: str, agent_id: str, outbox: Sequence[OutboxItem]
+) -> Ops[AppendResult]:
+    payload, key = _retry_request(ctx, call_id)
+    res: AppendResult = yield append_op(
+        ctx.session_id,
+        agent_id,
+        "tool.invoked",
+        payload,
+        expected_position=ctx.last_position,
+        idempotency_key=key,
+        outbox=outbox,
+    )
     if res.duplicate:
         # this very retry is already in the log, past what ctx has seen: another worker made it
         raise ConcurrentAppendError(ctx.session_id, ctx.last_position, res.position)
@@ -575,6 +601,7 @@ def _record(
             res.seq, ctx.session_id, res.position, agent_id, "tool.invoked", payload, now, key
         ),
     )
+    return res
 
 
 def retry_tool(
@@ -593,19 +620,7 @@ def retry_tool(
     by the same reducer, so several retries can follow one another; then perform the call with
     ``ctx.pending_tools[call_id].idempotency_key``.
     """
-    payload, key = _retry_request(ctx, call_id)
-    res = append(
-        conn,
-        ctx.session_id,
-        agent_id,
-        "tool.invoked",
-        payload,
-        expected_position=ctx.last_position,
-        idempotency_key=key,
-        outbox=outbox,
-    )
-    _record(ctx, res, agent_id, payload, key)
-    return res
+    return drive(conn, _retry_ops(ctx, call_id, agent_id, outbox))
 
 
 async def retry_tool_async(
@@ -616,20 +631,8 @@ async def retry_tool_async(
     *,
     outbox: Sequence[OutboxItem] = (),
 ) -> AppendResult:
-    """:func:`retry_tool` on an async connection."""
-    payload, key = _retry_request(ctx, call_id)
-    res = await append_async(
-        conn,
-        ctx.session_id,
-        agent_id,
-        "tool.invoked",
-        payload,
-        expected_position=ctx.last_position,
-        idempotency_key=key,
-        outbox=outbox,
-    )
-    _record(ctx, res, agent_id, payload, key)
-    return res
+    """:func:`retry_tool` on an async connection (the same steps)."""
+    return await drive_async(conn, _retry_ops(ctx, call_id, agent_id, outbox))
 
 
 # -- fork ---------------------------------------------------------------------------------------

@@ -32,16 +32,9 @@ from typing import Any
 import psycopg
 
 from ledger_cdc.client.read import ReadyRun, pending_runs
-from ledger_cdc.client.recovery import rebuild_context, rebuild_context_async
-from ledger_cdc.client.steps import Op, Ops, drive, drive_async
-from ledger_cdc.client.writer import (
-    AppendResult,
-    OutboxItem,
-    append,
-    append_async,
-    session_head,
-    session_head_async,
-)
+from ledger_cdc.client.recovery import rebuild_op
+from ledger_cdc.client.steps import Op, Ops, Step, Steps, drive, drive_async, first, steps_op
+from ledger_cdc.client.writer import AppendResult, OutboxItem, append_op, head_op
 from ledger_cdc.errors import (
     ConcurrentAppendError,
     InvalidEventError,
@@ -133,41 +126,14 @@ def _leasable(ctx: SessionContext, now: dt.datetime) -> None:
 # -- submitting and signalling (any process) ----------------------------------------------------
 
 
-def _append(
-    session_id: uuid.UUID | str, agent: str, etype: str, payload: Any, **kw: Any
-) -> Op[AppendResult]:
-    return Op(
-        lambda c: append(c, session_id, agent, etype, payload, **kw),
-        lambda c: append_async(c, session_id, agent, etype, payload, **kw),
-    )
-
-
-def _rebuild(session_id: uuid.UUID | str) -> Op[SessionContext]:
-    return Op(
-        lambda c: rebuild_context(c, session_id),
-        lambda c: rebuild_context_async(c, session_id),
-    )
-
-
-def _head(session_id: uuid.UUID | str) -> Op[int]:
-    return Op(lambda c: session_head(c, session_id), lambda c: session_head_async(c, session_id))
-
-
-def _now_sync(conn: psycopg.Connection[Any]) -> dt.datetime:
-    row = conn.execute(_NOW).fetchone()
+def _now_steps() -> Steps[dt.datetime]:
+    row = first((yield Step(_NOW, ())))
     assert row is not None
     now: dt.datetime = row[0]
     return now
 
 
-async def _now_async(conn: psycopg.AsyncConnection[Any]) -> dt.datetime:
-    row = await (await conn.execute(_NOW)).fetchone()
-    assert row is not None
-    now: dt.datetime = row[0]
-    return now
-
-
-_SERVER_NOW: Op[dt.datetime] = Op(_now_sync, _now_async)
+_SERVER_NOW: Op[dt.datetime] = steps_op(_now_steps)
 
 
 def _signal_ops(
@@ -179,9 +145,9 @@ def _signal_ops(
     create: bool,
 ) -> Ops[AppendResult]:
     key = None if signal_id is None else f"signal:{signal_id}"
-    if not create and (yield _head(session_id)) == 0:
+    if not create and (yield head_op(session_id)) == 0:
         raise _no_session(session_id)
-    res: AppendResult = yield _append(
+    res: AppendResult = yield append_op(
         session_id,
         sender,
         "signal.received",
@@ -199,7 +165,7 @@ def submit(
     reason: str | None = None,
 ) -> AppendResult:
     """Queue a run: it is pending until a worker leases it."""
-    return append(conn, session_id, agent, "run.queued", RunQueued(reason))
+    return _queued(session_id, agent, reason).sync(conn)
 
 
 async def submit_async(
@@ -210,7 +176,11 @@ async def submit_async(
     reason: str | None = None,
 ) -> AppendResult:
     """:func:`submit` on an async connection."""
-    return await append_async(conn, session_id, agent, "run.queued", RunQueued(reason))
+    return await _queued(session_id, agent, reason).aio(conn)
+
+
+def _queued(session_id: uuid.UUID | str, agent: str, reason: str | None) -> Op[AppendResult]:
+    return append_op(session_id, agent, "run.queued", RunQueued(reason))
 
 
 def signal(
@@ -300,7 +270,7 @@ class _RunBase:
             if not self.holds:
                 raise self._lost()
             try:
-                res: AppendResult = yield _append(
+                res: AppendResult = yield append_op(
                     self.session_id,
                     self.worker,
                     event_type,
@@ -310,7 +280,7 @@ class _RunBase:
                     outbox=items,
                 )
             except ConcurrentAppendError:  # others appended (a signal): rebase and check again
-                self.ctx = yield _rebuild(self.session_id)
+                self.ctx = yield rebuild_op(self.session_id)
                 continue
             _fold_append(self.ctx, res, self.worker, event_type, payload)
             if event_type == "run.leased":
@@ -323,6 +293,21 @@ class _RunBase:
             return False
         yield from self._append_ops("run.leased", RunLeased(self.worker, self.ttl), None, ())
         return True
+
+    # the endings of a hold, each an append of its own event
+
+    def _suspend_ops(self, reason: str, wait_for: Iterable[str]) -> Ops[AppendResult]:
+        payload = RunSuspended(reason, _signal_names(wait_for))
+        return self._append_ops("run.suspended", payload, None, ())
+
+    def _release_ops(self, reason: str | None) -> Ops[AppendResult]:
+        return self._append_ops("run.released", RunReleased(self.worker, reason), None, ())
+
+    def _complete_ops(self, result: Any) -> Ops[AppendResult]:
+        return self._append_ops("task.completed", TaskCompleted(result), None, ())
+
+    def _fail_ops(self, error: str, retryable: bool) -> Ops[AppendResult]:
+        return self._append_ops("task.failed", TaskFailed(error, retryable), None, ())
 
 
 class LeasedRun(_RunBase):
@@ -357,16 +342,16 @@ class LeasedRun(_RunBase):
 
     def suspend(self, reason: str, wait_for: Iterable[str]) -> AppendResult:
         """Wait for one of the signals ``wait_for``; the lease ends with this append."""
-        return self.append("run.suspended", RunSuspended(reason, _signal_names(wait_for)))
+        return drive(self.conn, self._suspend_ops(reason, wait_for))
 
     def release(self, reason: str | None = None) -> AppendResult:
-        return self.append("run.released", RunReleased(self.worker, reason))
+        return drive(self.conn, self._release_ops(reason))
 
     def complete(self, result: Any = None) -> AppendResult:
-        return self.append("task.completed", TaskCompleted(result))
+        return drive(self.conn, self._complete_ops(result))
 
     def fail(self, error: str, *, retryable: bool = False) -> AppendResult:
-        return self.append("task.failed", TaskFailed(error, retryable))
+        return drive(self.conn, self._fail_ops(error, retryable))
 
 
 class AsyncLeasedRun(_RunBase):
@@ -398,16 +383,16 @@ class AsyncLeasedRun(_RunBase):
         return await drive_async(self.conn, self._renew_ops(force))
 
     async def suspend(self, reason: str, wait_for: Iterable[str]) -> AppendResult:
-        return await self.append("run.suspended", RunSuspended(reason, _signal_names(wait_for)))
+        return await drive_async(self.conn, self._suspend_ops(reason, wait_for))
 
     async def release(self, reason: str | None = None) -> AppendResult:
-        return await self.append("run.released", RunReleased(self.worker, reason))
+        return await drive_async(self.conn, self._release_ops(reason))
 
     async def complete(self, result: Any = None) -> AppendResult:
-        return await self.append("task.completed", TaskCompleted(result))
+        return await drive_async(self.conn, self._complete_ops(result))
 
     async def fail(self, error: str, *, retryable: bool = False) -> AppendResult:
-        return await self.append("task.failed", TaskFailed(error, retryable))
+        return await drive_async(self.conn, self._fail_ops(error, retryable))
 
 
 MAX_WAIT_FOR = 1000
@@ -435,10 +420,10 @@ def _lease_ops(
 ) -> Ops[tuple[SessionContext, int]]:
     if isinstance(ttl, bool) or not (isinstance(ttl, (int, float)) and 0 < ttl < math.inf):
         raise ValueError(f"ttl must be a finite number of seconds above 0, got {ttl!r}")
-    ctx: SessionContext = yield _rebuild(session_id)
+    ctx: SessionContext = yield rebuild_op(session_id)
     _leasable(ctx, (yield _SERVER_NOW))
     payload = RunLeased(worker, ttl)
-    res: AppendResult = yield _append(
+    res: AppendResult = yield append_op(
         ctx.session_id, worker, "run.leased", payload, expected_position=ctx.last_position
     )
     _fold_append(ctx, res, worker, "run.leased", payload)

@@ -4,8 +4,11 @@ The protocol code (an append, a rebuild, a memo lookup, a lease) is a generator:
 statement as a :class:`Step`, receives its rows, and may be thrown the driver's
 ``UniqueViolation`` (the only error a protocol decides on: which index refused it). It does no
 I/O itself, so :func:`run` and :func:`run_async` are the only places that touch a connection,
-the same shape psycopg 3 uses for its own protocol code. Errors of the driver are not
-translated here: the public function wraps them once, with what it was doing.
+the same shape psycopg 3 uses for its own protocol code. A protocol above single statements (a
+lease: rebuild, read the clock, append, rebase on a lost race) yields ops (:class:`Op`), run by
+:func:`drive` / :func:`drive_async`. Either way a public function and its ``_async`` twin are
+each one line over the same generator. Errors of the driver are not translated here: the public
+function wraps them once, with what it was doing.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = [
     "first",
     "run",
     "run_async",
+    "steps_op",
 ]
 
 T = TypeVar("T")
@@ -129,6 +133,12 @@ class Op(Generic[T]):
 
 
 Ops: TypeAlias = Generator["Op[Any]", Any, T]
+
+
+def steps_op(make: Callable[[], Steps[T]]) -> Op[T]:
+    """Steps (a read, a rebuild) as one op of a higher protocol, run by :func:`run` or
+    :func:`run_async`: ``make`` gives a fresh generator each time the op runs."""
+    return Op(lambda conn: run(conn, make()), lambda conn: run_async(conn, make()))
 
 
 def drive(conn: psycopg.Connection[Any], ops: Ops[T]) -> T:

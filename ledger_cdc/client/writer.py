@@ -32,7 +32,7 @@ from psycopg_pool import (
 )
 
 from ledger_cdc.client.read import pending_runs
-from ledger_cdc.client.steps import Step, Steps, run, run_async
+from ledger_cdc.client.steps import Op, Step, Steps, first, run, run_async, steps_op
 from ledger_cdc.connect import session_setup, session_setup_async
 from ledger_cdc.errors import (
     AppendError,
@@ -340,6 +340,32 @@ def _idle_ended(e: BaseException) -> bool:
     return isinstance(cause, psycopg.Error) and cause.sqlstate == _IDLE_ENDED
 
 
+def append_op(
+    session_id: uuid.UUID | str,
+    agent_id: str,
+    event_type: str,
+    payload: Any,
+    *,
+    expected_position: int | None = None,
+    idempotency_key: str | None = None,
+    outbox: Sequence[OutboxItem] = (),
+    limits: Limits = DEFAULT_LIMITS,
+) -> Op[AppendResult]:
+    """:func:`append` as an op of a higher protocol (:mod:`ledger_cdc.client.steps`), on either
+    kind of connection; the arguments are checked now, before anything is written."""
+    req = _prepare(
+        session_id,
+        agent_id,
+        event_type,
+        payload,
+        expected_position,
+        idempotency_key,
+        outbox,
+        limits,
+    )
+    return Op(lambda conn: _drive(conn, req), lambda conn: _drive_async(conn, req))
+
+
 def append(
     conn: psycopg.Connection[Any],
     session_id: uuid.UUID | str,
@@ -360,17 +386,17 @@ def append(
     A payload deeper or larger than ``limits`` (and any field its type does not declare) is
     refused with :class:`InvalidEventError` before anything is written.
     """
-    req = _prepare(
+    op = append_op(
         session_id,
         agent_id,
         event_type,
         payload,
-        expected_position,
-        idempotency_key,
-        outbox,
-        limits,
+        expected_position=expected_position,
+        idempotency_key=idempotency_key,
+        outbox=outbox,
+        limits=limits,
     )
-    return _drive(conn, req)
+    return op.sync(conn)
 
 
 async def append_async(
@@ -386,32 +412,39 @@ async def append_async(
     limits: Limits = DEFAULT_LIMITS,
 ) -> AppendResult:
     """The async twin of :func:`append`."""
-    req = _prepare(
+    op = append_op(
         session_id,
         agent_id,
         event_type,
         payload,
-        expected_position,
-        idempotency_key,
-        outbox,
-        limits,
+        expected_position=expected_position,
+        idempotency_key=idempotency_key,
+        outbox=outbox,
+        limits=limits,
     )
-    return await _drive_async(conn, req)
+    return await op.aio(conn)
+
+
+def _head_steps(session_id: uuid.UUID | str) -> Steps[int]:
+    row = first((yield Step(_SELECT_HEAD, (_session_uuid(session_id),))))
+    return int(row[0]) if row else 0
+
+
+def head_op(session_id: uuid.UUID | str) -> Op[int]:
+    """:func:`session_head` as an op of a higher protocol."""
+    return steps_op(lambda: _head_steps(session_id))
 
 
 def session_head(conn: psycopg.Connection[Any], session_id: uuid.UUID | str) -> int:
     """The session's current position (0 if it has no events)."""
-    row = conn.execute(_SELECT_HEAD, (_session_uuid(session_id),)).fetchone()
-    return int(row[0]) if row else 0
+    return run(conn, _head_steps(session_id))
 
 
 async def session_head_async(
     conn: psycopg.AsyncConnection[Any], session_id: uuid.UUID | str
 ) -> int:
     """The async twin of :func:`session_head`."""
-    cur = await conn.execute(_SELECT_HEAD, (_session_uuid(session_id),))
-    row = await cur.fetchone()
-    return int(row[0]) if row else 0
+    return await run_async(conn, _head_steps(session_id))
 
 
 class WriteTransaction:
