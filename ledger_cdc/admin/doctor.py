@@ -690,7 +690,9 @@ def diagnose(
     (``ledger_cdc.consumer.resync.check_schema``, ``publication_problem``).
 
     Raises the LedgerError of the connection to ``dsn`` when it cannot be made (the doctor
-    cannot tell: :data:`CANNOT_TELL`); one as the consumer's role that fails is a finding."""
+    cannot tell: :data:`CANNOT_TELL`); one as the consumer's role that fails is a finding.
+    It takes DSNs, not a connection: making its connections is part of what it checks (one as
+    each role, and a replication connection)."""
     out: list[Finding] = []
     with connect(dsn, doing="doctor: the ledger database", autocommit=True) as conn:
         server = _server(conn)

@@ -470,7 +470,8 @@ def _need_failover_server(conn: psycopg.Connection[Any], failover: bool) -> None
 def set_failover(dsn: str, name: str, on: bool = True) -> bool:
     """Turn the failover property of the existing slot ``name`` on (or off): ALTER_REPLICATION_SLOT
     on a replication connection (PostgreSQL 17+; the slot must not be in use). Returns whether it
-    changed."""
+    changed. It takes a DSN, not a connection: it opens that replication connection itself
+    (an ordinary connection cannot become one), beside an ordinary one to check the slot."""
     validate_slot_name(name)
     try:
         with open_session(dsn, autocommit=True) as conn:

@@ -526,7 +526,10 @@ def verify(
     what the slots confirm now). A session no consumer can vouch for by then is a difference
     of kind ``behind``: nothing tells a consumer behind from a projection lost. Negative: not
     judged, only noted (for a ledger checked without its projections, e.g. the chain alone).
-    ``on_wait(n)`` is told when that wait starts, for ``n`` sessions."""
+    ``on_wait(n)`` is told when that wait starts, for ``n`` sessions.
+
+    It takes DSNs, not a connection: it opens its own (the ledger's, and the projections' when
+    they are elsewhere), each read-only in a repeatable-read snapshot of its own."""
     report = VerifyReport()
     with contextlib.ExitStack() as stack:
         ledger = stack.enter_context(connect(dsn))

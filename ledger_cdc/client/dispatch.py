@@ -266,6 +266,8 @@ def load_entry_point_targets() -> dict[str, Target]:
 
 @dataclass
 class DispatchConfig:
+    # a DSN, not a connection: the dispatcher opens its session itself, and again when the
+    # server ends it, for as long as it runs
     dsn: str
     targets: dict[str, Target]
     batch_size: int = 32

@@ -186,7 +186,9 @@ async def pending_runs(
 ) -> AsyncIterator[ReadyRun]:
     """Runs ready to lease, as they become ready: woken by the consumer's notifications, with a
     re-check of the projections every ``recheck`` seconds. A run is yielded again only when its
-    projection moved on, or after ``recheck`` seconds if it is still ready (nobody took it)."""
+    projection moved on, or after ``recheck`` seconds if it is still ready (nobody took it).
+    It takes a DSN, not a connection: it opens a session of its own, which listens and waits
+    idle (its timeouts lifted) for as long as it is iterated."""
     listen = sql.SQL("LISTEN {}").format(sql.Identifier(check_channel(channel)))
     # (lift: it waits idle for notifications)
     async with await open_session_async(dsn, lift=True, autocommit=True) as conn:

@@ -49,7 +49,9 @@ async def follow_postgres(
     dsn: str, session_id: uuid.UUID, *, after: int = 0, recheck: float = 3.0
 ) -> AsyncIterator[LedgerEvent | Rejected]:
     """Events of the session after position ``after``, as the consumer folds them (a row the
-    consumer quarantined comes as :class:`~ledger_cdc.events.Rejected`)."""
+    consumer quarantined comes as :class:`~ledger_cdc.events.Rejected`). It takes a DSN, not a
+    connection: it opens a session of its own, which listens and waits idle (its timeouts
+    lifted) for as long as it is iterated."""
     # (lift: it waits idle for notifications)
     async with await open_session_async(dsn, lift=True, autocommit=True) as conn:
         await conn.execute(f"LISTEN {SESSIONS_CHANNEL}")
@@ -80,8 +82,9 @@ async def follow_jetstream(
     """Events of the session from the JetStream stream (all of them, then live), by the URL's
     stream and subject prefix. A payload that does not fit its type comes as Rejected, by the
     rule every reader shares. An event published without its payload (larger than the NATS
-    server takes) is read from ``agent_events`` through ``dsn``; without one it comes as
-    Rejected, saying so."""
+    server takes) is read from ``agent_events`` through ``dsn`` (a connection opened for that
+    read alone, rare, while the stream is followed for as long as it is iterated); without one
+    it comes as Rejected, saying so."""
     import nats
     from nats.js.errors import NotFoundError
 
