@@ -21,7 +21,6 @@ also in the promoted server's ledger; the last one is asynchronous by design.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,6 +45,7 @@ from tests.support.cdc import (
 )
 from tests.support.harness import _new_database
 from tests.support.standby import FailoverWriters, PrimaryStandby
+from tests.support.wait import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -86,7 +86,7 @@ def _folded(dsn: str) -> int:
     return _count(dsn, "SELECT coalesce(sum(event_count), 0) FROM agent_sessions")
 
 
-def _until(
+def _while_consuming(
     what: str,
     pred: Callable[[], bool],
     consumer: ConsumerProcess,
@@ -94,15 +94,16 @@ def _until(
     timeout: float = 60,
 ) -> None:
     """Until ``pred()``; fails at once, with the consumer's log, if the consumer exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def met() -> bool:
         if pred():
-            return
+            return True
         if not consumer.alive():
             code = consumer.proc.returncode if consumer.proc else None
             raise AssertionError(f"{what}: the consumer exited ({code}):\n{_tail(log)}")
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout}s; consumer log:\n{_tail(log)}")
+        return False
+
+    until(met, timeout, every=0.1, what=lambda: f"{what}; consumer log:\n{_tail(log)}")
 
 
 def _consumer(pair: PrimaryStandby, log: Path, *args: str) -> ConsumerProcess:
@@ -126,7 +127,7 @@ def _fail_over(
     pair.promote(reset_synchronized_standby_slots=reset)
     at_promotion = _count(pair.dsn(), "SELECT count(*) FROM agent_events")
     writers.mark_after()
-    _until(
+    _while_consuming(
         "every writer appends on the promoted standby",
         lambda: sum(1 for n in writers.acked_after.values() if n >= 5) == writers.n,
         consumer,
@@ -151,7 +152,7 @@ def _settle(
             ledger.append(sid, "after", "tool.invoked", {"call_id": f"after-{sid}", "tool": "t"})
         barrier = uuid.uuid4()
         ledger.append(barrier, "after", "tool.invoked", {"call_id": "barrier", "tool": "t"})
-    _until(
+    _while_consuming(
         "the barrier folded",
         lambda: (
             _count(
@@ -273,7 +274,7 @@ def test_failover_slot_carries_the_consumer_over_a_promotion(
             _consumer(pair, log, *projections_args) as consumer,
             FailoverWriters(pair.dsn()) as writers,
         ):
-            _until(
+            _while_consuming(
                 f"{FOLDED_BEFORE} events folded",
                 lambda: _folded(projections) >= FOLDED_BEFORE,
                 consumer,
@@ -305,7 +306,7 @@ def test_promoted_standby_keeping_synchronized_standby_slots_names_the_stall(
         init(pair.primary_dsn())
         pair.create_logical_slot("agent_slot")
         with _consumer(pair, log) as consumer, FailoverWriters(pair.dsn(), n=2) as writers:
-            _until(
+            _while_consuming(
                 "events folded",
                 lambda: _folded(pair.primary_dsn()) >= FOLDED_BEFORE // 3,
                 consumer,
@@ -316,14 +317,14 @@ def test_promoted_standby_keeping_synchronized_standby_slots_names_the_stall(
             assert pair.standby is not None
             standby = pair.standby
             # the server's side of the stall: its WARNING names the setting
-            _until(
+            _while_consuming(
                 "the promoted server logs the wait for the standby slot",
                 lambda: "synchronized_standby_slots" in pair.server_log(standby),
                 consumer,
                 log,
                 timeout=30,
             )
-            _until(
+            _while_consuming(
                 "the consumer names synchronized_standby_slots",
                 lambda: "synchronized_standby_slots" in log.read_text(),
                 consumer,
@@ -361,7 +362,7 @@ def test_promotion_without_failover_slot_resyncs_from_the_table(
             init(pair.primary_dsn(), slot="agent_slot")
             args = ()
         with _consumer(pair, log, *args) as consumer, FailoverWriters(pair.dsn()) as writers:
-            _until(
+            _while_consuming(
                 f"{FOLDED_BEFORE} events folded",
                 lambda: _folded(pair.primary_dsn()) >= FOLDED_BEFORE,
                 consumer,
@@ -395,11 +396,13 @@ def test_async_loss_with_target_dsn_refolds_from_the_new_ledger(
             _consumer(pair, log, "--create-slot", "--target-dsn", target) as consumer,
             FailoverWriters(pair.dsn()) as writers,
         ):
-            _until("events folded", lambda: _folded(target) >= FOLDED_BEFORE // 2, consumer, log)
+            _while_consuming(
+                "events folded", lambda: _folded(target) >= FOLDED_BEFORE // 2, consumer, log
+            )
             pair.detach_standby()
             kept = _count(pair.standby_dsn(), "SELECT count(*) FROM agent_events")
             # the projections fold what the standby will never have
-            _until(
+            _while_consuming(
                 "events folded past the standby's",
                 lambda: _folded(target) >= kept + 1000,
                 consumer,

@@ -100,10 +100,12 @@ def test_a_burst_of_stop_signals_ends_dispatch_with_status_0(db: Database, tmp_p
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         try:
-            deadline = time.monotonic() + 60
-            while "dispatching outbox rows" not in log.read_text():
-                assert p.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.05)
+
+            def dispatching() -> bool:
+                assert p.poll() is None, log.read_text()
+                return "dispatching outbox rows" in log.read_text()
+
+            until(dispatching, 60, what=log.read_text)
             _burst(p.pid)
             assert p.wait(60) == 0, log.read_text()[-3000:]
         finally:

@@ -9,7 +9,6 @@ import random
 import signal
 import subprocess
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -94,17 +93,21 @@ WHERE s.last_position IS DISTINCT FROM e.head
 def wait_caught_up(dsn: str, timeout: float = 60.0) -> None:
     """Until every session's projection has reached the last event in the table (folded or
     quarantined)."""
-    deadline = time.monotonic() + timeout
-    behind = -1
+    behind = [-1]
+
+    def caught_up() -> bool:
+        row = conn.execute(_BEHIND).fetchone()
+        assert row is not None
+        behind[0] = int(row[0])
+        return behind[0] == 0
+
     with psycopg.connect(dsn, autocommit=True) as conn:
-        while time.monotonic() < deadline:
-            row = conn.execute(_BEHIND).fetchone()
-            assert row is not None
-            behind = int(row[0])
-            if behind == 0:
-                return
-            time.sleep(0.1)
-    raise AssertionError(f"consumer did not catch up within {timeout}s ({behind} sessions behind)")
+        until(
+            caught_up,
+            timeout,
+            every=0.1,
+            what=lambda: f"the consumer caught up ({behind[0]} sessions behind)",
+        )
 
 
 def assert_projections_equal_refold(dsn: str) -> int:

@@ -13,7 +13,6 @@ import contextlib
 import itertools
 import os
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from psycopg import sql
 
 from ledger_cdc.admin.schema import create_publication, drop_slot, migrate
 from ledger_cdc.demo.embedded import EmbeddedPostgres, PgInstall, find_installations
+from tests.support.wait import until
 
 VERSIONS = (15, 18)
 
@@ -162,11 +162,12 @@ def _no_nats_thread_left() -> Iterator[None]:
 
     before = opened()
     yield
-    deadline = time.monotonic() + 15
-    while opened() - before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = opened() - before
-    assert not left, f"{len(left)} NATS client(s) left open (a publisher not closed)"
+    until(
+        lambda: not opened() - before,
+        15,
+        every=0.1,
+        what=lambda: f"NATS clients closed ({len(opened() - before)} left open: a publisher)",
+    )
 
 
 @pytest.fixture

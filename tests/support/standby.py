@@ -20,9 +20,8 @@ import os
 import random
 import signal
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -34,6 +33,7 @@ from psycopg import sql
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.demo.embedded import EmbeddedPostgres, PgInstall, find_installations
 from tests.support.cdc import Writers, turn_events
+from tests.support.wait import until
 
 __all__ = ["FailoverWriters", "PrimaryStandby", "install_or_skip"]
 
@@ -51,15 +51,6 @@ def install_or_skip(major: int) -> PgInstall:
     if major in _REQUIRED:
         pytest.fail(f"{msg}, but LEDGER_CDC_REQUIRE_PG requires it", pytrace=False)
     pytest.skip(msg)
-
-
-def _until(what: str, pred: Callable[[], bool], timeout: float, every: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(every)
-    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 def _query(dsn: str, q: str, params: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
@@ -238,12 +229,11 @@ class PrimaryStandby:
         self.standby = _Standby(self.primary, self.physical_slot, self._standby_settings, _STANDBY)
         self._stack.callback(self._cleanup, self.standby)
         self.standby.start()
-        _until("the standby streams from the primary", self._streaming, 60)
+        until(self._streaming, 60, what="the standby streams from the primary")
         if self.synchronous:
             with self._admin(self.primary) as conn:
                 _set(conn, "synchronous_standby_names", self.standby.application_name)
-            _until(
-                "the standby is synchronous",
+            until(
                 lambda: (
                     _query(
                         self.primary.dsn(),
@@ -253,6 +243,7 @@ class PrimaryStandby:
                     == ("sync",)
                 ),
                 30,
+                what="the standby is synchronous",
             )
 
     def stop(self) -> None:
@@ -336,11 +327,11 @@ class PrimaryStandby:
             "confirmed_flush_lsn >= %s::pg_lsn) FROM pg_replication_slots WHERE slot_name = %s"
         )
         standby = self.standby.dsn()
-        _until(
-            f"slot {name} synchronised on the standby",
+        until(
             lambda: _query(standby, q, (past, past, name)) == (True,),
             timeout,
             every=0.1,
+            what=f"slot {name} synchronised on the standby",
         )
 
     def _log_snapshots(self) -> None:
@@ -366,7 +357,7 @@ class PrimaryStandby:
         else:
             os.kill(pid, signal.SIGKILL)
         datadir = self.primary.datadir
-        _until("the primary's processes are gone", lambda: not _processes_in(datadir), 30)
+        until(lambda: not _processes_in(datadir), 30, what="the primary's processes are gone")
 
     def detach_standby(self) -> str:
         """The standby stops receiving WAL (its walreceiver is ended and not started again:
@@ -377,18 +368,18 @@ class PrimaryStandby:
         standby = self.standby.dsn()
         with self._admin(self.standby) as conn:
             _set(conn, "primary_conninfo", "")
-        _until(
-            "the standby's walreceiver ended",
+        until(
             lambda: _query(standby, "SELECT count(*) FROM pg_stat_wal_receiver") == (0,),
             30,
+            what="the standby's walreceiver ended",
         )
-        _until(
-            "the standby replayed what it received",
+        until(
             lambda: (
                 _query(standby, "SELECT pg_last_wal_replay_lsn() >= pg_last_wal_receive_lsn()")
                 == (True,)
             ),
             30,
+            what="the standby replayed what it received",
         )
         row = _query(standby, "SELECT pg_last_wal_receive_lsn()::text")
         assert row is not None
@@ -413,10 +404,10 @@ class PrimaryStandby:
         )
         self.promoted = True
         dsn = self.standby.dsn()
-        _until(
-            "the promoted standby accepts writes",
+        until(
             lambda: _query(dsn, "SELECT NOT pg_is_in_recovery()") == (True,),
             60,
+            what="the promoted standby accepts writes",
         )
         if reset_synchronized_standby_slots and self.major >= 17:
             self.reset_synchronized_standby_slots()
@@ -426,10 +417,10 @@ class PrimaryStandby:
         with self._admin(server) as conn:
             conn.execute("ALTER SYSTEM RESET synchronized_standby_slots")
             conn.execute("SELECT pg_reload_conf()")
-        _until(
-            "synchronized_standby_slots reset",
+        until(
             lambda: _query(server.dsn(), "SHOW synchronized_standby_slots") == ("",),
             30,
+            what="synchronized_standby_slots reset",
         )
 
     def server_log(self, which: EmbeddedPostgres) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as dt
 import random
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -25,14 +24,10 @@ from ledger_cdc.events import LedgerEvent, decode_payload, encode_payload
 from ledger_cdc.fold import SessionContext, decode_context, encode_stored, fold_one
 from ledger_cdc.sink.memory import MemorySink, MemoryStore
 from ledger_cdc.stream.route import Anomaly, LedgerStream
-from tests.support import wait
 from tests.support.fakestream import FakeSlot, Row, Wal, _Crash, logical, running
+from tests.support.wait import until
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    wait.until(cond, timeout, every=0.005)  # (the loop here runs in memory: look often)
 
 
 def reference(wal: Wal) -> tuple[dict[uuid.UUID, SessionContext], int]:
@@ -336,9 +331,7 @@ def _held_write(
             return
         for t in range(more):
             wal.transaction([wal.row(sid, "tool.invoked", {"call_id": f"m{t}", "tool": "x"})])
-        deadline = time.monotonic() + 30
-        while not consumer.builder.folded_ahead and time.monotonic() < deadline:
-            time.sleep(0.005)
+        until(lambda: bool(consumer.builder.folded_ahead), every=0.005)
         ctx, data, _, _ = batch.sessions[sid]
         seen.append(
             (
