@@ -51,6 +51,8 @@ from ledger_cdc.events import (
     SignalReceived,
     TaskCompleted,
     TaskFailed,
+    encode_payload,
+    load_payload,
     payload_type,
 )
 from ledger_cdc.fold import RUN_PENDING, RUN_RUNNING, SessionContext, apply
@@ -94,7 +96,11 @@ def ready_status(ctx: SessionContext, now: dt.datetime) -> str | None:
 def _fold_append(
     ctx: SessionContext, res: AppendResult, agent: str, etype: str, payload: Any
 ) -> None:
-    """Advance ``ctx`` by the event just appended (the same reducer the consumer uses)."""
+    """Advance ``ctx`` by the event just appended (the same reducer the consumer uses, given
+    the payload as the consumer loads it: a mapping becomes its event type's struct)."""
+    typ = payload_type(etype)
+    if not (isinstance(typ, type) and isinstance(payload, typ)):
+        payload = load_payload(etype, encode_payload(etype, payload))
     created = res.created_at or dt.datetime.now(dt.timezone.utc)
     apply(ctx, LedgerEvent(res.seq, ctx.session_id, res.position, agent, etype, payload, created))
 

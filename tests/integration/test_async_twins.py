@@ -25,6 +25,7 @@ from ledger_cdc.client.runs import (
     lease,
     lease_async,
     signal_async,
+    submit,
     submit_async,
 )
 from ledger_cdc.client.writer import append_async, session_head, session_head_async
@@ -119,8 +120,7 @@ def test_a_run_held_on_an_async_connection_goes_through_every_ending(db: Databas
         await run.append("tool.observed", {"call_id": "c", "result": 1})
         await run.complete({"ok": True})
         seen.append(run.ctx.run.status)
-        rebuilt = await rebuild_context_async(conn, sid)
-        assert rebuilt.run == run.ctx.run and rebuilt.last_position == run.ctx.last_position
+        assert run.ctx == await rebuild_context_async(conn, sid)  # payloads given as dicts too
         return seen
 
     statuses = _on_async(db.dsn, work)
@@ -161,3 +161,18 @@ def test_load_memo_async_loads_what_load_memo_does(db: Database) -> None:
         got = _on_async(db.dsn, lambda c: load_memo_async(c, ctx))
     assert got == full and got.memo_position == 0
     assert set(got.completed_tools) == {"c1", "c2"} and set(got.completed_models) == {"r1"}
+
+
+def test_a_held_run_folds_payloads_given_as_mappings_as_the_log_does(db: Database) -> None:
+    """A held run's context advances by the same reducers as a rebuild: a payload given as a
+    mapping is folded as its event type's struct (the consumer's way), not skipped."""
+    sid = uuid.uuid4()
+    with db.connect() as conn:
+        submit(conn, sid)
+        run = lease(conn, sid, "w1")
+        run.append("tool.invoked", {"call_id": "c", "tool": "t", "idempotency_key": "k"})
+        assert run.ctx.pending_tools["c"].idempotency_key == "k"
+        run.append("tool.observed", {"call_id": "c", "result": 1})
+        run.complete({"ok": True})
+        assert run.ctx == rebuild_context(conn, sid)
+        assert run.ctx.ignored_events == 0 and run.ctx.completed_tools["c"].result == 1
