@@ -6,9 +6,9 @@ statement as a :class:`Step`, receives its rows, and may be thrown the driver's
 I/O itself, so :func:`run` and :func:`run_async` are the only places that touch a connection,
 the same shape psycopg 3 uses for its own protocol code. A protocol above single statements (a
 lease: rebuild, read the clock, append, rebase on a lost race) yields ops (:class:`Op`), run by
-:func:`drive` / :func:`drive_async`. Either way a public function and its ``_async`` twin are
-each one line over the same generator. Errors of the driver are not translated here: the public
-function wraps them once, with what it was doing.
+:func:`drive` / :func:`drive_async`. Either way a public function and its ``_async`` twin
+differ only in the driver that runs the same generator. Errors of the driver are not translated
+here: the public function wraps them once, with what it was doing.
 """
 
 from __future__ import annotations
