@@ -25,6 +25,7 @@ from tests.support.cdc import (
     assert_clean_exit,
     assert_projections_equal_refold,
     assert_verify_exact,
+    fold_barrier,
     published_columns,
     run_cli,
     stored_projections,
@@ -212,12 +213,12 @@ def test_two_phase_commit_and_rollback(db: Database) -> None:
                 (sid,),
             )
             conn.execute("PREPARE TRANSACTION 'keep'")
-            time.sleep(0.5)
-            assert stored_projections(conn) == {}  # prepared is not committed
+            marker = fold_barrier(db.dsn)  # committed after both prepares, and folded
+            assert set(stored_projections(conn)) == {marker}  # prepared is not committed
             conn.execute("COMMIT PREPARED 'keep'")
         wait_caught_up(db.dsn)
     with db.connect() as conn:
-        (ctx,) = stored_projections(conn).values()
+        ctx = stored_projections(conn)[sid]
     assert ctx.status == "completed" and ctx.result == "committed" and ctx.event_count == 1
     assert_projections_equal_refold(db.dsn)
 

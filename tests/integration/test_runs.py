@@ -28,6 +28,7 @@ from ledger_cdc.errors import ConcurrentAppendError
 from tests.support.cdc import ConsumerProcess, wait_caught_up, wait_streaming
 from tests.support.cli import run_cli_process
 from tests.support.harness import Database
+from tests.support.wait import until
 
 
 @pytest.fixture
@@ -97,6 +98,14 @@ def test_the_holder_rebases_on_signals_and_renews_sparingly(db: Database) -> Non
         assert again.ctx.run.woken_by.payload == {"by": "ann"}
 
 
+# a session of pending_runs: its LISTEN done, its query of ready runs answered, waiting idle
+_WAITING = """
+SELECT EXISTS (SELECT FROM pg_stat_activity WHERE datname = current_database()
+  AND pid <> pg_backend_pid() AND state = 'idle'
+  AND query LIKE '%lease_until <= statement_timestamp()%')
+"""
+
+
 async def _next_ready(dsn: str, want: uuid.UUID, timeout: float) -> tuple[ReadyRun, float]:
     async def first() -> ReadyRun:
         async with await AsyncLedger.connect(dsn) as ledger:
@@ -121,8 +130,9 @@ def test_a_suspended_run_wakes_on_its_signal_through_the_consumer(
         assert [r["status"] for r in list_runs(conn, "suspended")] == ["suspended"]
 
         def send() -> None:
-            time.sleep(0.5)
             with db.connect() as c2:
+                # not before the waiter listens, has found nothing ready and waits idle
+                until(lambda: c2.execute(_WAITING).fetchone() == (True,), 20)
                 signal(c2, sid, "approve")
 
         threading.Thread(target=send).start()
@@ -141,8 +151,7 @@ def test_a_signal_sent_while_the_consumer_is_down_wakes_the_run_when_it_returns(
         wait_caught_up(db.dsn)
         consumer.kill()
         signal(conn, sid, "approve")
-        time.sleep(0.5)
-        assert list_runs(conn, "suspended")  # nobody folded the signal yet
+        assert list_runs(conn, "suspended")  # nobody folded the signal (kill waited for the exit)
         restarted = ConsumerProcess(db.dsn).start()
         try:
             ready, _ = asyncio.run(_next_ready(db.dsn, sid, 60))

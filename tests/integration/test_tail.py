@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
 from ledger_cdc.client.writer import Ledger
 from tests.support.cdc import ConsumerProcess, until
-from tests.support.cli import run_cli_process, start_cli
+from tests.support.cli import Output, run_cli_process, start_cli
 from tests.support.harness import Database
 from tests.support.natsserver import NatsServer, publish, stream_config, wait_jetstream
 
@@ -34,11 +33,12 @@ def _write(db: Database, sid: uuid.UUID, first: int, n: int) -> None:
 def _follow(db: Database, sid: uuid.UUID, *extra: str) -> list[dict[str, object]]:
     _write(db, sid, 1, 2)  # before the tail starts: printed from the beginning
     tail = _tail(db, sid, *extra)
-    time.sleep(1.5)
-    _write(db, sid, 3, 2)  # while it follows: printed live
-    out, err = tail.communicate(timeout=60)
-    assert tail.returncode == 0, err
-    return [json.loads(line) for line in out.splitlines()]
+    assert tail.stdout is not None and tail.stderr is not None
+    out = Output(tail.stdout)
+    out.wait_lines(2)
+    _write(db, sid, 3, 2)  # written after it printed the first two: printed live
+    assert tail.wait(60) == 0, tail.stderr.read()
+    return [json.loads(line) for line in out.close().splitlines()]
 
 
 def test_tail_from_postgres(db: Database) -> None:

@@ -110,6 +110,27 @@ def wait_caught_up(dsn: str, timeout: float = 60.0) -> None:
         )
 
 
+def fold_barrier(dsn: str, timeout: float = 60.0) -> uuid.UUID:
+    """A marker event, committed now in a session of its own, waited for until its projection
+    is stored: all that committed before it has been through the fold too (commit order), so a
+    test may then assert that something was *not* folded. Returns the marker's session."""
+    marker = uuid.uuid4()
+    with Ledger(dsn) as ledger:
+        ledger.append(marker, "barrier", "tool.invoked", {"call_id": "barrier", "tool": "barrier"})
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        until(
+            lambda: (
+                conn.execute(
+                    "SELECT FROM agent_sessions WHERE session_id = %s", (marker,)
+                ).fetchone()
+                is not None
+            ),
+            timeout,
+            what="the marker event folded",
+        )
+    return marker
+
+
 def assert_projections_equal_refold(dsn: str) -> int:
     """Projections and every snapshot equal a fold of agent_events from zero. Returns events."""
     with psycopg.connect(dsn, autocommit=True) as conn:

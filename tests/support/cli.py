@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from tests.support.wait import until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,3 +32,39 @@ def start_cli(*args: str, **kw: Any) -> subprocess.Popen[Any]:
     """``ledger-cdc ARGS`` started; ``kw`` goes to ``subprocess.Popen`` (pipes, ``env``, …)."""
     kw.setdefault("cwd", ROOT)
     return subprocess.Popen(cli_argv(*args), **kw)
+
+
+class Output:
+    """A child's text output, read line by line in a thread from its start: a test waits for a
+    line with a deadline (the child has got that far) instead of sleeping."""
+
+    def __init__(self, stream: Iterable[str]) -> None:
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: Iterable[str]) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, part: str, timeout: float = 60) -> None:
+        """Until a line holds ``part``; fails with the output so far."""
+        until(
+            lambda: any(part in line for line in list(self.lines)),
+            timeout,
+            what=lambda: f"{part!r} in the output:\n{self.text[-3000:]}",
+        )
+
+    def wait_lines(self, n: int, timeout: float = 60) -> None:
+        """Until ``n`` lines have been read."""
+        until(lambda: len(self.lines) >= n, timeout, what=lambda: f"{n} lines:\n{self.text}")
+
+    def close(self, timeout: float = 60) -> str:
+        """The whole output, once the child has closed it."""
+        self._reader.join(timeout)
+        assert not self._reader.is_alive(), "the output was not closed"
+        return self.text
