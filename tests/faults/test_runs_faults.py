@@ -9,11 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 from ledger_cdc.client.runs import submit
 from tests.support.cdc import ROOT, ConsumerProcess, until, wait_caught_up
+from tests.support.cli import Output
 from tests.support.harness import Database
 from tests.support.httptarget import Target
 
@@ -72,6 +72,7 @@ def test_workers_race_and_take_over_the_runs_of_a_killed_worker(db: Database) ->
 
                 until(lambda: len(held()) >= 2, timeout=30)
                 workers += [_worker(db, f"w{i}", target.url) for i in range(1, 8)]
+                outputs = [Output(w.stdout) for w in workers[1:] if w.stdout is not None]
                 until(lambda: target.first_request.is_set(), timeout=30)
                 first.send_signal(signal.SIGKILL)  # mid-call: its leases are left to expire
                 first.wait(10)
@@ -84,8 +85,14 @@ def test_workers_race_and_take_over_the_runs_of_a_killed_worker(db: Database) ->
                     ).fetchone()
                     return int(row[0]) if row else 0
 
-                until(lambda: finished() == 100, timeout=120)
-                time.sleep(0.5)  # anything still racing would show up now
+                def idle() -> bool:  # no live worker holds a run it leased
+                    return all(
+                        o.text.count("\nleased ") == o.text.count("\ndone ") for o in outputs
+                    )
+
+                # every run completed, and every run a live worker leased is done with: nothing
+                # is still racing to complete one again
+                until(lambda: finished() >= 100 and idle(), timeout=120)
                 assert finished() == 100  # each run completed once
                 leases = collections.defaultdict(list)
                 for sid, worker in conn.execute(

@@ -122,7 +122,10 @@ def test_a_paused_consumer_that_resumes_cannot_overwrite_newer_projections(
                 )
             )  # type: ignore[index]
             a.proc.send_signal(signal.SIGCONT)  # it still holds a batch it folded before
-            time.sleep(3)
+            # until it has found its place taken (its batch refused, or the slot busy): the
+            # point where it would have overwritten newer projections is behind it
+            log_a = tmp_path / "a.log"
+            until(lambda: "standing by" in log_a.read_text() or "no longer" in log_a.read_text())
             assert a.alive() and _holder(conn) == b.proc.pid  # type: ignore[union-attr]
     finally:
         if a.proc is not None and a.alive():

@@ -26,7 +26,7 @@ from ledger_cdc.client.dispatch import (
 from ledger_cdc.client.writer import Ledger, OutboxItem
 from ledger_cdc.errors import AppendError
 from tests.support.cdc import run_cli, until
-from tests.support.cli import run_cli_process, start_cli
+from tests.support.cli import Output, run_cli_process, start_cli
 from tests.support.harness import Database
 from tests.support.httptarget import Target
 
@@ -233,6 +233,8 @@ def test_sigterm_finishes_the_batch_and_exits(db: Database, sig: signal.Signals)
 def test_a_database_that_is_briefly_unreachable_is_retried(db: Database) -> None:
     with Target() as target:
         p = _dispatcher(db, "--target", f"tool:search={target.url}")
+        assert p.stdout is not None
+        output = Output(p.stdout)
         try:
             first = _outbox_rows(db, 1)
             until(lambda: _rows(db)[first[0]][0], timeout=30)
@@ -247,7 +249,7 @@ def test_a_database_that_is_briefly_unreachable_is_retried(db: Database) -> None
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
                     (db.name,),
                 )
-                time.sleep(2)
+                output.wait_for("retrying in", timeout=30)  # it failed to reconnect
                 admin.execute(
                     sql.SQL("ALTER DATABASE {} ALLOW_CONNECTIONS true").format(
                         sql.Identifier(db.name)
@@ -258,7 +260,8 @@ def test_a_database_that_is_briefly_unreachable_is_retried(db: Database) -> None
             assert p.poll() is None  # still running
         finally:
             p.send_signal(signal.SIGTERM)
-            out, _ = p.communicate(timeout=30)
+            p.wait(30)
+        out = output.close()
         assert "outbox database" in out and "retrying in" in out, out
         assert target.seen == {k: 1 for k in first + later}
 

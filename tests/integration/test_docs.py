@@ -36,7 +36,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,7 @@ from psycopg import sql
 
 from tests.support.cdc import ROOT
 from tests.support.harness import Database
+from tests.support.wait import until
 
 DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if not p.relative_to(DOCS).parts[0].startswith("_"))
@@ -260,11 +260,12 @@ class Reader:
             bg = Background(b, proc)
             bg.start_reading()
             self.background.append(bg)
-            deadline = time.monotonic() + 60
-            while b.background not in bg.text:
+
+            def started() -> bool:
                 assert proc.poll() is None, f"{b.where} exited {proc.returncode}:\n{bg.text}"
-                assert time.monotonic() < deadline, f"{b.where}: no {b.background!r}:\n{bg.text}"
-                time.sleep(0.05)
+                return b.background in bg.text
+
+            until(started, 60, what=lambda: f"{b.where}: {b.background!r}:\n{bg.text}")
             return
         r = subprocess.run(
             ["sh", "-ec", code],

@@ -272,7 +272,8 @@ def test_bootstrap_with_history_under_concurrent_writers(db: Database, tmp_path:
         with ConsumerProcess(
             db.dsn, "--create-slot", "--snapshot-every", "50", log=tmp_path / "c.log"
         ):
-            time.sleep(4)
+            # the writers go on until the bootstrap has folded the table under them
+            until(lambda: "events folded from the table" in (tmp_path / "c.log").read_text(), 180)
             writers.stop()
             wait_caught_up(db.dsn, 180)
     finally:

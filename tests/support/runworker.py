@@ -78,6 +78,8 @@ async def main() -> None:
                     await work(run, a.target)
                 except LeaseLostError:
                     print(f"lost {sid}", flush=True)
+                finally:
+                    print(f"done {sid}", flush=True)  # (every "leased" line gets one)
         finally:
             busy.discard(sid)
             slots.release()
