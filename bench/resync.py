@@ -8,7 +8,9 @@ started again: it finds the slot gone, makes it again and folds the table as of 
 snapshot. Timed from its start until every event is in a committed projection and the slot's
 confirmed position has reached the checkpoint (folded and confirmed); then ``COPY agent_events
 TO '/dev/null'`` (the server reading the whole table, no client) and the same COPY in the order
-the bootstrap reads (session, position), each timed on the same server.
+the bootstrap reads (session, position), each timed on the same server. Last, ``ledger-cdc
+verify`` refolds a sample of the sessions (``--verify`` of them; 0: all) and compares them with
+their projections and snapshots: the result must be what a normal fold gives.
 
     sh scripts/dev.sh bench resync [--events 1000000] [--sessions 10000] [--pg-major 15]
 """
@@ -16,11 +18,13 @@ the bootstrap reads (session, position), each timed on the same server.
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import tempfile
 import time
 
 import psycopg
-from common import compiled, consume, proc_peak_rss_mb, wait_until
+from common import ROOT, compiled, consume, proc_cpu_seconds, proc_peak_rss_mb, wait_until
 
 from ledger_cdc.admin.schema import init
 from ledger_cdc.demo.embedded import EmbeddedPostgres
@@ -50,6 +54,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=10_000)
     ap.add_argument("--memory-limit-mb", type=int, default=512)
     ap.add_argument("--pg-major", type=int, default=None)
+    ap.add_argument("--verify", type=int, default=20, help="sessions verified after (0: all)")
     args = ap.parse_args()
     per = max(1, args.events // args.sessions)
     slot = "agent_slot"
@@ -97,6 +102,7 @@ def main() -> None:
                 )
                 t_resync = time.monotonic() - t0
                 rss = proc_peak_rss_mb(proc.pid)
+                cpu = proc_cpu_seconds(proc.pid)
             except TimeoutError:
                 log.seek(0)
                 print(log.read().decode()[-3000:])
@@ -120,9 +126,10 @@ def main() -> None:
                 "COPY (SELECT * FROM agent_events ORDER BY session_id, position) TO '/dev/null'"
             )
             t_sorted = time.monotonic() - t0
+            verified = verify(dsn, conn, args.verify)
     print(
         f"  resync (slot lost → projections folded and the slot confirmed) {t_resync:7.1f} s  "
-        f"{events / t_resync:,.0f} events/s  peak RSS {rss:.0f} MB"
+        f"{events / t_resync:,.0f} events/s  CPU {cpu:.1f} s  peak RSS {rss:.0f} MB"
     )
     print(
         f"  COPY agent_events TO '/dev/null'                                {t_copy:7.1f} s  "
@@ -132,6 +139,28 @@ def main() -> None:
         f"  the same COPY by (session, position)                            {t_sorted:7.1f} s  "
         f"resync = {t_resync / t_sorted:.1f}×"
     )
+    print(f"  verify: {verified}")
+
+
+def verify(dsn: str, conn: psycopg.Connection[tuple[object, ...]], sample: int) -> str:
+    """``ledger-cdc verify`` of ``sample`` sessions spread over the id range (0: all of them);
+    raises if anything differs."""
+    if sample:
+        ids = [
+            sid
+            for (sid,) in conn.execute(
+                "SELECT min(session_id::text) FROM (SELECT session_id, ntile(%s) OVER "
+                "(ORDER BY session_id) AS part FROM agent_sessions) s GROUP BY part",
+                (sample,),
+            )
+        ]
+    else:
+        ids = ["--all"]
+    argv = [sys.executable, "-m", "ledger_cdc.cli", "verify", "--dsn", dsn, *ids]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"verify failed after the resync:\n{done.stdout}{done.stderr}")
+    return " ".join(done.stdout.split())
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ docstring for what it does and what I/O it does.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Generator, Iterable, Iterator
+import uuid
+from collections.abc import Callable, Container, Generator, Iterable, Iterator
 
 from ledger_cdc.batching.batch import Batch, SnapshotPolicy, SnapshotRow, Tail
 from ledger_cdc.batching.contexts import LOAD_AT_ONCE, Contexts, Loader, SessionCache, context_size
@@ -218,6 +219,7 @@ class BatchBuilder:
         epoch: int | None,
         grouped: bool,
         write_part: Callable[[Batch], None],
+        projected: Container[uuid.UUID] | None = None,
     ) -> tuple[BigRun, Iterator[Batch], Callable[[Tail], Batch]]:
         """A transaction too big for one batch (spilled, over the batch budget, or a bootstrap),
         folded as its changes are read — from the spill file, or the table. Gives the run (what
@@ -228,7 +230,9 @@ class BatchBuilder:
         Sessions are independent of one another and a session's changes keep their order, so
         unless they come ``grouped`` by session already (a bootstrap reads them so), the changes
         are first sorted into files by session: each session's context is then loaded once,
-        not once per part, however many sessions the transaction touches."""
+        not once per part, however many sessions the transaction touches. ``projected``: the
+        sessions that may have a projection (a bootstrap knows them), the others started
+        without a query (:class:`Contexts`)."""
         run = BigRun(txn, epoch)
         at_once = self.contexts.at_once
 
@@ -236,13 +240,17 @@ class BatchBuilder:
             f = run.part()
             ahead: list[tuple[Item, int]] = []
             held = 0  # bytes of the changes in ahead
-            for pair in sized if grouped else by_session(sized, self.spill_dir, self.budget):
-                ahead.append(pair)
-                held += pair[1]
-                if len(ahead) >= at_once or held > self.budget:
-                    f = yield from self._fold_ahead(run, f, ahead)
-                    ahead, held = [], 0
-            run.last = yield from self._fold_ahead(run, f, ahead)
+            self.contexts.expect(projected)
+            try:
+                for pair in sized if grouped else by_session(sized, self.spill_dir, self.budget):
+                    ahead.append(pair)
+                    held += pair[1]
+                    if len(ahead) >= at_once or held > self.budget:
+                        f = yield from self._fold_ahead(run, f, ahead)
+                        ahead, held = [], 0
+                run.last = yield from self._fold_ahead(run, f, ahead)
+            finally:
+                self.contexts.expect(None)
 
         def finish(tail: Tail) -> Batch:
             rest = self.seal(run.last, notices=False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 
 from ledger_cdc.fold import REFERENCE_MIN, SessionContext
 from ledger_cdc.stream.assemble import Transaction
@@ -80,13 +80,25 @@ class Contexts:
     """The cache, filled from the sink: a session the cache lacks is loaded (its projected
     context, or a new one for a session without a projection, so that a session missing from
     the cache later was evicted, and is read back), up to ``at_once`` sessions by one call of
-    ``load``. Counts the bytes it loaded, which the batch in hand then pins."""
+    ``load``. Counts the bytes it loaded, which the batch in hand then pins.
+
+    With :attr:`projected` set (the sessions that had a projection when it was read, e.g. by
+    a bootstrap), a session outside it starts from an empty context without a query the first
+    time it is loaded; loaded again (evicted since), it is asked of the sink, which may hold
+    what was written of it meanwhile."""
 
     def __init__(self, load: Loader, cache: SessionCache, at_once: int = LOAD_AT_ONCE) -> None:
         self.load_contexts = load
         self.cache = cache
         self.at_once = at_once
         self.loaded_bytes = 0  # contexts loaded since the caller last took the count
+        self.projected: Container[uuid.UUID] | None = None
+        self._started: set[uuid.UUID] = set()  # sessions outside projected, started empty
+
+    def expect(self, projected: Container[uuid.UUID] | None) -> None:
+        """Set :attr:`projected` (None: any session may have a projection)."""
+        self.projected = projected
+        self._started = set()
 
     def take_loaded(self) -> int:
         """Bytes of the contexts loaded since the last call."""
@@ -132,7 +144,12 @@ class Contexts:
     def load(self, missing: list[uuid.UUID]) -> None:
         """Bring these sessions into the cache."""
         if missing:
-            found = self.load_contexts(missing)
+            projected, started = self.projected, self._started
+            ask = missing
+            if projected is not None:
+                ask = [sid for sid in missing if sid in projected or sid in started]
+                started.update(missing)
+            found = self.load_contexts(ask) if ask else {}
             for sid in missing:
                 ctx, size = found.get(sid) or (SessionContext(sid), 0)
                 self.cache.put(sid, ctx, size)

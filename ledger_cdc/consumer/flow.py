@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from ledger_cdc.batching import (
     LOAD_AT_ONCE,
@@ -285,13 +285,19 @@ class Flow:
         *,
         epoch: int | None,
         grouped: bool,
+        projected: Container[uuid.UUID] | None = None,
     ) -> tuple[int, int]:
         """Everything before it committed first, then one big transaction folded in parts and
         written in chunks inside one sink transaction that ends with its checkpoint. Returns
-        (events folded, dead letters), once committed."""
+        (events folded, dead letters), once committed. ``projected``: see BatchBuilder.big."""
         self._commit_in_hand()
         run, chunks, finish = self.builder.big(
-            txn, sized, epoch=epoch, grouped=grouped, write_part=self.sink.write_part
+            txn,
+            sized,
+            epoch=epoch,
+            grouped=grouped,
+            write_part=self.sink.write_part,
+            projected=projected,
         )
         with self.stream.keepalive_during():
             self.sink.commit_chunked(chunks, finish)

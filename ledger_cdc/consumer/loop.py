@@ -358,7 +358,10 @@ class Consumer:
                 progress=cfg.progress,
             )
             txn: Transaction[Item] = Transaction(0, consistent, consistent, 0, [])
-            events, dead = flow.commit_in_parts(txn, history, epoch=0, grouped=True)
+            # (positions: the sessions with a projection, and those given an archive base)
+            events, dead = flow.commit_in_parts(
+                txn, history, epoch=0, grouped=True, projected=positions
+            )
         # the snapshot is no longer needed: everything after it comes from the stream
         history.done()
         flow.submitted = consistent

@@ -17,10 +17,10 @@ import psycopg
 from psycopg import sql
 
 from ledger_cdc.admin.schema import LEDGER_SCHEMA_SQL, load_migrations, slot_misfit
-from ledger_cdc.client.read import load_events_sized
+from ledger_cdc.client.read import events_query, row_event
 from ledger_cdc.connect import connect
 from ledger_cdc.errors import ConfigError, SchemaError, SlotError, translate
-from ledger_cdc.events import LedgerEvent
+from ledger_cdc.events import LedgerEvent, Rejected
 from ledger_cdc.names import LEDGER_TABLE
 from ledger_cdc.stream.assemble import estimate
 from ledger_cdc.stream.ledger import REQUIRED_COLUMNS
@@ -256,7 +256,7 @@ class History:
     def __iter__(self) -> Iterator[tuple[Item, int]]:
         yield from self.bases
         positions, progress, lsn = self.positions, self.progress, self.lsn
-        for ev, size in load_events_sized(self.src):
+        for ev, size in _table_rows(self.src):
             if ev.position <= positions.get(ev.session_id, 0):
                 continue
             self.folded += 1
@@ -268,3 +268,20 @@ class History:
     def done(self) -> None:
         if self.progress:
             self.progress(self.folded, self.folded)
+
+
+# The whole table in (session, position) order, in one query whose rows the server sends in
+# chunks as it reads them (a cursor's fetches would each wait for the next), when the client
+# library can (libpq 17); else row by row.
+_CHUNK = 2000
+
+
+def _table_rows(src: psycopg.Connection[Any]) -> Iterator[tuple[LedgerEvent | Rejected, int]]:
+    """Every row of the ledger table (in ``src``'s transaction) → (event, or the row
+    :class:`Rejected` with the reason; the size of its payload's JSON), by the rule every reader
+    shares (``row_event``), as the rows stream in: never held whole."""
+    query, params = events_query(None, 0, None)
+    size = _CHUNK if psycopg.capabilities.has_stream_chunked() else 1
+    with src.cursor() as cur:
+        for row in cur.stream(query, params, size=size):
+            yield row_event(row), len(row[5] or b"") + 200
