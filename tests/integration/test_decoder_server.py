@@ -332,11 +332,10 @@ def _abort_streamed(conn: psycopg.Connection[Any], seen: StreamWatch) -> None:
         raise RuntimeError("abort")
 
 
+@pytest.mark.min_server(16)  # streaming 'parallel' (protocol 4)
 def test_parallel_streaming_abort_has_lsn_and_time(
     conn: psycopg.Connection[Any], empty_db: Database
 ) -> None:
-    if conn.info.server_version < 160000:
-        pytest.skip("streaming 'parallel' (protocol 4) needs PostgreSQL 16+")
     make_slot(conn, "s")
     raw = live_capture(
         empty_db.dsn, "s", "tpub", _abort_streamed, proto_version="4", streaming="parallel"
