@@ -47,7 +47,7 @@ from tests.support.harness import _new_database
 from tests.support.standby import FailoverWriters, PrimaryStandby
 from tests.support.wait import until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.timeout(240)]
 
 FOLDED_BEFORE = 2000  # events folded on the old primary before it is killed
 

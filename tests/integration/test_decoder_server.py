@@ -287,7 +287,8 @@ def _stream_actions(conn: psycopg.Connection[Any], seen: StreamWatch) -> None:
         assert seen.wait_streamed(conn)
         with pytest.raises(RuntimeError), conn.transaction():  # savepoint, rolled back
             _big_txn(conn, 30_000)
-            conn.execute("SELECT pg_sleep(1)")  # let the walsender stream the subtransaction
+            # a row of the subtransaction streamed: more than the 3,000 of the transaction's own
+            assert seen.wait_rows(conn, more_than=3000)
             raise RuntimeError("abort the subtransaction")
         _big_txn(conn, 40_000, 10)
 

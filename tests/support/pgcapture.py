@@ -47,18 +47,36 @@ SENTINEL = b"ledger-cdc-capture-end"
 
 
 class StreamWatch:
-    """Which transactions the server has started streaming (Stream Start seen)."""
+    """Which transactions the server has started streaming (Stream Start seen), and how many
+    rows of each it has streamed so far."""
 
     def __init__(self) -> None:
         import threading
 
         self._cond = threading.Condition()
         self.xids: set[int] = set()
+        self.rows: dict[int, int] = {}
 
     def saw(self, xid: int) -> None:
         with self._cond:
             self.xids.add(xid)
             self._cond.notify_all()
+
+    def saw_row(self, xid: int) -> None:
+        with self._cond:
+            self.rows[xid] = self.rows.get(xid, 0) + 1
+            self._cond.notify_all()
+
+    def wait_rows(
+        self, conn: psycopg.Connection[Any], more_than: int, timeout: float = 30.0
+    ) -> bool:
+        """Wait until more than ``more_than`` rows of the transaction open on ``conn`` have been
+        streamed (the server decodes in WAL order: row ``more_than + 1`` is a later one)."""
+        row = conn.execute("SELECT txid_current()").fetchone()
+        assert row is not None
+        xid = int(row[0]) & 0xFFFFFFFF
+        with self._cond:
+            return self._cond.wait_for(lambda: self.rows.get(xid, 0) > more_than, timeout)
 
     def wait_for(self, xid: int, timeout: float = 30.0) -> bool:
         with self._cond:
@@ -119,6 +137,7 @@ def live_capture(
         worker.start()
         deadline = time.monotonic() + timeout
         done = False
+        streaming: int | None = None  # the xid of the stream block being read
         while not done and time.monotonic() < deadline:
             msg = cur.read_message()
             if msg is None:
@@ -129,7 +148,12 @@ def live_capture(
             data = bytes(msg.payload)
             out.append((msg.data_start, data))
             if data[:1] == b"S":
-                seen.saw(int.from_bytes(data[1:5], "big"))
+                streaming = int.from_bytes(data[1:5], "big")
+                seen.saw(streaming)
+            elif data[:1] == b"E":
+                streaming = None
+            elif data[:1] == b"I" and streaming is not None:
+                seen.saw_row(streaming)
             if data[:1] == b"M" and SENTINEL in data:
                 done = True
             cur.send_feedback(flush_lsn=msg.data_start)
