@@ -37,8 +37,8 @@ import msgspec
 import psycopg
 from psycopg import sql
 
+from ledger_cdc.admin.archive import archived_heads, check_archive
 from ledger_cdc.admin.health import publication_filter
-from ledger_cdc.admin.partitions import archived_heads, check_archive
 from ledger_cdc.admin.timeline import field_differences
 from ledger_cdc.client.read import COLUMNS, row_event
 from ledger_cdc.client.recovery import attach_steps, load_memo, merge_memo, snapshot_context

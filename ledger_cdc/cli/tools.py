@@ -1194,7 +1194,7 @@ def partitions_archive(state: State, dsn: str, older: str, to_dir: Path) -> None
     transactions that could still insert into it, and for open snapshots), what it holds is
     checked again, exported (COPY, gzip) with a sha256 manifest, recorded and dropped. A row is
     always in the ledger or in the archive. The only way ledger data is removed."""
-    from ledger_cdc.admin.partitions import archive
+    from ledger_cdc.admin.archive import archive
 
     bound = _duration(older)
     with _connect(dsn) as conn, state.console.status("archiving…") as status:

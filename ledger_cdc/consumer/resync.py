@@ -201,7 +201,7 @@ def archived_bases(
     ``positions`` moved to it). Only in the ledger's own database, where the archive keeps its
     snapshots and memo rows; into another (``other_database``) the bootstrap is refused rather
     than folded wrong."""
-    from ledger_cdc.admin.partitions import archived_heads
+    from ledger_cdc.admin.archive import archived_heads
     from ledger_cdc.admin.verify import _archive_base
 
     out: list[tuple[Item, int]] = []

@@ -14,14 +14,9 @@ import psycopg
 import pytest
 
 from ledger_cdc.admin import partitions
+from ledger_cdc.admin.archive import ArchiveRefusedError, archive, check_archive
 from ledger_cdc.admin.importer import ImportedEvent, import_events
-from ledger_cdc.admin.partitions import (
-    ArchiveRefusedError,
-    archive,
-    check_archive,
-    ensure,
-    list_partitions,
-)
+from ledger_cdc.admin.partitions import ensure, list_partitions
 from ledger_cdc.admin.schema import init
 from ledger_cdc.admin.verify import verify
 from ledger_cdc.client.recovery import (

@@ -21,9 +21,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from ledger_cdc.admin import partitions
+from ledger_cdc.admin import archive as archiving
+from ledger_cdc.admin.archive import archive, check_archive
 from ledger_cdc.admin.importer import ImportedEvent, import_events
-from ledger_cdc.admin.partitions import archive, check_archive, ensure
+from ledger_cdc.admin.partitions import ensure
 from ledger_cdc.admin.schema import drop_slot, init
 from ledger_cdc.admin.verify import verify
 from ledger_cdc.client.read import projected_contexts
@@ -137,7 +138,7 @@ _KILL_AT = """
 import datetime as dt, os, signal, sys
 from pathlib import Path
 import psycopg
-from ledger_cdc.admin.partitions import archive
+from ledger_cdc.admin.archive import archive
 dsn, out, when = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 def step(name, s):
     if s == when:
@@ -227,7 +228,7 @@ def test_a_second_archive_run_never_touches_one_under_way(
     with empty_db.connect() as conn:
         for i in range(1, 4):
             _import(conn, sid, i, now - OLD + dt.timedelta(minutes=i))
-    monkeypatch.setattr(partitions, "_LOCK_WAIT", 0.5, raising=False)
+    monkeypatch.setattr(archiving, "_LOCK_WAIT", 0.5)
     exporting, go = threading.Event(), threading.Event()
     outcome: dict[str, Any] = {}
 
