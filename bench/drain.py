@@ -20,8 +20,15 @@ sink's backend, nats-server) from when the consumer streams is printed too, and 
 least time the fan-out's drain can take on these cores: its start-up, then its machine CPU
 divided by the number of cores.
 
+With ``--stages N`` the same backlog is then drained N more times, each from a twin slot of its
+own into a database of its own, by a consumer built in this process, its stages timed: the
+loop thread's CPU reading the socket, decoding and assembling (``LedgerStream.feed``), folding
+and sealing batches, and the rest; the sink's commits (wall and client CPU, per batch and per
+session row written); the walsender's CPU. Per event, medians of the N runs (the timers' own
+cost, measured on a no-op, taken off).
+
     sh scripts/dev.sh bench drain [--events 100000] [--sessions 1000] [--pg-major 15]
-                                  [--fan-out [--runs 3]]
+                                  [--fan-out [--runs 3]] [--stages N]
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from common import (
     timed_backlog,
     wait_until,
 )
+from stages import print_stages
 
 from ledger_cdc.admin.schema import create_slot, init
 from ledger_cdc.demo.embedded import EmbeddedPostgres
@@ -62,6 +70,7 @@ def main() -> None:
     ap.add_argument(
         "--runs", type=int, default=3, help="fan-out: drains of each kind (medians printed)"
     )
+    ap.add_argument("--stages", type=int, default=0, help="in-process drains, stages timed")
     args = ap.parse_args()
     with EmbeddedPostgres(major=args.pg_major, fsync=True) as pg:
         dsn = pg.dsn()
@@ -73,6 +82,11 @@ def main() -> None:
                 for kind in ("alone", "fanout", "beside"):
                     create_slot(conn, f"{kind}{i}")
                     conn.execute(f"CREATE DATABASE {kind}{i}")
+            for i in range(args.stages):
+                create_slot(conn, f"stages{i}")
+                conn.execute(f"CREATE DATABASE stages{i}")
+        for i in range(args.stages):
+            init(pg.dsn(f"stages{i}"))
         for i in range(args.runs if args.fan_out else 0):
             init(pg.dsn(f"alone{i}"))
             init(pg.dsn(f"fanout{i}"))
@@ -101,6 +115,8 @@ def main() -> None:
         )
         if args.fan_out:
             fan_out(args, pg, dsn)
+        if args.stages:
+            print_stages(args, pg, dsn)
 
 
 def fan_out(args: argparse.Namespace, pg: EmbeddedPostgres, dsn: str) -> None:
