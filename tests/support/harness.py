@@ -153,6 +153,23 @@ def _new_database(server: Server, template: str | None) -> Iterator[Database]:
 
 
 @pytest.fixture(autouse=True)
+def _no_server_unless_marked(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test not marked ``server`` cannot start a PostgreSQL (a cluster of its own, as the
+    standby and misconfigured-server tests make): ``-m "not server"`` stays exactly the tests
+    that need none. The harness marks the tests of its fixtures; the others say so themselves."""
+    if request.node.get_closest_marker("server") is not None:
+        return
+
+    def refused(self: EmbeddedPostgres, *args: object) -> None:
+        raise AssertionError(f"{request.node.nodeid} starts PostgreSQL: mark it server")
+
+    monkeypatch.setattr(EmbeddedPostgres, "__enter__", refused)
+    monkeypatch.setattr(EmbeddedPostgres, "start", refused)
+
+
+@pytest.fixture(autouse=True)
 def _no_nats_thread_left() -> Iterator[None]:
     """A NATS client left open by a test keeps reconnecting to a server long gone, and its
     log lines land in the tests after it: every one a test opens is closed by its end."""
