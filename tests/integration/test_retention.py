@@ -45,6 +45,7 @@ from tests.support.cdc import (
     wait_caught_up,
 )
 from tests.support.harness import Database
+from tests.support.wait import until
 
 pytestmark = pytest.mark.server
 
@@ -81,6 +82,11 @@ def _archived_keys(directory: Path) -> set[str]:
     return keys
 
 
+_WAITS_FOR_A_LOCK = (
+    "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock')"
+)
+
+
 def test_an_insert_at_any_step_of_an_archive_is_archived_or_kept(
     empty_db: Database, tmp_path: Path
 ) -> None:
@@ -99,9 +105,11 @@ def test_an_insert_at_any_step_of_an_archive_is_archived_or_kept(
         wait_caught_up(empty_db.dsn)
 
         writers: list[threading.Thread] = []
+        pids: dict[str, int] = {}
 
         def late_import(key: str) -> None:
             with empty_db.connect() as own:
+                pids[key] = own.info.backend_pid
                 try:
                     _import(own, sid, 100, now - OLD + dt.timedelta(hours=1), key=key)
                     late.append(key)
@@ -111,9 +119,19 @@ def test_an_insert_at_any_step_of_an_archive_is_archived_or_kept(
         def at_step(partition: str, step: str) -> None:
             # an import at this very step, on a connection of its own; one that must wait for
             # the archive's lock goes on waiting while the archive proceeds
-            t = threading.Thread(target=late_import, args=(f"late-{step}",), daemon=True)
+            key = f"late-{step}"
+            t = threading.Thread(target=late_import, args=(key,), daemon=True)
             t.start()
-            t.join(2)
+            # until it has ended, or waits for a lock the archive holds: either way it has
+            # met the archive at this step
+            with empty_db.connect() as watch:
+                until(
+                    lambda: (
+                        not t.is_alive()
+                        or watch.execute(_WAITS_FOR_A_LOCK, (pids.get(key),)).fetchone() == (True,)
+                    ),
+                    30,
+                )
             writers.append(t)
 
         archive(conn, dt.timedelta(days=90), tmp_path / "a", on_step=at_step, consumer_wait=30)
