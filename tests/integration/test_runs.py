@@ -98,18 +98,20 @@ def test_the_holder_rebases_on_signals_and_renews_sparingly(db: Database) -> Non
         assert again.ctx.run.woken_by.payload == {"by": "ann"}
 
 
-# a session of pending_runs: its LISTEN done, its query of ready runs answered, waiting idle
+# pending_runs' session (named by _next_ready) idle once it has listened: waiting to be woken
 _WAITING = """
 SELECT EXISTS (SELECT FROM pg_stat_activity WHERE datname = current_database()
-  AND pid <> pg_backend_pid() AND state = 'idle'
-  AND query LIKE '%lease_until <= statement_timestamp()%')
+  AND application_name = 'runs-waiter'
+  AND state = 'idle' AND (query LIKE 'LISTEN%' OR query LIKE '%FROM agent_sessions%'))
 """
 
 
 async def _next_ready(dsn: str, want: uuid.UUID, timeout: float) -> tuple[ReadyRun, float]:
     async def first() -> ReadyRun:
         async with await AsyncLedger.connect(dsn) as ledger:
-            async for r in ledger.pending_runs(recheck=30):  # a long recheck: the NOTIFY wakes
+            # a long recheck: the NOTIFY wakes
+            waiter = f"{dsn} application_name=runs-waiter"
+            async for r in ledger.pending_runs(recheck=30, dsn=waiter):
                 if r.session_id == want:
                     return r
         raise AssertionError("pending_runs ended")
