@@ -28,7 +28,7 @@ from ledger_cdc.events import (
     decode_bounded,
 )
 
-log = logging.getLogger("ledger_cdc.integrations.langgraph")
+log = logging.getLogger(__name__)
 LANGGRAPH_NAMESPACE = uuid.UUID("5f0e0c3a-8d1b-5a44-9a3e-6c6564676572")
 AGENT = "langgraph"
 FULL_EVERY = 32  # a full value at least every this many versions of a list channel
