@@ -117,6 +117,10 @@ def main() -> None:
                 "SELECT sum(event_count) FROM agent_sessions"
             ).fetchone()
             assert int(folded) == events, (folded, events)
+            (projected_mb, snapshots_mb) = conn.execute(  # type: ignore[misc]
+                "SELECT pg_total_relation_size('agent_sessions') / 1048576.0, "
+                "pg_total_relation_size('agent_snapshots') / 1048576.0"
+            ).fetchone()
 
             t0 = time.monotonic()
             conn.execute("COPY agent_events TO '/dev/null'")
@@ -138,6 +142,10 @@ def main() -> None:
     print(
         f"  the same COPY by (session, position)                            {t_sorted:7.1f} s  "
         f"resync = {t_resync / t_sorted:.1f}×"
+    )
+    print(
+        f"  written: projections {float(projected_mb):.0f} MB, snapshots "
+        f"{float(snapshots_mb):.0f} MB (the table: {float(mb):.0f} MB)"
     )
     print(f"  verify: {verified}")
 

@@ -1,7 +1,7 @@
 """Resync: the ledger table read as of a slot's exported snapshot, for a bootstrap (a new slot
 over existing history) or after a slot was lost. Also the preflight checks that no retry cures.
 
-:func:`history` yields what the projections lack, in session order, by a server-side cursor
+:class:`History` yields what the projections lack, in session order, as the rows stream in
 (never held whole): for sessions whose history was archived, their archive snapshot first
 (:func:`archived_bases`), then every row past their projection's position.
 """
@@ -272,8 +272,10 @@ class History:
 
 # The whole table in (session, position) order, in one query whose rows the server sends in
 # chunks as it reads them (a cursor's fetches would each wait for the next), when the client
-# library can (libpq 17); else row by row.
+# library can (libpq 17); else row by row. Read by the (session, position) index: planned for
+# its total cost, the query would sort the whole table first, and send nothing until then.
 _CHUNK = 2000
+_BY_INDEX = "SET LOCAL enable_sort = off"
 
 
 def _table_rows(src: psycopg.Connection[Any]) -> Iterator[tuple[LedgerEvent | Rejected, int]]:
@@ -283,5 +285,6 @@ def _table_rows(src: psycopg.Connection[Any]) -> Iterator[tuple[LedgerEvent | Re
     query, params = events_query(None, 0, None)
     size = _CHUNK if psycopg.capabilities.has_stream_chunked() else 1
     with src.cursor() as cur:
+        cur.execute(_BY_INDEX)  # (the snapshot's transaction ends with the bootstrap)
         for row in cur.stream(query, params, size=size):
             yield row_event(row), len(row[5] or b"") + 200
