@@ -372,21 +372,31 @@ def test_an_archive_never_stalls_writers_behind_a_reader(
         reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         reader.execute("SELECT count(*) FROM agent_events")
         done = threading.Event()
+        archiver: list[int] = []
 
         def run_archive() -> None:
             with empty_db.connect() as conn:
+                archiver.append(conn.info.backend_pid)
                 archive(conn, dt.timedelta(days=90), tmp_path / "a")
             done.set()
 
         t = threading.Thread(target=run_archive, daemon=True)
         t.start()
-        deadline = time.monotonic() + 3
-        n = 0
-        while time.monotonic() < deadline:  # the archive waits on the reader all this time
+        waits_seen = 0
+
+        def appended_while_the_archive_waits() -> bool:
+            nonlocal waits_seen
+            assert not done.is_set(), "the detach did not wait for the open reader"
             t0 = time.monotonic()
-            ledger.append(live, "a", "tool.invoked", {"call_id": f"c{n}", "tool": "t"})
+            ledger.append(live, "a", "tool.invoked", {"call_id": f"c{len(latencies)}", "tool": "t"})
             latencies.append(time.monotonic() - t0)
-            n += 1
+            if archiver and watch.execute(_WAITS_FOR_A_LOCK, archiver).fetchone() == (True,):
+                waits_seen += 1
+            return waits_seen >= 20
+
+        # appends go on while the archive is seen waiting (on the reader's snapshot), 20 times
+        with empty_db.connect() as watch:
+            until(appended_while_the_archive_waits, 60, every=0.01)
         assert not done.is_set(), "the detach did not wait for the open reader"
         reader.rollback()
         reader.close()
