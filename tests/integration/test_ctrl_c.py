@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 
 import pytest
 
-from tests.support.cli import start_cli
+from tests.support.cli import Output, start_cli
 from tests.support.harness import Database
 
 pytestmark = pytest.mark.server
@@ -26,13 +25,7 @@ def test_lag_watch_stops_on_sigint_though_started_with_it_ignored(db: Database) 
     )
     try:
         assert proc.stdout is not None
-        deadline = time.monotonic() + 60
-        seen = ""
-        while "logical replication slots" not in seen:  # it is watching
-            assert time.monotonic() < deadline, seen
-            line = proc.stdout.readline()
-            assert line, f"lag ended before watching: {seen}"
-            seen += line
+        Output(proc.stdout).wait_for("logical replication slots")  # it is watching
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 130
     finally:

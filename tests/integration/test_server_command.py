@@ -7,13 +7,12 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from tests.support.cli import start_cli
+from tests.support.cli import Output, start_cli
 
 pytestmark = pytest.mark.server
 
@@ -28,17 +27,10 @@ def test_server_prints_a_dsn_to_an_initialised_ledger_and_cleans_up() -> None:
     )
     try:
         assert proc.stdout is not None
-        lines: list[str] = []
-        deadline = time.monotonic() + 120
-        dsn = None
-        while dsn is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, f"server ended before printing its DSN: {''.join(lines)}"
-            lines.append(line)
-            m = re.fullmatch(r"export LEDGER_CDC_DSN='(.+)'\n", line)
-            dsn = m.group(1) if m else None
-        assert dsn is not None, "".join(lines)
-        text = "".join(lines)
+        out = Output(proc.stdout)
+        out.wait_for("export LEDGER_CDC_DSN=", timeout=120)
+        text = out.text
+        dsn = re.search(r"^export LEDGER_CDC_DSN='(.+)'$", text, re.M).group(1)  # type: ignore[union-attr]
         datadir = Path(re.search(r"data in\s+(\S+)", text).group(1))  # type: ignore[union-attr]
         assert datadir.is_dir()
         with psycopg.connect(dsn, autocommit=True) as conn:

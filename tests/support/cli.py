@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,28 +40,36 @@ class Output:
 
     def __init__(self, stream: Iterable[str]) -> None:
         self.lines: list[str] = []
+        self.ended = False
         self._reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
         self._reader.start()
 
     def _read(self, stream: Iterable[str]) -> None:
         for line in stream:
             self.lines.append(line)
+        self.ended = True
 
     @property
     def text(self) -> str:
         return "".join(self.lines)
 
     def wait_for(self, part: str, timeout: float = 60) -> None:
-        """Until a line holds ``part``; fails with the output so far."""
-        until(
-            lambda: any(part in line for line in list(self.lines)),
-            timeout,
-            what=lambda: f"{part!r} in the output:\n{self.text[-3000:]}",
-        )
+        """Until a line holds ``part``; fails with the output so far, at once if it has ended."""
+        self._until(lambda: any(part in line for line in list(self.lines)), repr(part), timeout)
 
     def wait_lines(self, n: int, timeout: float = 60) -> None:
         """Until ``n`` lines have been read."""
-        until(lambda: len(self.lines) >= n, timeout, what=lambda: f"{n} lines:\n{self.text}")
+        self._until(lambda: len(self.lines) >= n, f"{n} lines", timeout)
+
+    def _until(self, seen: Callable[[], bool], what: str, timeout: float) -> None:
+        def met() -> bool:
+            ended = self.ended  # (read first: lines read before the end are all in by then)
+            if seen():
+                return True
+            assert not ended, f"the output ended without {what}:\n{self.text[-3000:]}"
+            return False
+
+        until(met, timeout, what=lambda: f"{what} in the output:\n{self.text[-3000:]}")
 
     def close(self, timeout: float = 60) -> str:
         """The whole output, once the child has closed it."""
