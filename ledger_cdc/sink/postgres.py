@@ -167,35 +167,51 @@ _STREAM_CHUNK = 1 << 20
 def _copy_binary(
     cur: psycopg.Cursor[Any], statement: str, types: tuple[str, ...], row: tuple[Any, ...]
 ) -> None:
-    """One row by COPY … (FORMAT binary), each value in PostgreSQL's binary form, large ones
-    sent from a memoryview of their bytes, a chunk at a time: no copy of them is made here."""
+    """One row by COPY … (FORMAT binary): see :func:`_copy_binary_rows`."""
+    _copy_binary_rows(cur, statement, types, (row,))
+
+
+def _copy_binary_rows(
+    cur: psycopg.Cursor[Any],
+    statement: str,
+    types: tuple[str, ...],
+    rows: Iterable[tuple[Any, ...]],
+) -> None:
+    """Rows by one COPY … (FORMAT binary), each value in PostgreSQL's binary form, large ones
+    sent from a memoryview of their bytes, a chunk at a time: no copy of them is made here (nor
+    the hex text a bytea takes in a text COPY)."""
     with cur.copy(statement) as copy:
         head = bytearray(_BINARY_HEADER)
-        head += struct.pack(">h", len(types))
-        for kind, value in zip(types, row, strict=True):
-            if value is None:
-                head += b"\xff\xff\xff\xff"
-                continue
-            if kind == "uuid":
-                raw: bytes | memoryview = value.bytes
-            elif kind == "int8":
-                raw = struct.pack(">q", value)
-            elif kind == "int4":
-                raw = struct.pack(">i", value)
-            elif kind == "ts":
-                raw = struct.pack(">q", (value - _PG_EPOCH) // dt.timedelta(microseconds=1))
-            elif isinstance(value, str):
-                raw = value.encode()
-            else:
-                raw = memoryview(value)
-            head += struct.pack(">i", len(raw))
-            if len(raw) < _STREAM_CHUNK:
-                head += raw
-                continue
-            copy.write(head)
-            head = bytearray()
-            for i in range(0, len(raw), _STREAM_CHUNK):
-                copy.write(raw[i : i + _STREAM_CHUNK])
+        width = struct.pack(">h", len(types))
+        for row in rows:
+            head += width
+            for kind, value in zip(types, row, strict=True):
+                if value is None:
+                    head += b"\xff\xff\xff\xff"
+                    continue
+                if kind == "uuid":
+                    raw: bytes | memoryview = value.bytes
+                elif kind == "int8":
+                    raw = struct.pack(">q", value)
+                elif kind == "int4":
+                    raw = struct.pack(">i", value)
+                elif kind == "ts":
+                    raw = struct.pack(">q", (value - _PG_EPOCH) // dt.timedelta(microseconds=1))
+                elif isinstance(value, str):
+                    raw = value.encode()
+                else:
+                    raw = memoryview(value)
+                head += struct.pack(">i", len(raw))
+                if len(raw) < _STREAM_CHUNK:
+                    head += raw
+                    continue
+                copy.write(head)
+                head = bytearray()
+                for i in range(0, len(raw), _STREAM_CHUNK):
+                    copy.write(raw[i : i + _STREAM_CHUNK])
+            if len(head) >= _STREAM_CHUNK:
+                copy.write(head)
+                head = bytearray()
         head += b"\xff\xff"
         copy.write(head)
 
@@ -634,7 +650,7 @@ class PgSink:
         (its events published first, like every chunk's)."""
         self._publish(batch).wait()
         with self.conn.cursor() as cur:
-            _stage_rows(cur, batch, self.by_reference)
+            _stage_rows(cur, batch, self.by_reference, binary=True)
             _merge_rows(cur, batch, self.slot)
             cur.execute(_CLEAR_STAGES)
 
@@ -940,10 +956,14 @@ def _batch_doc(batch: Batch, by_reference: bool, checkpoint: dict[str, Any]) -> 
     return _doc.encode(doc)
 
 
-def _stage_rows(cur: psycopg.Cursor[Any], batch: Batch, by_reference: bool) -> None:
+def _stage_rows(
+    cur: psycopg.Cursor[Any], batch: Batch, by_reference: bool, *, binary: bool = False
+) -> None:
     """COPY the batch's rows into the session's staging tables (no lock taken yet). A row
     holding a large JSON value goes by a statement of its own with the value as a binary
-    parameter: COPY's text form would copy and escape it twice more in memory."""
+    parameter: COPY's text form would copy and escape it twice more in memory. ``binary``:
+    the snapshots all go by one binary COPY (a chunked commit's many, each a bytea that text
+    COPY would send as hex)."""
     if batch.sessions:
         large: list[AgentSessionRow] = []
         with cur.copy(_COPY_SESSIONS) as copy:
@@ -963,7 +983,10 @@ def _stage_rows(cur: psycopg.Cursor[Any], batch: Batch, by_reference: bool) -> N
         memos = (memo_row(sid, at, done, by_reference) for sid, at, done in batch.memo)
         statements = (_COPY_MEMO, _COPY_MEMO_BINARY)
         _copy_rows(cur, statements, _MEMO_TYPES, _MEMO_TEXT, ((m, len(m.entry)) for m in memos))
-    if batch.snapshots:
+    if batch.snapshots and binary:
+        rows = map(snapshot_row, batch.snapshots)
+        _copy_binary_rows(cur, _COPY_SNAPSHOTS_BINARY, _SNAPSHOT_TYPES, rows)
+    elif batch.snapshots:
         snaps = (snapshot_row(snap) for snap in batch.snapshots)
         statements = (_COPY_SNAPSHOTS, _COPY_SNAPSHOTS_BINARY)
         sized = ((r, len(r.data)) for r in snaps)
