@@ -41,6 +41,7 @@ import psycopg
 from common import (
     ROOT,
     consume_until,
+    init_db,
     percentile,
     proc_cpu_seconds,
     proc_peak_rss_mb,
@@ -49,7 +50,7 @@ from common import (
     words,
 )
 
-from ledger_cdc.admin.schema import create_slot, init
+from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.demo.embedded import EmbeddedPostgres
 from ledger_cdc.events import (
@@ -231,7 +232,7 @@ def main() -> None:
             for name in ("alone", "live", "backlog"):
                 conn.execute(f"CREATE DATABASE {name}")
         for name in ("alone", "live", "backlog"):
-            init(pg.dsn(name))
+            init_db(pg.dsn(name))
         with psycopg.connect(pg.dsn("backlog"), autocommit=True) as conn:
             create_slot(conn, "backlog_slot")  # slot names are cluster-wide
             create_slot(conn, "twin")

@@ -14,8 +14,8 @@ import time
 import uuid
 
 import psycopg
+from common import init_db
 
-from ledger_cdc.admin.schema import init
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.demo.embedded import EmbeddedPostgres
 
@@ -35,7 +35,7 @@ def main() -> None:
     sessions = [uuid.uuid4() for _ in range(args.sessions)]
     payload = '{"call_id": "c1", "tool": "search", "arguments": {"q": "quarterly numbers"}}'
     with EmbeddedPostgres(major=args.pg_major, fsync=args.fsync) as pg:
-        init(pg.dsn())
+        init_db(pg.dsn())
         with psycopg.connect(pg.dsn(), autocommit=True) as conn:
             conn.execute(PLAIN)
             results = {}

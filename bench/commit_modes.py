@@ -20,9 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import PGBENCH_SCRIPT, ROOT, pgbench_argv
+from common import PGBENCH_SCRIPT, ROOT, init_db, pgbench_argv
 
-from ledger_cdc.admin.schema import init
 from ledger_cdc.demo.embedded import EmbeddedPostgres
 
 
@@ -37,7 +36,7 @@ def main() -> None:
         tempfile.TemporaryDirectory() as tmp,
     ):
         dsn = pg.dsn()
-        init(dsn, slot="agent_slot")
+        init_db(dsn, slot="agent_slot")
         script = Path(tmp) / "insert.sql"
         script.write_text(PGBENCH_SCRIPT)
         os.chmod(tmp, 0o755)

@@ -49,6 +49,15 @@ def words(rng: Any, chars: int, vocabulary: list[str]) -> str:
     return " ".join(out)[:chars]
 
 
+def init_db(dsn: str, **kwargs: Any) -> Any:
+    """``ledger_cdc.admin.schema.init`` (``kwargs`` passed on) on an autocommit session opened
+    on ``dsn`` and closed after; its InitResult."""
+    from ledger_cdc.admin.schema import init
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return init(conn, **kwargs)
+
+
 def write_backlog(dsn: str, n: int, sessions: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(WRITE_PROC)

@@ -23,8 +23,9 @@ import time
 from collections.abc import Callable
 
 import psycopg
+from common import init_db
 
-from ledger_cdc.admin.schema import create_slot, init
+from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.demo.embedded import EmbeddedPostgres
 from ledger_cdc.pgoutput import Decoder, Insert, Relation
 from ledger_cdc.pgoutput.spec import MESSAGE
@@ -47,7 +48,7 @@ END $$;
 
 def capture(events: int, major: int | None) -> tuple[int, list[tuple[int, bytes]]]:
     with EmbeddedPostgres(major=major) as pg:
-        init(pg.dsn())
+        init_db(pg.dsn())
         with psycopg.connect(pg.dsn(), autocommit=True) as conn:
             create_slot(conn, "bench")
             conn.execute(WRITE)

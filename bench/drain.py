@@ -48,6 +48,7 @@ from pathlib import Path
 import psycopg
 from common import (
     consume_until,
+    init_db,
     machine_cpu_seconds,
     proc_cpu_seconds,
     recvlogical,
@@ -56,7 +57,7 @@ from common import (
 )
 from stages import print_stages
 
-from ledger_cdc.admin.schema import create_slot, init
+from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.demo.embedded import EmbeddedPostgres
 
 
@@ -74,7 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     with EmbeddedPostgres(major=args.pg_major, fsync=True) as pg:
         dsn = pg.dsn()
-        init(dsn)
+        init_db(dsn)
         with psycopg.connect(dsn, autocommit=True) as conn:
             create_slot(conn, "agent_slot")
             create_slot(conn, "twin")
@@ -86,11 +87,11 @@ def main() -> None:
                 create_slot(conn, f"stages{i}")
                 conn.execute(f"CREATE DATABASE stages{i}")
         for i in range(args.stages):
-            init(pg.dsn(f"stages{i}"))
+            init_db(pg.dsn(f"stages{i}"))
         for i in range(args.runs if args.fan_out else 0):
-            init(pg.dsn(f"alone{i}"))
-            init(pg.dsn(f"fanout{i}"))
-            init(pg.dsn(f"beside{i}"))
+            init_db(pg.dsn(f"alone{i}"))
+            init_db(pg.dsn(f"fanout{i}"))
+            init_db(pg.dsn(f"beside{i}"))
         end = timed_backlog(pg, dsn, args.events, args.sessions)
 
         t_ref = recvlogical(pg, end)

@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 import psycopg
-from common import consume, proc_cpu_seconds, timed_backlog, wait_until
+from common import consume, init_db, proc_cpu_seconds, timed_backlog, wait_until
 from drain import NatsProcess
 
-from ledger_cdc.admin.schema import create_slot, init
+from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.demo.embedded import EmbeddedPostgres
 
 
@@ -39,13 +39,13 @@ def main() -> None:
     args = ap.parse_args()
     with EmbeddedPostgres(major=args.pg_major, fsync=True) as pg, NatsProcess() as url:
         dsn = pg.dsn()
-        init(dsn, shards=4)  # agent_pub_s0..3 and their slots
+        init_db(dsn, shards=4)  # agent_pub_s0..3 and their slots
         with psycopg.connect(dsn, autocommit=True) as conn:
             create_slot(conn, "agent_slot")
             for name in ("fold1", "fold2", "fold4", "shards"):
                 conn.execute(f"CREATE DATABASE {name}")
         for name in ("fold1", "fold2", "fold4", "shards"):
-            init(pg.dsn(name))
+            init_db(pg.dsn(name))
         end = timed_backlog(pg, dsn, args.events, args.sessions)
 
         # the relay: one slot, decoded once, published

@@ -23,8 +23,8 @@ import time
 from typing import Annotated, Any, TypedDict
 
 import psycopg
+from common import init_db
 
-from ledger_cdc.admin.schema import init
 from ledger_cdc.client.writer import AsyncLedger
 from ledger_cdc.demo.embedded import EmbeddedPostgres
 from ledger_cdc.integrations.langgraph import AsyncLedgerSaver
@@ -121,7 +121,7 @@ async def main_async(args: argparse.Namespace) -> None:
             conn.execute("CREATE DATABASE reference")
             conn.execute("CREATE DATABASE ledger")
         ref_dsn, led_dsn = pg.dsn("reference"), pg.dsn("ledger")
-        init(led_dsn)
+        init_db(led_dsn)
         base_led = size(led_dsn, ["agent_events"])
         ledger = await AsyncLedger.connect(led_dsn)
         try:

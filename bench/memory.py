@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 import psycopg
-from common import consume, proc_peak_rss_mb, wait_until
+from common import consume, init_db, proc_peak_rss_mb, wait_until
 
-from ledger_cdc.admin.schema import init
 from ledger_cdc.demo.embedded import EmbeddedPostgres
 
 MANY = """
@@ -77,7 +76,7 @@ def run(
     with psycopg.connect(pg.dsn(), autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {dbname}")
     dsn = pg.dsn(dbname)
-    init(dsn, slot=f"s_{dbname}")
+    init_db(dsn, slot=f"s_{dbname}")
     with tempfile.TemporaryFile() as log:
         proc = consume(dsn, ["--slot", f"s_{dbname}", "--memory-limit-mb", str(limit)], log)
         try:

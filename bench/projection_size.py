@@ -22,9 +22,8 @@ import time
 import uuid
 
 import psycopg
-from common import consume, wait_until, words
+from common import consume, init_db, wait_until, words
 
-from ledger_cdc.admin.schema import init
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.demo.embedded import EmbeddedPostgres
 from ledger_cdc.events import ModelRequested, ModelResponded, ToolCall, ToolInvoked, ToolObserved
@@ -111,7 +110,7 @@ def main() -> None:
     args = ap.parse_args()
     with EmbeddedPostgres(major=args.pg_major) as pg:
         dsn = pg.dsn()
-        init(dsn, slot="bench")  # (the slot first: the writes go through the stream)
+        init_db(dsn, slot="bench")  # (the slot first: the writes go through the stream)
         t0 = time.monotonic()
         events = write(dsn, args.sessions, args.string_share)
         print(

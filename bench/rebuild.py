@@ -31,9 +31,8 @@ import uuid
 from typing import Any
 
 import psycopg
-from common import ROOT, percentile, wait_until
+from common import ROOT, init_db, percentile, wait_until
 
-from ledger_cdc.admin.schema import init
 from ledger_cdc.client.recovery import load_events, memoised_model, memoised_tool, rebuild_context
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.demo.embedded import EmbeddedPostgres
@@ -141,7 +140,7 @@ def main() -> None:
     sid = uuid.uuid4()
     with EmbeddedPostgres(major=args.pg_major) as pg:
         dsn = pg.dsn()
-        init(dsn, slot="agent_slot")
+        init_db(dsn, slot="agent_slot")
         consumer = subprocess.Popen(
             [
                 sys.executable,

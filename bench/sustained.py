@@ -48,9 +48,17 @@ import time
 from pathlib import Path
 
 import psycopg
-from common import PGBENCH_SCRIPT, ROOT, percentile, pgbench_argv, proc_cpu_seconds, wait_until
+from common import (
+    PGBENCH_SCRIPT,
+    ROOT,
+    init_db,
+    percentile,
+    pgbench_argv,
+    proc_cpu_seconds,
+    wait_until,
+)
 
-from ledger_cdc.admin.schema import create_slot, init
+from ledger_cdc.admin.schema import create_slot
 from ledger_cdc.consumer import ConsumerConfig, build_consumer
 from ledger_cdc.demo.embedded import EmbeddedPostgres
 
@@ -305,7 +313,7 @@ def main() -> None:
         major=args.pg_major, fsync=True, settings={"track_commit_timestamp": "on"}
     ) as pg:
         dsn = pg.dsn()
-        init(dsn)
+        init_db(dsn)
         with psycopg.connect(dsn, autocommit=True) as conn:
             create_slot(conn, "agent_slot")
         print(f"PostgreSQL {pg.major}, fsync on, {args.seconds}s per phase")

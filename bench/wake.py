@@ -21,9 +21,8 @@ import time
 import uuid
 
 import psycopg
-from common import ROOT, percentile, wait_until
+from common import ROOT, init_db, percentile, wait_until
 
-from ledger_cdc.admin.schema import init
 from ledger_cdc.client.runs import lease, pending_runs, signal, submit
 from ledger_cdc.demo.embedded import EmbeddedPostgres
 
@@ -36,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     with EmbeddedPostgres(major=args.pg_major, fsync=True) as pg:
         dsn = pg.dsn()
-        init(dsn, slot="agent_slot")
+        init_db(dsn, slot="agent_slot")
         consumer = subprocess.Popen(
             [sys.executable, "-m", "ledger_cdc", "consume", "--dsn", dsn, "--log-format", "text"],
             cwd=ROOT,

@@ -508,7 +508,7 @@ class InitResult:
 
 
 def init(
-    dsn: str,
+    conn: psycopg.Connection[Any],
     *,
     publication: str = DEFAULT_PUBLICATION,
     slot: str | None = None,
@@ -519,41 +519,47 @@ def init(
 ) -> InitResult:
     """Apply the migrations, create the publication and, if ``slot`` is given, the slot.
 
-    ``partition_by`` (day, week, month) creates a new ledger partitioned by ``created_at``, with
-    the current and ``partitions_ahead`` next partitions (:mod:`ledger_cdc.admin.partitions`)."""
+    ``conn`` must be in autocommit mode: each migration runs in a transaction of its own, and
+    a slot cannot be created inside a transaction block. ``partition_by`` (day, week, month)
+    creates a new ledger partitioned by ``created_at``, with the current and
+    ``partitions_ahead`` next partitions (:mod:`ledger_cdc.admin.partitions`)."""
     from ledger_cdc.admin import partitions
 
     validate_publication_name(publication)
     if slot is not None:
         validate_slot_name(slot)
+    if not conn.autocommit:
+        raise ConfigError(
+            "init needs an autocommit connection (psycopg.connect(dsn, autocommit=True)): "
+            "a slot cannot be created inside a transaction block"
+        )
     created: list[str] = []
     try:
-        with open_session(dsn, autocommit=True) as conn:
-            preflight(conn, slot=slot is not None or bool(shards))
-            _need_failover_server(conn, failover and (slot is not None or bool(shards)))
-            fresh = partitions.setup(conn, partition_by) if partition_by else False
-            applied = migrate(conn)
-            if fresh:
-                partitions.recreate(conn)
-                apply_definitions(conn)
-                created = partitions.ensure(conn, partitions_ahead)
-            elif partitions.is_partitioned(conn):
-                created = partitions.ensure(conn, partitions_ahead)
-            pub = create_publication(conn, publication)
-            made = create_slot(conn, slot, failover=failover) if slot is not None else None
-            sharded = (
-                create_shards(
-                    conn,
-                    shards,
-                    publication=publication,
-                    slot=slot or DEFAULT_SLOT,
-                    failover=failover,
-                )
-                if shards
-                else []
+        preflight(conn, slot=slot is not None or bool(shards))
+        _need_failover_server(conn, failover and (slot is not None or bool(shards)))
+        fresh = partitions.setup(conn, partition_by) if partition_by else False
+        applied = migrate(conn)
+        if fresh:
+            partitions.recreate(conn)
+            apply_definitions(conn)
+            created = partitions.ensure(conn, partitions_ahead)
+        elif partitions.is_partitioned(conn):
+            created = partitions.ensure(conn, partitions_ahead)
+        pub = create_publication(conn, publication)
+        made = create_slot(conn, slot, failover=failover) if slot is not None else None
+        sharded = (
+            create_shards(
+                conn,
+                shards,
+                publication=publication,
+                slot=slot or DEFAULT_SLOT,
+                failover=failover,
             )
+            if shards
+            else []
+        )
     except psycopg.Error as e:
-        raise translate(e, dsn=dsn, doing="init") from e
+        raise translate(e, dsn=conn.info.dsn, doing="init") from e
     return InitResult(applied, pub, made, created, sharded)
 
 

@@ -98,16 +98,18 @@ def init(
     existing partitioned ledger, init also creates the partitions that are due.
     """
     from ledger_cdc.admin.schema import init as do_init
+    from ledger_cdc.connect import connect
 
-    res = do_init(
-        dsn,
-        publication=publication,
-        slot=slot if create_slot else None,
-        partition_by=partition_by,
-        partitions_ahead=partitions_ahead,
-        shards=shards,
-        failover=failover,
-    )
+    with connect(dsn, doing="init", autocommit=True) as conn:
+        res = do_init(
+            conn,
+            publication=publication,
+            slot=slot if create_slot else None,
+            partition_by=partition_by,
+            partitions_ahead=partitions_ahead,
+            shards=shards,
+            failover=failover,
+        )
     applied = ", ".join(f"{v:04d}" for v in res.applied) or "none (already up to date)"
     state.console.print(f"schema versions applied: {applied}; functions and grants applied")
     state.console.print(

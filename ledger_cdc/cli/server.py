@@ -77,7 +77,8 @@ def server(
         with open_session(pg.dsn(), autocommit=True) as conn:
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
         dsn = pg.dsn(database)
-        init(dsn, slot="agent_slot" if create_slot else None)
+        with open_session(dsn, autocommit=True) as conn:
+            init(conn, slot="agent_slot" if create_slot else None)
         con.print(
             f"PostgreSQL {pg.major} ({pg.install.bindir}) on 127.0.0.1:{pg.port}, "
             f"data in {pg.datadir} (removed when this stops)"

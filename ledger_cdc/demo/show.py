@@ -18,6 +18,7 @@ from rich.table import Table
 from ledger_cdc.admin.schema import init
 from ledger_cdc.admin.timeline import summarise
 from ledger_cdc.admin.verify import VerifyReport, verify
+from ledger_cdc.connect import open_session
 from ledger_cdc.consumer import ConsumerConfig, build_consumer
 from ledger_cdc.demo.agents import (
     DemoReport,
@@ -77,7 +78,8 @@ def _terminated(signum: int, frame: Any) -> None:
 
 def _demo_on(con: Console, dsn: str, sessions: int, seed: int) -> None:
     """The demo on the (empty) database ``dsn``."""
-    res = init(dsn, slot="agent_slot")  # the slot before any write: nothing is missed
+    with open_session(dsn, autocommit=True) as conn:
+        res = init(conn, slot="agent_slot")  # the slot before any write: nothing is missed
     con.print(
         f"ledger initialised: migrations {', '.join(f'{v:04d}' for v in res.applied)}, "
         "publication agent_pub, slot agent_slot"

@@ -30,7 +30,6 @@ import msgspec
 import psycopg
 import pytest
 
-from ledger_cdc.admin.schema import init
 from ledger_cdc.cli import cli
 from ledger_cdc.client.read import projected_contexts
 from ledger_cdc.client.recovery import fold_all, load_events, load_memo
@@ -44,6 +43,7 @@ from tests.support.cdc import (
     run_cli,
 )
 from tests.support.harness import _new_database
+from tests.support.schema import init_db
 from tests.support.standby import FailoverWriters, PrimaryStandby
 from tests.support.wait import until
 
@@ -268,7 +268,7 @@ def test_failover_slot_carries_the_consumer_over_a_promotion(
     log = tmp_path / "consume.log"
     projections_args = ("--target-dsn", target) if target else ()
     with PrimaryStandby(18, failover_slots=True, synchronous=True) as pair:
-        init(pair.primary_dsn(), slot="agent_slot", failover=True)
+        init_db(pair.primary_dsn(), slot="agent_slot", failover=True)
         projections = target or pair.dsn()
         with (
             _consumer(pair, log, *projections_args) as consumer,
@@ -303,7 +303,7 @@ def test_promoted_standby_keeping_synchronized_standby_slots_names_the_stall(
     failover slot is made here by SQL, as an operator would have before ledger-cdc could.)"""
     log = tmp_path / "consume.log"
     with PrimaryStandby(18, failover_slots=True, synchronous=True) as pair:
-        init(pair.primary_dsn())
+        init_db(pair.primary_dsn())
         pair.create_logical_slot("agent_slot")
         with _consumer(pair, log) as consumer, FailoverWriters(pair.dsn(), n=2) as writers:
             _while_consuming(
@@ -356,10 +356,10 @@ def test_promotion_without_failover_slot_resyncs_from_the_table(
     log = tmp_path / "consume.log"
     with PrimaryStandby(major, synchronous=True) as pair:
         if remade == "create-slot":
-            init(pair.primary_dsn())
+            init_db(pair.primary_dsn())
             args: tuple[str, ...] = ("--create-slot",)
         else:
-            init(pair.primary_dsn(), slot="agent_slot")
+            init_db(pair.primary_dsn(), slot="agent_slot")
             args = ()
         with _consumer(pair, log, *args) as consumer, FailoverWriters(pair.dsn()) as writers:
             _while_consuming(
@@ -391,7 +391,7 @@ def test_async_loss_with_target_dsn_refolds_from_the_new_ledger(
     session ahead of it), events appended after the failover are folded, verify passes."""
     log = tmp_path / "consume.log"
     with PrimaryStandby(18) as pair:
-        init(pair.primary_dsn())
+        init_db(pair.primary_dsn())
         with (
             _consumer(pair, log, "--create-slot", "--target-dsn", target) as consumer,
             FailoverWriters(pair.dsn()) as writers,

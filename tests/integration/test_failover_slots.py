@@ -12,12 +12,13 @@ import psycopg
 import pytest
 
 from ledger_cdc.admin.health import failover_state
-from ledger_cdc.admin.schema import create_slot, init, set_failover
+from ledger_cdc.admin.schema import create_slot, set_failover
 from ledger_cdc.client.writer import Ledger
 from ledger_cdc.demo.embedded import EmbeddedPostgres, find_installations
 from ledger_cdc.errors import ConfigError
 from tests.support.cdc import InThread, until
 from tests.support.harness import Database
+from tests.support.schema import init_db
 
 pytestmark = pytest.mark.server
 
@@ -37,12 +38,12 @@ def _slot_name(db: Database, what: str) -> str:
 def test_every_path_that_creates_the_slot_can_make_a_failover_slot(empty_db: Database) -> None:
     if empty_db.server.major < 17:
         with pytest.raises(ConfigError, match="PostgreSQL 17 or later"):
-            init(empty_db.dsn, slot=_slot_name(empty_db, "i"), failover=True)
+            init_db(empty_db.dsn, slot=_slot_name(empty_db, "i"), failover=True)
         with empty_db.connect() as conn:  # refused before anything changed
             assert conn.execute("SELECT to_regclass('agent_events')").fetchone() == (None,)
         return
     a, b, c = (_slot_name(empty_db, k) for k in ("i", "s", "c"))
-    init(empty_db.dsn, slot=a, failover=True)
+    init_db(empty_db.dsn, slot=a, failover=True)
     with empty_db.connect() as conn:
         assert _failover(conn, a)
         assert create_slot(conn, b, failover=True)
@@ -97,7 +98,7 @@ def test_a_stall_by_synchronized_standby_slots_is_named_with_its_fix(
     pg18: EmbeddedPostgres,
 ) -> None:
     dsn = pg18.dsn()
-    init(dsn, slot="agent_slot", failover=True)
+    init_db(dsn, slot="agent_slot", failover=True)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_create_physical_replication_slot('standby_1')")
         conn.execute("ALTER SYSTEM SET synchronized_standby_slots = 'standby_1, gone_standby'")

@@ -17,7 +17,6 @@ from ledger_cdc.admin import partitions
 from ledger_cdc.admin.archive import ArchiveRefusedError, archive, check_archive
 from ledger_cdc.admin.importer import ImportedEvent, import_events
 from ledger_cdc.admin.partitions import ensure, list_partitions
-from ledger_cdc.admin.schema import init
 from ledger_cdc.admin.verify import verify
 from ledger_cdc.client.recovery import (
     HistoryArchivedError,
@@ -40,6 +39,7 @@ from tests.support.cdc import (
 )
 from tests.support.cli import run_cli_process
 from tests.support.harness import Database
+from tests.support.schema import init_db
 
 OLD = dt.timedelta(days=120)
 
@@ -59,7 +59,7 @@ def _old_event(conn: psycopg.Connection[Any], sid: uuid.UUID, i: int, when: dt.d
 
 
 def test_partitioned_ledger_keeps_guards_and_per_session_uniqueness(empty_db: Database) -> None:
-    res = init(empty_db.dsn, partition_by="month")
+    res = init_db(empty_db.dsn, partition_by="month")
     assert len(res.partitions_created) == 4
     with empty_db.connect() as conn:
         assert conn.execute("SELECT pubviaroot FROM pg_publication").fetchone() == (True,)
@@ -106,7 +106,7 @@ def test_partitioned_ledger_keeps_guards_and_per_session_uniqueness(empty_db: Da
         assert rows[0] == (1, old_part) and rows[1][1] != old_part
     # the chain links across the partitions (no consumer: projections not judged)
     assert verify(empty_db.dsn, consumer_wait=-1).ok
-    assert init(empty_db.dsn, partition_by="month").applied == []  # idempotent
+    assert init_db(empty_db.dsn, partition_by="month").applied == []  # idempotent
 
 
 @pytest.mark.parametrize(
@@ -122,7 +122,7 @@ def test_an_event_whose_partition_would_end_after_year_9999_is_refused(
 ) -> None:
     """Its partition's upper bound is past what a timestamp can be here: refused as an invalid
     event with the reason, not an OverflowError (the importer's traceback)."""
-    init(empty_db.dsn, partition_by=unit, slot="agent_slot")
+    init_db(empty_db.dsn, partition_by=unit, slot="agent_slot")
     ev = ImportedEvent(
         uuid.uuid4(),
         "a",
@@ -159,7 +159,7 @@ def test_a_partition_ending_in_year_10000_is_listed_and_never_archived(
     last month when asked, ending at 10000-01-01: Python cannot hold that bound, and every
     command that lists partitions failed on it (ValueError: partitions list, archive, import).
     Its bound is now the latest time Python can hold."""
-    init(empty_db.dsn, partition_by="month", slot="agent_slot")
+    init_db(empty_db.dsn, partition_by="month", slot="agent_slot")
     with empty_db.connect() as conn:
         conn.execute("SELECT ledger_ensure_partitions(0, '9999-12-15')")
         last = list_partitions(conn)[-1]
@@ -180,7 +180,7 @@ def test_import_names_the_line_whose_partition_would_end_after_year_9999(
     """``ledger-cdc import``: the refusal names the line and what was written (the batches
     before it), and no partition is left made for the refused batch. Before, it named neither,
     so the import could not be taken up from the right line."""
-    init(empty_db.dsn, partition_by="month", slot="agent_slot")
+    init_db(empty_db.dsn, partition_by="month", slot="agent_slot")
     sid = uuid.uuid4()
     source = tmp_path / "events.jsonl"
     source.write_text(
@@ -210,12 +210,12 @@ def test_import_names_the_line_whose_partition_would_end_after_year_9999(
 
 def test_partition_by_on_an_unpartitioned_ledger_is_refused(db: Database) -> None:
     with pytest.raises(ConfigError, match="not partitioned"):
-        init(db.dsn, partition_by="week")
+        init_db(db.dsn, partition_by="week")
 
 
 def test_archive_under_load_loses_nothing(empty_db: Database, tmp_path: Path) -> None:
     dsn = empty_db.dsn
-    init(dsn, partition_by="month", slot="agent_slot")
+    init_db(dsn, partition_by="month", slot="agent_slot")
     sessions = [uuid.uuid4() for _ in range(6)]
     with empty_db.connect() as conn:
         now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
@@ -309,7 +309,7 @@ def test_archive_replaces_a_snapshot_of_the_old_format_and_stops_at_the_consumer
     snapshot it takes is at the consumer's position, not past it (its memo must be in
     agent_memo already)."""
     dsn = empty_db.dsn
-    init(dsn, partition_by="month", slot="agent_slot")
+    init_db(dsn, partition_by="month", slot="agent_slot")
     sid, ahead = uuid.uuid4(), uuid.uuid4()
     with empty_db.connect() as conn:
         now = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
@@ -350,7 +350,7 @@ def test_archive_keeps_what_stored_contexts_and_memo_rows_reference(
     every reader (the SQL view, rebuild, memo lookups, verify, a restarted consumer) still gets
     whole contexts — the same as before the archive."""
     dsn = empty_db.dsn
-    init(dsn, partition_by="month", slot="agent_slot")
+    init_db(dsn, partition_by="month", slot="agent_slot")
     kept, moved_on = uuid.uuid4(), uuid.uuid4()
     long_window = [
         {"role": "system", "content": "window " * 200},
@@ -438,7 +438,7 @@ def test_partitions_for_a_time_out_of_range_are_refused_not_made_wrong(empty_db:
     """ledger_ensure_partitions (open to the consumer's role) takes a time: infinity, a year BC
     or past 9999 is refused in one line (SQLSTATE 22008). A year BC made the partition named
     for the same day AD, which was then never made."""
-    init(empty_db.dsn, partition_by="month")
+    init_db(empty_db.dsn, partition_by="month")
     with psycopg.connect(empty_db.dsn, autocommit=True) as conn:
         for at, ahead in [
             ("infinity", 0),

@@ -25,7 +25,7 @@ from ledger_cdc.admin import archive as archiving
 from ledger_cdc.admin.archive import archive, check_archive
 from ledger_cdc.admin.importer import ImportedEvent, import_events
 from ledger_cdc.admin.partitions import ensure
-from ledger_cdc.admin.schema import drop_slot, init
+from ledger_cdc.admin.schema import drop_slot
 from ledger_cdc.admin.verify import verify
 from ledger_cdc.client.read import projected_contexts
 from ledger_cdc.client.recovery import fork, memoised_tool, rebuild_context, retry_tool
@@ -45,6 +45,7 @@ from tests.support.cdc import (
     wait_caught_up,
 )
 from tests.support.harness import Database
+from tests.support.schema import init_db
 from tests.support.wait import until
 
 pytestmark = pytest.mark.server
@@ -67,7 +68,7 @@ def _import(
 
 
 def _partitioned(db: Database) -> dt.datetime:
-    init(db.dsn, partition_by="month", slot="agent_slot")
+    init_db(db.dsn, partition_by="month", slot="agent_slot")
     with db.connect() as conn:
         now: dt.datetime = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
         ensure(conn, 0, at=now - OLD)

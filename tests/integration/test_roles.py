@@ -20,7 +20,6 @@ import pytest
 from psycopg import sql
 
 from ledger_cdc.admin.partitions import list_partitions
-from ledger_cdc.admin.schema import init
 from ledger_cdc.admin.verify import verify
 from ledger_cdc.client.read import projected_contexts
 from ledger_cdc.client.recovery import memoised_tool, rebuild_context
@@ -30,6 +29,7 @@ from ledger_cdc.consumer.tasks import partition_keeper
 from ledger_cdc.errors import ConcurrentAppendError, IdempotencyConflictError
 from tests.support.cdc import InThread, assert_clean_exit, run_cli, until, wait_caught_up
 from tests.support.harness import Database
+from tests.support.schema import init_db
 
 pytestmark = pytest.mark.server
 
@@ -232,7 +232,7 @@ def test_the_consumer_role_keeps_partitions_ahead(empty_db: Database) -> None:
     """The consumer's partition task runs as ledger_consumer, which may not create tables: it
     creates the partitions ahead through ledger_ensure_partitions (as the owner, and no more
     than 120 ahead). It failed on every run before."""
-    init(empty_db.dsn, partition_by="day", slot="agent_slot")
+    init_db(empty_db.dsn, partition_by="day", slot="agent_slot")
     name = f"c_{empty_db.name}"
     with psycopg.connect(empty_db.server.dsn(), autocommit=True) as admin:
         admin.execute(
@@ -274,7 +274,7 @@ def test_the_roles_work_on_a_hardened_database(roles: Roles) -> None:
         )
         conn.execute("REVOKE ALL ON SCHEMA public FROM PUBLIC")
         conn.execute("REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA public FROM PUBLIC")
-    init(db.dsn, slot="agent_slot")  # (on a hardened database, or run again)
+    init_db(db.dsn, slot="agent_slot")  # (on a hardened database, or run again)
     with psycopg.connect(dsn, autocommit=True) as conn:
         assert conn.execute(
             "SELECT has_database_privilege(current_database(), 'TEMP')"

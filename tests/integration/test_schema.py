@@ -19,18 +19,20 @@ from ledger_cdc.admin.schema import (
     load_migrations,
     migrate,
 )
+from ledger_cdc.connect import connect
 from ledger_cdc.errors import ConfigError, MigrationError, RetryableError
 from tests.support.harness import Database
+from tests.support.schema import init_db
 
 pytestmark = pytest.mark.server
 
 
 def test_init_applies_every_migration_once(empty_db: Database) -> None:
-    first = init(empty_db.dsn, slot="agent_slot")
+    first = init_db(empty_db.dsn, slot="agent_slot")
     versions = [m.version for m in load_migrations()]
     assert first.applied == versions
     assert first.publication_created and first.slot_created
-    again = init(empty_db.dsn, slot="agent_slot")
+    again = init_db(empty_db.dsn, slot="agent_slot")
     assert again.applied == [] and not again.publication_created and not again.slot_created
     with empty_db.connect() as conn:
         assert sorted(applied_migrations(conn)) == versions
@@ -47,7 +49,7 @@ def test_init_applies_every_migration_once(empty_db: Database) -> None:
 
 
 def test_edited_migration_is_refused(empty_db: Database) -> None:
-    init(empty_db.dsn)
+    init_db(empty_db.dsn)
     migs = load_migrations()
     changed = [Migration(m.version, m.name, m.text + "\n-- edited\n") for m in migs]
     with (
@@ -72,17 +74,17 @@ def test_failed_migration_leaves_nothing_recorded(empty_db: Database) -> None:
 )
 def test_bad_slot_names_are_refused(empty_db: Database, name: str) -> None:
     with pytest.raises(ConfigError, match="invalid slot name"):
-        init(empty_db.dsn, slot=name)
+        init_db(empty_db.dsn, slot=name)
 
 
 @pytest.mark.parametrize("name", ["pub; DROP TABLE agent_events", "1pub", "p" * 64, 'pu"b'])
 def test_bad_publication_names_are_refused(empty_db: Database, name: str) -> None:
     with pytest.raises(ConfigError, match="invalid publication name"):
-        init(empty_db.dsn, publication=name)
+        init_db(empty_db.dsn, publication=name)
 
 
 def test_mixed_case_publication_is_quoted(empty_db: Database) -> None:
-    init(empty_db.dsn, publication="Agent_Pub")
+    init_db(empty_db.dsn, publication="Agent_Pub")
     with empty_db.connect() as conn:
         assert conn.execute("SELECT 1 FROM pg_publication WHERE pubname = 'Agent_Pub'").fetchone()
 
@@ -95,8 +97,16 @@ def test_existing_slot_with_another_plugin_is_an_error(db: Database) -> None:
 
 
 def test_unreachable_database_is_one_clear_error() -> None:
-    with pytest.raises(RetryableError, match="Connection refused"):
-        init("host=127.0.0.1 port=1 dbname=x connect_timeout=2")
+    # the connect ``ledger-cdc init`` does before it calls init
+    with pytest.raises(RetryableError, match=r"^init: .*Connection refused"):
+        connect("host=127.0.0.1 port=1 dbname=x connect_timeout=2", doing="init", autocommit=True)
+
+
+def test_init_refuses_a_connection_in_a_transaction(empty_db: Database) -> None:
+    with empty_db.connect(autocommit=False) as conn:
+        with pytest.raises(ConfigError, match="autocommit"):
+            init(conn, slot="agent_slot")
+        assert conn.execute("SELECT to_regclass('ledger_migrations')").fetchone() == (None,)
 
 
 def _one_event(db: Database) -> uuid.UUID:

@@ -16,13 +16,13 @@ from ledger_cdc.admin.partitions import ensure
 from ledger_cdc.admin.schema import (
     BASELINE,
     applied_migrations,
-    init,
     load_legacy,
     load_migrations,
     migrate,
 )
 from tests.support.catalog import schema_catalog
 from tests.support.harness import Database, Server, _new_database
+from tests.support.schema import init_db
 
 pytestmark = pytest.mark.server
 
@@ -68,8 +68,8 @@ def test_a_legacy_database_is_brought_to_the_fresh_schema(
     sid = uuid.uuid4()
     with Ledger(legacy_db.dsn) as ledger:  # history written under the legacy schema stays
         ledger.append(sid, "a", "tool.invoked", {"call_id": "c", "tool": "t"})
-    init(empty_db.dsn)
-    res = init(legacy_db.dsn)
+    init_db(empty_db.dsn)
+    res = init_db(legacy_db.dsn)
     later = [m.version for m in load_migrations() if m.version > BASELINE]
     assert res.applied == [*range(upto + 1, BASELINE), *later]
     assert _differences(empty_db, legacy_db) == {}
@@ -78,7 +78,7 @@ def test_a_legacy_database_is_brought_to_the_fresh_schema(
         assert conn.execute("SELECT count(*) FROM agent_events").fetchone() == (1,)
     with Ledger(legacy_db.dsn) as ledger:
         assert ledger.append(sid, "a", "tool.observed", {"call_id": "c", "result": 1}).position == 2
-    assert init(legacy_db.dsn).applied == []  # and stays so
+    assert init_db(legacy_db.dsn).applied == []  # and stays so
     assert _differences(empty_db, legacy_db) == {}
 
 
@@ -86,8 +86,8 @@ def test_a_legacy_partitioned_database_is_brought_to_the_fresh_schema(
     empty_db: Database, legacy_db: Database
 ) -> None:
     _legacy(legacy_db, 17, partitioned=True)
-    init(empty_db.dsn, partition_by="day")
-    init(legacy_db.dsn, partition_by="day")
+    init_db(empty_db.dsn, partition_by="day")
+    init_db(legacy_db.dsn, partition_by="day")
     assert _differences(empty_db, legacy_db) == {}
     with legacy_db.connect() as conn:
         (fn,) = conn.execute(  # type: ignore[misc]
@@ -100,7 +100,7 @@ def test_a_legacy_partitioned_database_is_brought_to_the_fresh_schema(
 def test_init_puts_back_a_function_or_grant_changed_by_hand(empty_db: Database) -> None:
     """The definitions are re-applied by every init: a function replaced or a grant added by
     hand is the file's again after it."""
-    init(empty_db.dsn)
+    init_db(empty_db.dsn)
     with empty_db.connect() as conn:
         before = schema_catalog(conn)
         conn.execute(
@@ -110,7 +110,7 @@ def test_init_puts_back_a_function_or_grant_changed_by_hand(empty_db: Database) 
         conn.execute("GRANT SELECT ON agent_sessions TO ledger_writer")
         conn.execute("ALTER ROLE ledger_consumer REPLICATION")
         assert schema_catalog(conn) != before
-    init(empty_db.dsn)
+    init_db(empty_db.dsn)
     with empty_db.connect() as conn:
         assert schema_catalog(conn) == before
 

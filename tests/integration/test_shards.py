@@ -11,11 +11,11 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from ledger_cdc.admin.schema import init
 from ledger_cdc.client.read import projected_contexts
 from ledger_cdc.client.recovery import fold_all
 from tests.support.cdc import ConsumerProcess, Writers, until
 from tests.support.harness import Database
+from tests.support.schema import init_db
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def targets(db: Database) -> Iterator[list[str]]:
 def test_four_shards_fold_disjoint_sessions_whose_union_is_the_full_fold(
     db: Database, targets: list[str]
 ) -> None:
-    res = init(db.dsn, shards=4)
+    res = init_db(db.dsn, shards=4)
     assert res.shards == [(f"agent_pub_s{k}", f"agent_slot_s{k}") for k in range(4)]
     with db.connect() as conn:
         filters = dict(

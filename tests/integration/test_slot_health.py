@@ -536,9 +536,9 @@ def test_a_publication_that_does_not_stream_the_ledger_stops_consume_at_start(
     not take for the ledger). It used to stream
     along with nothing to fold, and what was written meanwhile never reached the slot: now
     consume exits 4 at start, with the statement that puts it right."""
-    from ledger_cdc.admin.schema import init
+    from tests.support.schema import init_db
 
-    init(empty_db.dsn, partition_by="month" if "partitions of" in says else None)
+    init_db(empty_db.dsn, partition_by="month" if "partitions of" in says else None)
     with empty_db.connect() as conn:
         conn.execute(alter)
     out = _consume_once(empty_db.dsn)

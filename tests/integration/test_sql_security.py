@@ -19,10 +19,10 @@ import pytest
 from psycopg import sql
 
 from ledger_cdc.admin.partitions import ensure, list_partitions
-from ledger_cdc.admin.schema import init
 from ledger_cdc.client.writer import Ledger
 from tests.support.cdc import until
 from tests.support.harness import Database
+from tests.support.schema import init_db
 
 pytestmark = pytest.mark.server
 
@@ -66,7 +66,7 @@ def _path_problem(setting: str | None, schema: str) -> str | None:
 def test_every_privileged_or_trigger_function_pins_its_search_path(
     empty_db: Database, partition_by: str | None
 ) -> None:
-    init(empty_db.dsn, partition_by=partition_by)
+    init_db(empty_db.dsn, partition_by=partition_by)
     with empty_db.connect() as conn:
         (schema,) = conn.execute("SELECT current_schema()").fetchone()  # type: ignore[misc]
         rows = conn.execute(_PRIVILEGED).fetchall()
@@ -161,7 +161,7 @@ def _chain(db: Database, sid: uuid.UUID) -> list[tuple[int, bool]]:
 def test_temporary_tables_of_every_role_steer_nothing(
     empty_db: Database, members: Members, partition_by: str | None
 ) -> None:
-    init(empty_db.dsn, partition_by=partition_by)
+    init_db(empty_db.dsn, partition_by=partition_by)
     sid = uuid.uuid4()
     with Ledger(empty_db.dsn_as(members.writer)) as ledger:
         ledger.append(
@@ -257,7 +257,7 @@ def test_the_consumer_may_vacuum_its_projections_on_17_and_later(
 ) -> None:
     """VACUUM needs the owner, or MAINTAIN (PostgreSQL 17+), which init grants the consumer on
     the tables it rewrites."""
-    init(empty_db.dsn)
+    init_db(empty_db.dsn)
 
     def vacuumed() -> object:
         with empty_db.connect() as conn:
