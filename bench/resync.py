@@ -24,9 +24,16 @@ import tempfile
 import time
 
 import psycopg
-from common import ROOT, compiled, consume, proc_cpu_seconds, proc_peak_rss_mb, wait_until
+from common import (
+    ROOT,
+    compiled,
+    consume,
+    init_db,
+    proc_cpu_seconds,
+    proc_peak_rss_mb,
+    wait_until,
+)
 
-from ledger_cdc.admin.schema import init
 from ledger_cdc.demo.embedded import EmbeddedPostgres
 
 HISTORY = """
@@ -61,7 +68,7 @@ def main() -> None:
     compiled()
     with EmbeddedPostgres(major=args.pg_major, fsync=True) as pg:
         dsn = pg.dsn()
-        init(dsn, slot=slot)
+        init_db(dsn, slot=slot)
         extra = ["--slot", slot, "--memory-limit-mb", str(args.memory_limit_mb)]
         with tempfile.TemporaryFile() as log, psycopg.connect(dsn, autocommit=True) as conn:
             proc = consume(dsn, extra, log)  # a checkpoint, as a consumer that ran holds one

@@ -61,7 +61,7 @@ from ledger_cdc.fold import (
 from ledger_cdc.sink.base import BOOTSTRAPPING
 from ledger_cdc.sink.postgres import run_columns
 
-__all__ = ["Difference", "VerifyReport", "verify"]
+__all__ = ["Difference", "VerifyReport", "archive_base", "verify"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -974,10 +974,10 @@ def _verify_archived(
 def _usable_archive_base(
     run: _Run, sid: uuid.UUID, archived: tuple[int, bytes, str], cannot: str
 ) -> SessionContext | None:
-    """:func:`_archive_base` of the session's archived history, or None and a difference that
+    """:func:`archive_base` of the session's archived history, or None and a difference that
     says so (``cannot``: what this means for the session)."""
     upto, _, where = archived
-    base = _archive_base(run.ledger, sid, upto, run.version)
+    base = archive_base(run.ledger, sid, upto, run.version)
     if base is None:
         run.report.differences.append(
             Difference(
@@ -991,7 +991,7 @@ def _usable_archive_base(
     return base
 
 
-def _archive_base(
+def archive_base(
     conn: psycopg.Connection[Any], sid: uuid.UUID, upto: int, version: str
 ) -> SessionContext | None:
     """The first snapshot at or after the archived bound that rebuild_context would trust: in

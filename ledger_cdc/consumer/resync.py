@@ -202,7 +202,7 @@ def archived_bases(
     snapshots and memo rows; into another (``other_database``) the bootstrap is refused rather
     than folded wrong."""
     from ledger_cdc.admin.archive import archived_heads
-    from ledger_cdc.admin.verify import _archive_base
+    from ledger_cdc.admin.verify import archive_base
 
     out: list[tuple[Item, int]] = []
     for sid, (upto, _, name) in archived_heads(src).items():
@@ -215,7 +215,7 @@ def archived_bases(
                 "rebuild it (bootstrap into the ledger's own database, which keeps the "
                 "archive snapshots, or restore the archive)"
             )
-        base = _archive_base(src, sid, upto, version)
+        base = archive_base(src, sid, upto, version)
         if base is None:
             raise ConfigError(
                 f"session {sid}: its history up to position {upto} was archived ({name}) "
