@@ -98,8 +98,12 @@ def init(
     existing partitioned ledger, init also creates the partitions that are due.
     """
     from ledger_cdc.admin.schema import init as do_init
+    from ledger_cdc.admin.schema import validate_publication_name, validate_slot_name
     from ledger_cdc.connect import connect
 
+    validate_publication_name(publication)  # (bad names are told before any connection)
+    if create_slot:
+        validate_slot_name(slot)
     with connect(dsn, doing="init", autocommit=True) as conn:
         res = do_init(
             conn,

@@ -107,6 +107,21 @@ def test_an_option_no_command_can_use_is_a_usage_error(args: list[str], says: st
 @pytest.mark.parametrize(
     ("args", "says"),
     [
+        (["--slot", "Bad Slot!", "--create-slot"], "invalid slot name 'Bad Slot!'"),
+        (["--publication", "bad pub;"], "invalid publication name 'bad pub;'"),
+    ],
+)
+def test_init_names_a_bad_name_before_it_connects(args: list[str], says: str) -> None:
+    """A name init would refuse is told as such, not hidden behind the server it cannot
+    reach."""
+    r = run_cli("init", *args, "--dsn", "host=127.0.0.1 port=1 connect_timeout=1")
+    assert says in r.output, r.output
+    assert "connection" not in r.output, r.output
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
         (["--crit-share", "nan"], "finite"),
         (["--warn-share", "0.9", "--crit-share", "0.5"], "a warning comes first"),
         (["--warn-seconds", "600"], "a warning comes first"),
