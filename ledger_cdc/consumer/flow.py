@@ -263,16 +263,9 @@ class Flow:
     def _commit_large(self, txn: Transaction[Item]) -> None:
         """A transaction over the batch budget: folded in parts as it is read back, committed
         with its checkpoint, confirmed."""
-        items = txn.items
-        if isinstance(items, SpilledItems):
-            sized: Iterable[tuple[Item, int]] = items.sized()
-        else:  # in memory: its share of the budget is known
-            share = txn.size // max(1, len(items))
-            sized = ((it, share) for it in items)
         # a few changes need no sorting by session: they are one window of loads anyway
-        events, dead = self.commit_in_parts(
-            txn, sized, epoch=None, grouped=len(items) <= LOAD_AT_ONCE
-        )
+        grouped = len(txn.items) <= LOAD_AT_ONCE
+        events, dead = self.commit_in_parts(txn, _sized(txn), epoch=None, grouped=grouped)
         self.submitted = max(self.submitted, txn.end_lsn)
         # (its sessions' rows are written once per chunk that touches them: at most once per
         # event)
@@ -402,6 +395,16 @@ class Flow:
         if lsn > self.stream.confirmed:
             self.stream.confirm(lsn, force=False)
             self.metrics.confirmed_lsn = lsn
+
+
+def _sized(txn: Transaction[Item]) -> Iterable[tuple[Item, int]]:
+    """A large transaction's items, each with its size: read back from its spill file, or in
+    memory with its share of the transaction's size."""
+    items = txn.items
+    if isinstance(items, SpilledItems):
+        return items.sized()
+    share = txn.size // max(1, len(items))
+    return ((it, share) for it in items)
 
 
 def _gap_rows(flow: Flow, sid: uuid.UUID, first: int, last: int) -> list[LedgerEvent | Rejected]:
