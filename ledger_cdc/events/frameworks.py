@@ -10,9 +10,11 @@ projections from them.
 from __future__ import annotations
 
 import base64
+import threading
 from typing import Any
 
 import msgspec
+import zstandard
 
 __all__ = [
     "Blob",
@@ -33,18 +35,83 @@ __all__ = [
 # them (a session context counts them as ignored events).
 
 
+ZSTD = "zstd:"  # a stored type tag so prefixed: the data is a Zstandard frame of the bytes
+PACK_FROM = 2048  # bytes from which a value is stored compressed (when that makes it smaller)
+MAX_UNPACKED = 256 << 20  # bytes a compressed value may give back (none larger is compressed)
+
+_codecs = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d: zstandard.ZstdDecompressor | None = getattr(_codecs, "d", None)
+    if d is None:  # one a thread: a decompressor is not shared between threads
+        d = _codecs.d = zstandard.ZstdDecompressor()
+    return d
+
+
+def _compressed(raw: bytes) -> bytes:
+    c: zstandard.ZstdCompressor | None = getattr(_codecs, "c", None)
+    if c is None:
+        c = _codecs.c = zstandard.ZstdCompressor(level=3)
+    return c.compress(raw)
+
+
+def unpack(frame: bytes, limit: int = MAX_UNPACKED) -> bytes:
+    """The bytes of a Zstandard frame, refused (ValueError) when it is malformed or says, or
+    turns out, to hold more than ``limit`` bytes: never inflated past that."""
+    try:
+        size = zstandard.frame_content_size(frame)
+        if size > limit:
+            raise ValueError(f"a compressed value of {size} bytes, over the {limit} allowed")
+        out = _decompressor().decompress(frame, max_output_size=limit if size < 0 else 0)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"a compressed value that does not decompress: {e}") from None
+    if len(out) > limit:
+        raise ValueError(f"a compressed value of over {limit} bytes")
+    return out
+
+
 class Typed(msgspec.Struct, array_like=True, frozen=True):
-    """A value as ``serde.dumps_typed`` gives it: its type tag and its bytes (base64)."""
+    """A value as ``serde.dumps_typed`` gives it: its type tag and its bytes (base64). A tag
+    that starts ``zstd:`` is the serializer's tag so prefixed, and the data a Zstandard frame of
+    the bytes: a large value stored compressed (:meth:`packed`). :meth:`pair` gives back what
+    the serializer gave either way."""
 
     type: str
     data: str
 
     @classmethod
     def of(cls, pair: tuple[str, bytes]) -> Typed:
-        return cls(pair[0], base64.b64encode(pair[1]).decode("ascii"))
+        if pair[0].startswith(ZSTD):  # a serializer's own tag like ours: stored compressed,
+            return cls(ZSTD + pair[0], base64.b64encode(_compressed(pair[1])).decode("ascii"))
+        return cls(pair[0], base64.b64encode(pair[1]).decode("ascii"))  # so none is misread
+
+    @classmethod
+    def packed(cls, pair: tuple[str, bytes]) -> Typed:
+        """As :meth:`of`, compressed when the bytes are ``PACK_FROM`` or more (and at most
+        ``MAX_UNPACKED``) and that makes them smaller: a read then moves, and the server
+        detoasts and decodes, a quarter as much of a message list."""
+        raw = pair[1]
+        if PACK_FROM <= len(raw) <= MAX_UNPACKED and not pair[0].startswith(ZSTD):
+            frame = _compressed(raw)
+            if len(frame) < len(raw) * 0.9:
+                return cls(ZSTD + pair[0], base64.b64encode(frame).decode("ascii"))
+        return cls.of(pair)
+
+    @property
+    def serialisation(self) -> str:
+        """The serializer's type tag (without the prefix of a compressed value)."""
+        return self.type[len(ZSTD) :] if self.type.startswith(ZSTD) else self.type
 
     def pair(self) -> tuple[str, bytes]:
-        return self.type, base64.b64decode(self.data)
+        """The serializer's type tag and bytes (ValueError: a compressed value that does not
+        decompress, or would give back more than ``MAX_UNPACKED`` bytes)."""
+        return self.serialisation, self.unpacked(base64.b64decode(self.data))
+
+    def unpacked(self, data: bytes, limit: int = MAX_UNPACKED) -> bytes:
+        """The value's bytes from its stored ones (``data``, base64 decoded), at most ``limit``
+        of them when compressed (ValueError)."""
+        return unpack(data, limit) if self.type.startswith(ZSTD) else data
 
 
 class Blob(msgspec.Struct, array_like=True, frozen=True):

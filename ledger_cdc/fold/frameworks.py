@@ -88,6 +88,7 @@ _MAX_TASKS = 64
 _MAX_RECENT = 8  # checkpoints whose nodes' versions are kept (a fork names an older parent)
 _MAX_TRIGGERS = 512
 _MAX_EXT_DEPTH = 64
+_MAX_UNPACKED = 64 << 20  # bytes a compressed value may give back to be shown
 
 
 # -- values as LangGraph's serializer writes them -----------------------------------------------
@@ -158,12 +159,14 @@ def decode_typed(value: Typed) -> Any:
     """A value as ``serde.dumps_typed`` gave it, as plain data (see the module docstring).
 
     Raises ValueError when the bytes are not what their type says (bad base64, msgpack or
-    JSON): a malformed payload, not one of another serialisation."""
+    JSON, a compressed value that does not decompress or gives back over 64 MiB): a malformed
+    payload, not one of another serialisation."""
     try:
         raw = base64.b64decode(value.data, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"a {value.type!r} value that is not base64: {e}") from None
-    t = value.type
+    raw = value.unpacked(raw, _MAX_UNPACKED)
+    t = value.serialisation
     if t == "empty":
         return MISSING
     if t == "null":

@@ -3,8 +3,9 @@
 -- search path pinned as in ledger.sql. Re-applied by every init.
 
 -- What a read of one checkpoint of a thread (session) in namespace p_ns needs, found by walking
--- the thread back from its head, a few rows of the (session_id, position) index at a time,
--- never past its last deletion; a payload is read only for the LangGraph events passed.
+-- the thread back from its head, a range of positions at a time (so that no plan reads more of
+-- a long thread than that), never past its last deletion; a payload is read only for the
+-- LangGraph events passed.
 --
 -- The checkpoint: the first met that is p_checkpoint (or any, when that is NULL: the newest
 -- put) and that no later event hid; its pending writes (those after any event that hid it); and
@@ -17,7 +18,8 @@
 -- guess and asks again with the versions when it was wrong. The walk stops once every blob is
 -- found and the checkpoint's parent is passed (its writes are appended after that).
 -- Rows: (position, event type, payload) of the checkpoint (without its blobs) and of its
--- writes, (position, 'blob', [channel, version, value type, base], value bytes) of each value,
+-- writes, (position, 'blob', [channel, version, value type, base], value bytes) of each
+-- value (compressed when its type says so: see Typed in ledger_cdc/events/frameworks.py),
 -- and last (the position the walk started from, 'langgraph.window', 'whole' when it reached the
 -- thread's first event: what was not found is not stored, else 'part').
 CREATE OR REPLACE FUNCTION ledger_langgraph_checkpoint(
@@ -34,10 +36,11 @@ DECLARE
     b JSONB;
     k TEXT;
     ch TEXT;
+    ver TEXT;
+    jt TEXT;
     base TEXT;
-    below BIGINT := 9223372036854775807;  -- the walk reads the positions below this
-    step INTEGER := 8;  -- rows read at a time (a LIMIT: the index read backwards)
-    n INTEGER;
+    below BIGINT := 1;  -- the walk reads the positions below this
+    step INTEGER := 16;  -- positions read at a time (a range: bounded whatever the plan)
     whole BOOLEAN := true;  -- the walk reached the thread's first event
     head BIGINT := NULL;  -- where it started
     guess BOOLEAN := p_channels IS NULL;  -- until a checkpoint that stores every channel
@@ -58,13 +61,14 @@ BEGIN
         need := ARRAY(SELECT u.c || chr(31) || u.v FROM unnest(p_channels, p_versions) u(c, v)
                       WHERE u.c IS NOT NULL AND u.v IS NOT NULL);
     END IF;
+    SELECT max(a.position) + 1 INTO below FROM agent_events a WHERE a.session_id = p_session;
     <<walk>>
-    LOOP
-        n := 0;
-        FOR r IN  -- the payloads of these rows only (a plan may sort what it reads first)
+    WHILE below > 1 LOOP
+        FOR r IN  -- the payloads of these rows only, read as the walk needs them
             SELECT e.position, e.event_type, x.*
             FROM (SELECT a.position FROM agent_events a
                   WHERE a.session_id = p_session AND a.position < below
+                    AND a.position >= below - step
                     AND a.event_type IN ('langgraph.checkpoint', 'langgraph.writes',
                                          'langgraph.checkpoints.hidden',
                                          'langgraph.thread.deleted')
@@ -76,8 +80,6 @@ BEGIN
                 metadata JSONB, blobs JSONB, checkpoints JSONB)
             ORDER BY e.position DESC
         LOOP
-            n := n + 1;
-            below := r.position;
             head := coalesce(head, r.position);
             IF r.event_type = 'langgraph.thread.deleted' THEN
                 whole := false;
@@ -120,9 +122,11 @@ BEGIN
             all_whole := true;
             FOR j IN 0 .. coalesce(jsonb_array_length(r.blobs), 0) - 1 LOOP
                 -- paths, not ->: a step of -> copies what it leads to (a full value, maybe)
-                ch := r.blobs #>> ARRAY[j::TEXT, '0'];
-                k := ch || chr(31) || (r.blobs #>> ARRAY[j::TEXT, '1']);
-                base := r.blobs #>> ARRAY[j::TEXT, '3'];
+                jt := j::TEXT;
+                ch := r.blobs #>> ARRAY[jt, '0'];
+                ver := r.blobs #>> ARRAY[jt, '1'];
+                k := ch || chr(31) || ver;
+                base := r.blobs #>> ARRAY[jt, '3'];
                 IF guess THEN  -- (also the channels of a checkpoint after which it stops)
                     IF base IS NULL THEN
                         stored := stored || ch;
@@ -138,9 +142,8 @@ BEGIN
                 event_position := r.position;
                 event_type := 'blob';
                 payload := jsonb_build_array(
-                    ch, r.blobs #>> ARRAY[j::TEXT, '1'], r.blobs #>> ARRAY[j::TEXT, '2', '0'],
-                    base)::TEXT;
-                data := decode(r.blobs #>> ARRAY[j::TEXT, '2', '1'], 'base64');
+                    ch, ver, r.blobs #>> ARRAY[jt, '2', '0'], base)::TEXT;
+                data := decode(r.blobs #>> ARRAY[jt, '2', '1'], 'base64');
                 RETURN NEXT;
                 got := got || k;
                 need := array_remove(need, k);
@@ -157,8 +160,8 @@ BEGIN
                 EXIT walk;
             END IF;
         END LOOP;
-        EXIT walk WHEN n < step;
-        step := least(step * 4, 128);
+        below := below - step;
+        step := least(step * 4, 256);
     END LOOP;
     IF target IS NOT NULL THEN
         FOR j IN 1 .. coalesce(array_length(w_pos, 1), 0) LOOP

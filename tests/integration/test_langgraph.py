@@ -561,7 +561,8 @@ def test_a_saver_that_never_saw_a_thread_reads_a_checkpoint_from_its_recent_even
     """A new saver (a process resuming after a crash) reads the latest checkpoint, and one asked
     for by id, from the thread's last few dozen events: the same tuple as the whole thread's fold
     gives, a channel set only at the start included (it is stored again with every channel's
-    full value, at least every 32 checkpoints), pending writes included."""
+    full value, at least every 32 checkpoints, compressed when large), pending writes
+    included."""
     graph_mod = pytest.importorskip("langgraph.graph")
     steps = 90
 
@@ -600,7 +601,13 @@ def test_a_saver_that_never_saw_a_thread_reads_a_checkpoint_from_its_recent_even
                 "SELECT count(*) FROM agent_events WHERE session_id = %s",
                 (thread_session(thread),),
             ).fetchone()
+            (packed,) = conn.execute(  # type: ignore[misc]
+                "SELECT count(*) FROM agent_events, jsonb_array_elements(payload -> 'blobs') b "
+                "WHERE session_id = %s AND b #>> '{2,0}' = 'zstd:msgpack'",
+                (thread_session(thread),),
+            ).fetchone()
         assert latest[-1][1:] == ("langgraph.window", "part")
         assert min(r[0] for r in latest) > count // 2 and count > 2 * steps
+        assert packed >= 2  # the list's full values (every 32 checkpoints), stored compressed
     finally:
         saver.close()

@@ -14,6 +14,7 @@ from typing import Annotated, Any, TypedDict
 
 import msgspec
 import pytest
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
@@ -218,6 +219,9 @@ def _typed(data: bytes, t: str = "msgpack") -> list[str]:
     return [t, base64.b64encode(data).decode()]
 
 
+_BOMB = zstandard.ZstdCompressor().compress(bytes(200 << 20))  # 6 kB stored
+
+
 @pytest.mark.parametrize(
     "payload",
     [
@@ -226,6 +230,8 @@ def _typed(data: bytes, t: str = "msgpack") -> list[str]:
         {"metadata": _typed(msgspec.msgpack.encode([1, 2]))},  # not a mapping
         {"checkpoint": _typed(b"\xc7\x03\x05" + b"\x93\xa1a")},  # a truncated object
         {"checkpoint": _typed(b"\x91" * 5000 + b"\xc0")},  # nested past any stack
+        {"checkpoint": _typed(b"\x28\xb5\x2f\xfd garbage", "zstd:msgpack")},  # broken frame
+        {"checkpoint": _typed(_BOMB, "zstd:msgpack")},  # a frame of 200 MiB of zeros
     ],
 )
 def test_a_malformed_checkpoint_is_quarantined_never_raised(payload: dict[str, Any]) -> None:
@@ -247,7 +253,7 @@ def test_a_malformed_checkpoint_is_quarantined_never_raised(payload: dict[str, A
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.binary(max_size=64), st.sampled_from(["msgpack", "json", "bytes", "x"]))
+@given(st.binary(max_size=64), st.sampled_from(["msgpack", "json", "bytes", "x", "zstd:msgpack"]))
 def test_any_bytes_in_a_write_fold_or_quarantine(data: bytes, kind: str) -> None:
     sid = uuid.uuid4()
     cp = {

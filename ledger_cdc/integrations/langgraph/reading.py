@@ -181,7 +181,7 @@ class Reading(SaverCore):
             return blob
         if value is MISSING:
             return blob
-        return Blob(blob.channel, blob.version, Typed.of(self.serde.dumps_typed(value)))
+        return Blob(blob.channel, blob.version, Typed.packed(self.serde.dumps_typed(value)))
 
     @locked
     def _get(self, t: Thread, config: RunnableConfig) -> CheckpointTuple | None:

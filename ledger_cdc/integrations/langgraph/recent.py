@@ -39,7 +39,7 @@ class _Bytes(Typed, frozen=True):
     raw: bytes = b""
 
     def pair(self) -> tuple[str, bytes]:
-        return self.type, self.raw
+        return self.serialisation, self.unpacked(self.raw)
 
 
 def _position(row: tuple[Any, ...]) -> int:

@@ -5,6 +5,7 @@ Pure but for the SQL steps, which ``client.steps`` runs."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ FULL_EVERY = 32  # a full value at least every this many versions of a list chan
 MISSING = object()
 
 
+@functools.lru_cache(maxsize=4096)  # a name-based UUID: a hash each time otherwise
 def thread_session(thread_id: str) -> uuid.UUID:
     """The ledger session of a LangGraph thread."""
     return uuid.uuid5(LANGGRAPH_NAMESPACE, str(thread_id))

@@ -106,7 +106,7 @@ class Writing(SaverCore):
             task_id,
             task_path,
             [
-                Write(WRITES_IDX_MAP.get(ch, i), ch, Typed.of(self.serde.dumps_typed(v)))
+                Write(WRITES_IDX_MAP.get(ch, i), ch, Typed.packed(self.serde.dumps_typed(v)))
                 for i, (ch, v) in enumerate(writes)
             ],
         )
@@ -138,7 +138,7 @@ class Writing(SaverCore):
             and value[: len(prev[1])] == prev[1]
         ):
             tail = value[len(prev[1]) :]
-            blob = Blob(channel, version, Typed.of(self.serde.dumps_typed(tail)), prev[0])
+            blob = Blob(channel, version, Typed.packed(self.serde.dumps_typed(tail)), prev[0])
             return blob, (version, list(value), prev[2] + 1)
-        blob = Blob(channel, version, Typed.of(self.serde.dumps_typed(value)))
+        blob = Blob(channel, version, Typed.packed(self.serde.dumps_typed(value)))
         return blob, ((version, list(value), 0) if isinstance(value, list) else None)
