@@ -658,6 +658,10 @@ class Ledger:
                 open=True,
                 name="ledger-cdc",
             )
+            try:  # its first connection made: a first call does not open a second one
+                self._pool.wait(timeout=pool_timeout)
+            except PoolTimeout:
+                pass  # each call says why when it waits in vain
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -783,6 +787,10 @@ class AsyncLedger:
             name="ledger-cdc",
         )
         await pool.open()
+        try:  # its first connection made: a first call does not open a second one
+            await pool.wait(timeout=pool_timeout)
+        except PoolTimeout:
+            pass  # each call says why when it waits in vain
         ledger = cls(pool=pool, own=True, dsn=dsn, limits=limits)
         ledger._refusals = refusals
         return ledger

@@ -5,7 +5,7 @@
 -- What a read of one checkpoint of a thread (session) in namespace p_ns needs, found by walking
 -- the thread back from its head, a range of positions at a time (so that no plan reads more of
 -- a long thread than that), never past its last deletion; a payload is read only for the
--- LangGraph events passed.
+-- LangGraph events of the ranges read.
 --
 -- The checkpoint: the first met that is p_checkpoint (or any, when that is NULL: the newest
 -- put) and that no later event hid; its pending writes (those after any event that hid it); and
@@ -39,7 +39,7 @@ DECLARE
     ver TEXT;
     jt TEXT;
     base TEXT;
-    below BIGINT := 1;  -- the walk reads the positions below this
+    below BIGINT := 9223372036854775807;  -- the walk reads the positions below this
     step INTEGER := 16;  -- positions read at a time (a range: bounded whatever the plan)
     whole BOOLEAN := true;  -- the walk reached the thread's first event
     head BIGINT := NULL;  -- where it started
@@ -61,23 +61,21 @@ BEGIN
         need := ARRAY(SELECT u.c || chr(31) || u.v FROM unnest(p_channels, p_versions) u(c, v)
                       WHERE u.c IS NOT NULL AND u.v IS NOT NULL);
     END IF;
-    SELECT max(a.position) + 1 INTO below FROM agent_events a WHERE a.session_id = p_session;
     <<walk>>
-    WHILE below > 1 LOOP
-        FOR r IN  -- the payloads of these rows only, read as the walk needs them
+    LOOP  -- from the last position below, so that a gap (history archived) costs one step
+        SELECT max(a.position) + 1 INTO below FROM agent_events a
+        WHERE a.session_id = p_session AND a.position < below;
+        EXIT walk WHEN below IS NULL;
+        FOR r IN  -- a few rows: a plan that reads them all, then sorts, costs little
             SELECT e.position, e.event_type, x.*
-            FROM (SELECT a.position FROM agent_events a
-                  WHERE a.session_id = p_session AND a.position < below
-                    AND a.position >= below - step
-                    AND a.event_type IN ('langgraph.checkpoint', 'langgraph.writes',
-                                         'langgraph.checkpoints.hidden',
-                                         'langgraph.thread.deleted')
-                  ORDER BY a.position DESC
-                  LIMIT step) AS s
-            JOIN agent_events e ON e.session_id = p_session AND e.position = s.position
+            FROM agent_events e
             CROSS JOIN LATERAL jsonb_to_record(e.payload) AS x(
                 thread_id TEXT, ns TEXT, checkpoint_id TEXT, parent_id TEXT, checkpoint JSONB,
                 metadata JSONB, blobs JSONB, checkpoints JSONB)
+            WHERE e.session_id = p_session AND e.position < below
+              AND e.position >= below - step
+              AND e.event_type IN ('langgraph.checkpoint', 'langgraph.writes',
+                                   'langgraph.checkpoints.hidden', 'langgraph.thread.deleted')
             ORDER BY e.position DESC
         LOOP
             head := coalesce(head, r.position);
@@ -141,7 +139,7 @@ BEGIN
                 CONTINUE WHEN k = ANY (need) IS NOT TRUE OR k = ANY (got);
                 event_position := r.position;
                 event_type := 'blob';
-                payload := jsonb_build_array(
+                payload := json_build_array(
                     ch, ver, r.blobs #>> ARRAY[jt, '2', '0'], base)::TEXT;
                 data := decode(r.blobs #>> ARRAY[jt, '2', '1'], 'base64');
                 RETURN NEXT;
@@ -161,7 +159,7 @@ BEGIN
             END IF;
         END LOOP;
         below := below - step;
-        step := least(step * 4, 256);
+        step := least(step * 4, 64);
     END LOOP;
     IF target IS NOT NULL THEN
         FOR j IN 1 .. coalesce(array_length(w_pos, 1), 0) LOOP
