@@ -11,6 +11,7 @@ caller's own side effects (outbox rows, application tables) or not at all.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import random
 import threading
@@ -31,6 +32,7 @@ from psycopg_pool import (
     TooManyRequests,
 )
 
+from ledger_cdc.client.pools import AsyncLifoPool, LifoPool
 from ledger_cdc.client.read import pending_runs
 from ledger_cdc.client.steps import Op, Step, Steps, first, run, run_async, steps_op
 from ledger_cdc.connect import session_setup, session_setup_async
@@ -647,7 +649,7 @@ class Ledger:
         if dsn is not None:
             _probe(dsn)
             self._refusals = _Refusals()
-            self._pool = ConnectionPool(
+            self._pool = LifoPool(
                 dsn,
                 min_size=1,
                 max_size=pool_size,
@@ -658,10 +660,10 @@ class Ledger:
                 open=True,
                 name="ledger-cdc",
             )
-            try:  # its first connection made: a first call does not open a second one
+            # its first connection made, so that a first call does not open a second one (a
+            # pool that cannot: each call says why when it waits in vain)
+            with contextlib.suppress(PoolTimeout):
                 self._pool.wait(timeout=pool_timeout)
-            except PoolTimeout:
-                pass  # each call says why when it waits in vain
 
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection[Any]]:
@@ -775,7 +777,7 @@ class AsyncLedger:
         raises :class:`~ledger_cdc.errors.PoolExhaustedError`."""
         await asyncio.to_thread(_probe, dsn)
         refusals = _Refusals()
-        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        pool: AsyncConnectionPool[Any] = AsyncLifoPool(
             dsn,
             min_size=1,
             max_size=pool_size,
@@ -787,10 +789,10 @@ class AsyncLedger:
             name="ledger-cdc",
         )
         await pool.open()
-        try:  # its first connection made: a first call does not open a second one
+        # its first connection made, so that a first call does not open a second one (a pool
+        # that cannot: each call says why when it waits in vain)
+        with contextlib.suppress(PoolTimeout):
             await pool.wait(timeout=pool_timeout)
-        except PoolTimeout:
-            pass  # each call says why when it waits in vain
         ledger = cls(pool=pool, own=True, dsn=dsn, limits=limits)
         ledger._refusals = refusals
         return ledger
