@@ -118,6 +118,8 @@ BEGIN
             END IF;
             stored := '{}';
             all_whole := true;
+            event_position := r.position;
+            event_type := 'blob';
             FOR j IN 0 .. coalesce(jsonb_array_length(r.blobs), 0) - 1 LOOP
                 -- paths, not ->: a step of -> copies what it leads to (a full value, maybe)
                 jt := j::TEXT;
@@ -137,17 +139,14 @@ BEGIN
                     END IF;
                 END IF;
                 CONTINUE WHEN k = ANY (need) IS NOT TRUE OR k = ANY (got);
-                event_position := r.position;
-                event_type := 'blob';
                 payload := json_build_array(
                     ch, ver, r.blobs #>> ARRAY[jt, '2', '0'], base)::TEXT;
                 data := decode(r.blobs #>> ARRAY[jt, '2', '1'], 'base64');
                 RETURN NEXT;
                 got := got || k;
                 need := array_remove(need, k);
-                k := ch || chr(31) || base;
-                IF base IS NOT NULL AND k <> ALL (got) THEN  -- a delta: its base too
-                    need := need || k;
+                IF base IS NOT NULL AND (ch || chr(31) || base) <> ALL (got) THEN  -- a delta:
+                    need := need || (ch || chr(31) || base);  -- its base too
                 END IF;
             END LOOP;
             IF guess AND all_whole AND met <@ stored THEN
