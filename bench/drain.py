@@ -176,7 +176,7 @@ def fan_out(args: argparse.Namespace, pg: EmbeddedPostgres, dsn: str) -> None:
     )
     print(
         f"    fan-out ÷ PostgreSQL alone: {tf / ta:.2f}× the time end to end, "
-        f"{(tf - sf) / max(1e-6, ta - sa):.2f}× streaming alone (target ≤ 1.25×)"
+        f"{(tf - sf) / max(1e-6, ta - sa):.2f}× streaming alone"
     )
     cores = os.cpu_count() or 1
     ma, mf = (statistics.median(m) for m in machine)
@@ -187,6 +187,10 @@ def fan_out(args: argparse.Namespace, pg: EmbeddedPostgres, dsn: str) -> None:
         f"{mf:.2f}s ({mf / (tf - sf) / cores:.0%}): the fan-out's drain cannot take less than "
         f"its start-up and {mf:.2f}s ÷ {cores} cores, {least:.2f}s = {least / ta:.2f}× of "
         "PostgreSQL alone"
+    )
+    print(
+        f"    fan-out ÷ the least its CPU allows: {tf:.2f}s ÷ {least:.2f}s = {tf / least:.2f}× "
+        "(target ≤ 1.1×)"
     )
     tb = statistics.median(beside)
     print(
