@@ -25,7 +25,7 @@ from langgraph.types import Command, Interrupt, Send, interrupt
 
 from ledger_cdc.admin.readable import describe, diff_threads, readable_timeline
 from ledger_cdc.client.frameworks import KINDS, parse_name, session_of
-from ledger_cdc.events import LedgerEvent, Rejected, Typed, load_payload
+from ledger_cdc.events import CheckpointSaved, LedgerEvent, Rejected, Typed, load_payload
 from ledger_cdc.fold import SessionContext, default_reducers, fold, fold_one
 from ledger_cdc.fold.frameworks import (
     FRAMEWORK_PROJECTION,
@@ -188,6 +188,34 @@ def test_a_crashed_interrupted_and_resumed_graph_is_told_as_it_went() -> None:
     # each row's summary is cut to a line's worth, whole on request
     long = [r.summary for r in readable_timeline(saver.ledger("ticket-7"), None)]
     assert max(map(len, long)) >= max(len(r.summary) for r in rows)
+
+
+def test_a_value_stored_compressed_is_told_as_it_was_written() -> None:
+    """A message list of 2 KiB or more is stored as a Zstandard frame (its tag ``zstd:``);
+    the fold and the timeline read it as they read any other value."""
+    saver = Recorder()
+    request = "I want a refund for " + " ".join(f"order-{i}" for i in range(600))
+    g = _graph(saver, [])
+    g.invoke(
+        {"messages": [HumanMessage(request)], "done": []}, {"configurable": {"thread_id": "z"}}
+    )
+    events = saver.ledger("z")
+    packed = [
+        b.value
+        for ev in events
+        if isinstance(ev, LedgerEvent) and isinstance(ev.payload, CheckpointSaved)
+        for b in ev.payload.blobs
+        if b.channel == "messages" and b.value.type == "zstd:msgpack"
+    ]
+    assert packed and all(len(v.data) < len(request) for v in packed)
+    messages = decode_typed(packed[0])
+    assert isinstance(messages, list) and isinstance(messages[0], Instance)
+    assert messages[0].fields["content"] == request
+    assert (
+        _status(saver, "z") == "interrupted at node approve waiting for {'question': 'Refund $40?'}"
+    )
+    text = "\n".join(r.summary for r in readable_timeline(events, None))
+    assert "order-599" in text
 
 
 def test_the_graph_state_is_the_same_folded_in_one_pass_or_from_a_snapshot() -> None:
