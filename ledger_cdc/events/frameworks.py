@@ -82,21 +82,24 @@ class Typed(msgspec.Struct, array_like=True, frozen=True):
 
     @classmethod
     def of(cls, pair: tuple[str, bytes]) -> Typed:
-        if pair[0].startswith(ZSTD):  # a serializer's own tag like ours: stored compressed,
-            return cls(ZSTD + pair[0], base64.b64encode(_compressed(pair[1])).decode("ascii"))
-        return cls(pair[0], base64.b64encode(pair[1]).decode("ascii"))  # so none is misread
+        return cls._stored(pair, pack=False)
 
     @classmethod
     def packed(cls, pair: tuple[str, bytes]) -> Typed:
         """As :meth:`of`, compressed when the bytes are ``PACK_FROM`` or more (and at most
         ``MAX_UNPACKED``) and that makes them smaller: a read then moves, and the server
-        detoasts and decodes, a quarter as much of a message list."""
-        raw = pair[1]
-        if PACK_FROM <= len(raw) <= MAX_UNPACKED and not pair[0].startswith(ZSTD):
+        detoasts and decodes, fewer bytes."""
+        return cls._stored(pair, pack=True)
+
+    @classmethod
+    def _stored(cls, pair: tuple[str, bytes], *, pack: bool) -> Typed:
+        t, raw = pair
+        own = t.startswith(ZSTD)  # a serializer's own tag like ours: always stored compressed,
+        if own or (pack and PACK_FROM <= len(raw) <= MAX_UNPACKED):  # so that none is misread
             frame = _compressed(raw)
-            if len(frame) < len(raw) * 0.9:
-                return cls(ZSTD + pair[0], base64.b64encode(frame).decode("ascii"))
-        return cls.of(pair)
+            if own or len(frame) < len(raw) * 0.9:
+                return cls(ZSTD + t, base64.b64encode(frame).decode("ascii"))
+        return cls(t, base64.b64encode(raw).decode("ascii"))
 
     @property
     def serialisation(self) -> str:
