@@ -105,7 +105,7 @@ def main() -> None:
                 wait_until(
                     lambda: conn.execute(DONE, {"last": last, "slot": slot}).fetchone() == (True,),
                     7200,
-                    0.2,
+                    0.02,
                 )
                 t_resync = time.monotonic() - t0
                 rss = proc_peak_rss_mb(proc.pid)
