@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import msgspec
 import psycopg
-from psycopg import sql
+from psycopg import generators, sql
 from psycopg.adapt import Transformer
 from psycopg.pq import DiagnosticField, ExecStatus, TransactionStatus
 from psycopg.pq.abc import PGconn, PGresult
@@ -371,10 +371,12 @@ _FLUSH_PATIENCE = 2.0  # seconds the WAL writer is given before a synchronous co
 
 class _Statements:
     """The hot path's statements, straight through libpq: prepared once per connection, then
-    run by libpq's own blocking call (the interpreter's lock released while it waits) with
-    their parameters as text, their results checked as psycopg checks one (an error is raised
-    as psycopg raises it). A small batch's commit costs the client much less CPU than through a
-    cursor, and less than through psycopg's own wait."""
+    sent with their parameters as text, their results checked as psycopg checks one (an
+    error is raised as psycopg raises it). A small batch's commit costs the client much less
+    CPU than through a cursor. Awaited by psycopg's wait, not libpq's blocking call (which costs
+    a little less CPU): that wait returns to the interpreter every 0.1 s, so a stop signal is
+    handled while the loop's inline commit waits on a server that stopped answering; held in C,
+    the main thread would never run the handler, and the stop would hang for good."""
 
     def __init__(self) -> None:
         self._for: PGconn | None = None  # the connection _names were prepared on
@@ -387,26 +389,29 @@ class _Statements:
         query: bytes,
         args: tuple[bytes | None, ...],
     ) -> PGresult:
-        """One statement of the hot path (see the class): its result, or the error psycopg
-        would raise. Prepared again once if the server no longer has it (DISCARD ALL)."""
+        """One statement of the hot path, straight through libpq: prepared once per
+        connection, then sent with its parameters as text, its result checked as psycopg
+        checks one (an error is raised as psycopg raises it). A small batch's commit costs the
+        client much less CPU than through a cursor."""
         pgconn = conn.pgconn
         if self._for is not pgconn:
             self._for, self._names = pgconn, set()
         with conn.lock:
             for again in (False, True):
                 if name not in self._names:
-                    self._result([pgconn.prepare(name, query)], conn)
+                    pgconn.send_prepare(name, query)
+                    self._result(conn.wait(generators.execute(pgconn)), conn)
                     self._names.add(name)
-                # (None is NULL, as in send_query_prepared: the stub leaves it out)
-                res = pgconn.exec_prepared(name, args)  # type: ignore[arg-type]
+                pgconn.send_query_prepared(name, args)
+                results = conn.wait(generators.execute(pgconn))
                 if (
                     again
-                    or not _unprepared([res])
+                    or not _unprepared(results)
                     or pgconn.transaction_status != TransactionStatus.IDLE
                 ):
                     break
                 self._names.clear()  # deallocated by someone (DISCARD ALL): prepared anew
-            return self._result([res], conn)
+            return self._result(results, conn)
 
     @staticmethod
     def rows(conn: psycopg.Connection[Any], res: PGresult) -> list[tuple[Any, ...]]:
