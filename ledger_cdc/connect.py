@@ -5,12 +5,12 @@ line and without the password."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from ledger_cdc.conninfo import options_with, timeout_option
 from ledger_cdc.errors import translate
 from ledger_cdc.names import CONNECT_TIMEOUT
 
@@ -30,16 +30,16 @@ __all__ = [
 
 
 def connect_timeout(dsn: str, seconds: float | None = None) -> dict[str, Any]:
-    """``{"connect_timeout": seconds}`` (``CONNECT_TIMEOUT`` by default) to pass to a connect,
-    unless the DSN gives its own, which a keyword would override: a server that accepts but
-    never answers must not hang a connection forever, and a DSN's timeout is its user's."""
+    """:func:`~ledger_cdc.conninfo.timeout_option` of the DSN's parameters, as psycopg parses
+    them (a DSN that does not parse: the connect says why)."""
+    return timeout_option(_given(dsn), seconds)
+
+
+def _given(dsn: str) -> dict[str, Any] | None:
     try:
-        given = "connect_timeout" in conninfo_to_dict(dsn)
+        return conninfo_to_dict(dsn)
     except psycopg.Error:
-        given = False  # a DSN that does not parse: the connect says why
-    if given:
-        return {}
-    return {"connect_timeout": max(1, round(CONNECT_TIMEOUT if seconds is None else seconds))}
+        return None
 
 
 # What psycopg reads in text: a timestamptz or date only in the ISO DateStyle, an interval only
@@ -128,16 +128,9 @@ def _narrow(encoding: str, server: str | None) -> bool:
 
 
 def merged_options(dsn: str, ours: str) -> str:
-    """Session options for a connection that needs ``ours``: the DSN's own options (or
-    PGOPTIONS', when the DSN has none) first, kept, then ``ours``, which win where both set a
-    value (the later ``-c`` does). An ``options`` keyword would replace them instead."""
-    try:
-        given = conninfo_to_dict(dsn).get("options")
-    except psycopg.Error:
-        given = None  # a DSN that does not parse: the connect says why
-    if given is None:
-        given = os.environ.get("PGOPTIONS")
-    return f"{given} {ours}" if given and str(given).strip() else ours
+    """:func:`~ledger_cdc.conninfo.options_with` of the DSN's parameters, as psycopg parses
+    them."""
+    return options_with(_given(dsn), ours)
 
 
 def unbounded_options(dsn: str) -> dict[str, Any]:

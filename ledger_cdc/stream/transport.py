@@ -31,7 +31,7 @@ import psycopg2.errors
 import psycopg2.extensions
 import psycopg2.extras
 
-from ledger_cdc.connect import connect_timeout, merged_options
+from ledger_cdc.conninfo import options_with, timeout_option
 from ledger_cdc.errors import (
     ConfigError,
     LedgerError,
@@ -55,6 +55,16 @@ __all__ = [
     "TransportError",
     "XLogData",
 ]
+
+
+def _given(dsn: str) -> dict[str, Any] | None:
+    """The DSN's parameters as psycopg2 parses them (None: it does not parse; the connect says
+    why). Not psycopg's parser: the stream begins before psycopg is loaded (cli/run.py)."""
+    try:
+        return dict(psycopg2.extensions.parse_dsn(dsn))
+    except psycopg2.Error:
+        return None
+
 
 # client_encoding: the walsender converts every text value and name to the session's client
 # encoding (a role's or database's setting, PGCLIENTENCODING): the loaders read UTF-8
@@ -192,14 +202,15 @@ class ReplicationStream:
     # -- connection -----------------------------------------------------------------------------
 
     def _open(self) -> Any:
+        given = _given(self.dsn)
         try:
             return psycopg2.connect(
                 self.dsn,
                 connection_factory=psycopg2.extras.LogicalReplicationConnection,
-                options=merged_options(self.dsn, _SESSION_OPTIONS),
+                options=options_with(given, _SESSION_OPTIONS),
                 # names this process in pg_stat_replication (which consumer holds the slot)
                 application_name=f"ledger-cdc:{self.slot}:{os.getpid()}"[:63],
-                **connect_timeout(self.dsn),
+                **timeout_option(given),
                 keepalives=1,
                 keepalives_idle=10,
                 keepalives_interval=5,
