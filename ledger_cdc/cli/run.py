@@ -322,9 +322,10 @@ def consume(state: State, /, **given: Any) -> None:
     from ledger_cdc.stream.transport import ReplicationStream
 
     o = ConsumeOptions(**given).sharded()
-    # Streaming begins now, before the rest of the consumer loads (a fifth of a second here),
-    # so that the server decodes a backlog meanwhile; the consumer takes it over when it
-    # starts, after its checks (whatever failed here, it then meets and reports itself).
+    # Streaming begins now, before the rest of the consumer loads (psycopg among it, which the
+    # stream's module must not import: tests/unit/test_connect.py), so that the server decodes
+    # a backlog meanwhile; the consumer takes it over when it starts, after its checks
+    # (whatever failed here, it then meets and reports itself).
     early = ReplicationStream(o.dsn, o.slot, o.publication)
     early.prefetch(o.memory_limit_mb * 1024 * 1024 // 10)
     try:
