@@ -34,6 +34,16 @@ def _holder(conn: psycopg.Connection[object]) -> int | None:
     return int(str(row[0]).rsplit(":", 1)[1])
 
 
+def _logs_told(what: str, tmp_path: Path) -> str:
+    """``what`` was awaited, with the last lines of each consumer's log (a.log, b.log)."""
+    tails = []
+    for name in ("a.log", "b.log"):
+        path = tmp_path / name
+        lines = path.read_text().splitlines()[-15:] if path.exists() else ["(no log)"]
+        tails.append(f"--- {name}:\n" + "\n".join(lines))
+    return what + "\n" + "\n".join(tails)
+
+
 class CheckpointWatch(threading.Thread):
     """Samples the checkpoint LSN: it must never move backwards."""
 
@@ -69,7 +79,11 @@ def test_standby_takes_over_within_5s_of_a_sigkill(db: Database, tmp_path: Path)
         with db.connect() as conn:
             until(lambda: _holder(conn) == a.proc.pid, timeout=60)  # type: ignore[union-attr]
             b = ConsumerProcess(db.dsn, "--heartbeat-interval", "1", log=tmp_path / "b.log").start()
-            until(lambda: "standing by" in (tmp_path / "b.log").read_text(), timeout=30)
+            until(
+                lambda: "standing by" in (tmp_path / "b.log").read_text(),
+                timeout=30,
+                what=lambda: _logs_told("the second consumer standing by", tmp_path),
+            )
             time.sleep(1)
             a.kill()
             t0 = time.monotonic()
